@@ -1,0 +1,211 @@
+"""Capture a model as an FX graph with a shape on every tensor node, grouped into layers.
+
+`torch.fx.symbolic_trace` is tried first (it keeps `nn.Linear` & co. as call_module nodes, which the
+rewrite passes handle directly); when it cannot trace, `torch.export` is used (its graph is FX too).
+Shapes come from FakeTensorProp, so a model on the meta device is captured without allocating weights.
+
+Layers: the largest `nn.ModuleList` whose children are all of one class is the list of repeated
+blocks; each block is one layer, everything before the first block is the "embed" layer and
+everything after the last one the "head" layer.
+"""
+from __future__ import annotations
+
+import linecache
+import re
+import traceback
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message names the module and the operation."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str            # "embed", "blocks.3", "head"
+    index: int           # position in the chain
+    kind: str            # "embed" | "block" | "head"
+    nodes: tuple[str, ...]
+    signature: str       # equal for structurally identical blocks (same ops, same shapes)
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    layers: tuple[Layer, ...]
+    layer_graph: nx.DiGraph     # layers as nodes; an edge carries the bytes of the tensors crossing it
+    input_names: tuple[str, ...]
+    method: str                 # "symbolic_trace" or "export"
+
+    def layer_of(self) -> dict[str, str]:
+        return {n: layer.name for layer in self.layers for n in layer.nodes}
+
+    @property
+    def blocks(self) -> tuple[Layer, ...]:
+        return tuple(layer for layer in self.layers if layer.kind == "block")
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
+    """Trace `model` and propagate fake shapes of `example_inputs` through it."""
+    block_prefix = _block_list_name(model)
+    try:
+        gm, method = fx.symbolic_trace(model), "symbolic_trace"
+    except Exception as trace_error:  # noqa: BLE001 - fall back to export, report both if it fails
+        gm, method = _export(model, example_inputs, trace_error), "export"
+    propagate_shapes(gm, example_inputs)
+    layers = _group_layers(gm, block_prefix)
+    inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    return Captured(gm, layers, _layer_graph(gm, layers), inputs, method)
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
+    """Set node.meta["val"] on every node, using fake tensors (no real memory is touched)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    fakes = [mode.from_tensor(x.to(device) if x.device != device and device.type == "meta" else x)
+             if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    try:
+        FakeTensorProp(gm, mode).propagate(*fakes)
+    except Exception as err:  # noqa: BLE001 - re-raised with the module and op named
+        raise CaptureError(f"shape propagation failed: {_where(err, gm)}") from err
+
+
+def _export(model, example_inputs, trace_error) -> fx.GraphModule:
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as err:  # noqa: BLE001
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: torch.fx.symbolic_trace failed "
+            f"({_where(trace_error, model)}) and torch.export failed ({_where(err, model)})"
+        ) from err
+    return exported.module()
+
+
+def _where(err: BaseException, root: torch.nn.Module) -> str:
+    """'in module X, at operation `line`, Error: msg' for the innermost frame inside one of root's modules."""
+    names = {id(m): name or type(root).__name__ for name, m in root.named_modules()}
+    module, line = None, None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        owner = frame.f_locals.get("self")
+        if id(owner) in names:
+            module = names[id(owner)]
+            line = linecache.getline(frame.f_code.co_filename, lineno).strip() or None
+    message = str(err).splitlines()[0] if str(err) else ""
+    parts = [f"in module '{module}'" if module else None,
+             f"at operation `{line}`" if line else None, f"{type(err).__name__}: {message}"]
+    return ", ".join(p for p in parts if p)
+
+
+def _block_list_name(model: torch.nn.Module) -> str | None:
+    best, size = None, 1
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > size:
+            if len({type(child) for child in module}) == 1:
+                best, size = name, len(module)
+    return best
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for key, value in stack.items():
+        path = value[0] if isinstance(value, tuple) else key
+        paths.append(re.sub(r"^L\['self'\]\.?", "", str(path)))
+    return paths
+
+
+def _block_of(node: fx.Node, prefix: str | None) -> str | None:
+    if prefix is None:
+        return None
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)")
+    candidates = _module_paths(node)
+    if node.op == "call_module":
+        candidates.append(str(node.target))
+    for path in candidates:
+        path = path.replace("_", ".") if path.startswith(prefix.replace(".", "_")) else path
+        match = pattern.match(path)
+        if match:
+            return f"{prefix}.{match.group(1)}"
+    return None
+
+
+def _group_layers(gm: fx.GraphModule, prefix: str | None) -> tuple[Layer, ...]:
+    nodes = list(gm.graph.nodes)
+    assigned: dict[fx.Node, str] = {}
+    for n in nodes:
+        if n.op in ("call_module", "call_function", "call_method"):
+            block = _block_of(n, prefix)
+            if block:
+                assigned[n] = block
+    blocks = list(dict.fromkeys(assigned.values()))
+    first = next((i for i, n in enumerate(nodes) if n in assigned), len(nodes))
+    last = max((i for i, n in enumerate(nodes) if n in assigned), default=-1)
+    for i, n in enumerate(nodes):
+        if n in assigned or n.op in ("placeholder", "get_attr"):
+            continue
+        assigned[n] = "embed" if i < first else "head" if i > last else _nearest_block(n, assigned)
+    for n in nodes:  # inputs and constants live with their first user
+        if n.op in ("placeholder", "get_attr"):
+            assigned[n] = next((assigned[u] for u in n.users if u in assigned), "embed")
+    order = (["embed"] if "embed" in assigned.values() else []) + blocks + ["head"]
+    return tuple(_make_layer(name, i, [n for n in nodes if assigned[n] == name], blocks)
+                 for i, name in enumerate(order) if name in assigned.values())
+
+
+def _nearest_block(node: fx.Node, assigned: dict) -> str:
+    """A node between blocks with no module of its own belongs to the block that produced its input."""
+    for arg in node.all_input_nodes:
+        if arg in assigned:
+            return assigned[arg]
+    raise CaptureError(f"cannot assign node {node.name} ({node.target}) to a layer")
+
+
+def _make_layer(name: str, index: int, nodes: list[fx.Node], blocks: list[str]) -> Layer:
+    kind = "embed" if name == "embed" else "head" if name == "head" else "block"
+    return Layer(name, index, kind, tuple(n.name for n in nodes), _signature(nodes, name))
+
+
+def _signature(nodes: list[fx.Node], layer: str) -> str:
+    """Ops, targets (with the layer's own prefix removed) and shapes: equal for identical blocks."""
+    strip = layer.replace(".", "_")
+    parts = []
+    for n in nodes:
+        target = str(n.target).replace(layer, "").replace(strip, "")
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        parts.append(f"{n.op}:{target}:{shape}")
+    return str(hash("|".join(parts)))
+
+
+def tensor_bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0
+
+
+def _layer_graph(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    owner = {}
+    for layer in layers:
+        graph.add_node(layer.name, kind=layer.kind, index=layer.index, signature=layer.signature)
+        owner.update({n: layer.name for n in layer.nodes})
+    for node in gm.graph.nodes:
+        src = owner.get(node.name)
+        for user in node.users:
+            dst = owner.get(user.name)
+            if src and dst and src != dst and node.op != "placeholder":
+                if not graph.has_edge(src, dst):
+                    graph.add_edge(src, dst, tensors=set(), bytes=0)
+                edge = graph.edges[src, dst]
+                if node.name not in edge["tensors"]:
+                    edge["tensors"].add(node.name)
+                    edge["bytes"] += tensor_bytes(node.meta.get("val"))
+    return graph

@@ -1,0 +1,117 @@
+"""Split a graph into per-stage programs at layer boundaries.
+
+Stage s's program takes the values that cross into it from stage s-1 (boundary inputs) plus the
+model inputs it reads itself (data inputs, fed from the batch), and returns the values that later
+stages need — including values only passing through it, so a stage only ever talks to its
+neighbours. The last stage returns the model's output (the loss).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+@dataclass
+class StageProgram:
+    stage: int
+    gm: fx.GraphModule
+    data_inputs: tuple[str, ...]        # model placeholders this stage reads
+    boundary_inputs: tuple[str, ...]    # values received from stage - 1
+    outputs: tuple[str, ...]            # values sent to stage + 1 (the loss on the last stage)
+    input_specs: tuple[TensorSpec, ...]   # of boundary_inputs, at the micro-batch shape captured
+    output_specs: tuple[TensorSpec, ...]  # of outputs (empty on the last stage)
+
+    @property
+    def is_last(self) -> bool:
+        return not self.outputs or self.outputs == ("__loss__",)
+
+
+def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages: int
+                 ) -> list[StageProgram]:
+    """`node_stage` maps every node name (except placeholders and output) to its stage."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    missing = [n.name for n in nodes if n.name not in node_stage]
+    if missing:
+        raise ValueError(f"nodes without a stage: {missing[:5]}")
+    crossing = _crossing_values(gm, node_stage, num_stages)
+    return [_build_stage(gm, s, node_stage, crossing, num_stages) for s in range(num_stages)]
+
+
+def _stage_of_use(user: fx.Node, node_stage: Mapping[str, int], num_stages: int) -> int:
+    return num_stages - 1 if user.op == "output" else node_stage[user.name]
+
+
+def _crossing_values(gm, node_stage, num_stages) -> list[list[fx.Node]]:
+    """crossing[s] = values made at or before stage s and used after it (sent s -> s+1)."""
+    crossing: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        last_use = max((_stage_of_use(u, node_stage, num_stages) for u in node.users), default=0)
+        for s in range(node_stage[node.name], last_use):
+            crossing[s].append(node)
+    return crossing
+
+
+def _build_stage(gm, stage, node_stage, crossing, num_stages) -> StageProgram:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    received = crossing[stage - 1] if stage > 0 else []
+    for node in received:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    data_inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and any(
+                _stage_of_use(u, node_stage, num_stages) == stage for u in node.users):
+            env[node] = graph.placeholder(node.name)
+            data_inputs.append(node.name)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output") and node_stage[node.name] == stage:
+            env[node] = graph.node_copy(node, lambda arg: env[arg])
+    if stage == num_stages - 1:
+        (result,) = [n for n in gm.graph.nodes if n.op == "output"]
+        graph.output(fx.node.map_arg(result.args[0], lambda arg: env[arg]))
+        outputs, out_specs = ("__loss__",), ()
+    else:
+        sent = crossing[stage]
+        graph.output(tuple(env[n] for n in sent))
+        outputs = tuple(n.name for n in sent)
+        out_specs = tuple(_spec(n) for n in sent)
+    program = fx.GraphModule(gm, graph, f"Stage{stage}")
+    specs = tuple(_spec(n) for n in received)
+    return StageProgram(stage, program, tuple(data_inputs), tuple(n.name for n in received),
+                        outputs, specs, out_specs)
+
+
+def _spec(node: fx.Node) -> TensorSpec:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"value {node.name} crossing a stage boundary is not a tensor")
+    return TensorSpec(tuple(val.shape), val.dtype)
+
+
+def stage_assignment(layer_nodes: Mapping[str, tuple[str, ...]], layer_order: list[str],
+                     stage_sizes: list[int]) -> dict[str, int]:
+    """Node -> stage from contiguous layer counts per stage (e.g. [3, 2, 2, 3])."""
+    if sum(stage_sizes) != len(layer_order) or min(stage_sizes) < 1:
+        raise ValueError(f"stage sizes {stage_sizes} do not cover {len(layer_order)} layers")
+    result, position = {}, 0
+    for stage, size in enumerate(stage_sizes):
+        for layer in layer_order[position:position + size]:
+            result.update({n: stage for n in layer_nodes[layer]})
+        position += size
+    return result
