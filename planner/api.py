@@ -1,0 +1,178 @@
+"""`autoparallelize`: trace, price, solve; and, inside a distributed launch, shard and train."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from cost_model.cluster import Cluster, get_cluster
+from passes.capture import capture
+from passes.program import rank_programs
+from passes.tensor_parallel import shard_specs
+from planner.models import ModelConfig, build_model, get_config
+from planner.plan import GiB, Plan
+from planner.search import ModelCosts, PlanningError, Request, dtype_bytes, search, smallest_memory
+from runtime import collectives
+from runtime.generators import make_schedule
+from runtime.mesh import Mesh, build_groups
+from runtime.trainer import PipelineTrainer
+
+
+def _check_gpus(gpus) -> int:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    return gpus
+
+
+def default_cluster() -> str:
+    return "a100-80g-dgx" if torch.cuda.is_available() else "cpu-gloo"
+
+
+def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None, *,
+         cluster: str | Cluster | None = None, global_batch: int | None = None,
+         seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
+         top_k: int = 5) -> list[Plan]:
+    """The best plans, fastest first; raises PlanningError when none fits in memory."""
+    gpus = _check_gpus(gpus)
+    hw = get_cluster(cluster or default_cluster())
+    costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq)
+    limit = float(memory_limit) if memory_limit is not None else float(hw.mem_bytes)
+    if limit <= 0:
+        raise ValueError(f"memory limit must be positive, got {memory_limit!r}")
+    req = Request(gpus, hw, batch, seq, limit, name, dict(fix or {}), top_k=top_k)
+    plans = search(costs, req)
+    if not plans:
+        raise _infeasible(costs, req)
+    return plans
+
+
+def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
+    need, where = smallest_memory(costs, req)
+    if where is None:
+        return PlanningError(f"no configuration of {req.gpus} GPUs fits the model and global "
+                             f"batch {req.global_batch} (constraints: {req.fix or 'none'})")
+    return PlanningError(
+        f"no plan fits in {req.memory_limit / GiB:.2f} GiB per device; the smallest memory per "
+        f"device any plan needs is {need / GiB:.2f} GiB (dp={where.dp}, tp={where.tp}, "
+        f"pp={where.pp}, micro-batch {where.micro_batch}); raise --memory-limit to at least that "
+        f"or use more GPUs")
+
+
+def _model_costs(model, example_inputs, global_batch, seq):
+    """Capture the model on fake tensors. A config is captured with one block (blocks are identical,
+    so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds."""
+    if isinstance(model, (str, ModelConfig)):
+        cfg = get_config(model, seq=seq)
+        meta = build_model(cfg.with_(layers=1), device="meta", dtype=torch.bfloat16)
+        tokens = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
+        captured = capture(meta, (tokens, tokens))
+        return (ModelCosts(captured, cfg.layers, 2), cfg.name,
+                global_batch or cfg.global_batch, cfg.seq)
+    if example_inputs is None:
+        raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "
+                         "global batch on dim 0")
+    captured = capture(model, tuple(x[:1] for x in example_inputs))
+    batch = global_batch or example_inputs[0].shape[0]
+    seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 else 1
+    return (ModelCosts(captured, len(captured.blocks), dtype_bytes(model)),
+            type(model).__name__, batch, seq)
+
+
+class ParallelModel:
+    """A planned model. Inside a distributed launch whose world size equals the plan's GPU count,
+    `train_step` runs one 1F1B iteration on this rank's shard."""
+
+    def __init__(self, model: torch.nn.Module | None, plan: Plan, alternatives: list[Plan],
+                 example_inputs=None, optimizer=None):
+        self.plan = plan
+        self.alternatives = alternatives
+        self.model = model
+        self._example_inputs = example_inputs
+        self._optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self._trainer: PipelineTrainer | None = None
+
+    def __repr__(self) -> str:
+        return str(self.plan)
+
+    def shard(self) -> PipelineTrainer:
+        """Build this rank's stage programs (done on the first train_step)."""
+        if self._trainer is None:
+            self._trainer = build_trainer(self.model, self.plan, self._example_inputs,
+                                          self._optimizer)
+        return self._trainer
+
+    def train_step(self, *batch: torch.Tensor) -> float:
+        """One iteration over the global batch (the same tensors on every rank); returns the loss."""
+        return self.shard().step(*batch)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, on every rank (for checkpoints and comparisons)."""
+        return gather_full_state(self.shard())
+
+
+def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> PipelineTrainer:
+    if model is None or not isinstance(model, torch.nn.Module):
+        raise ValueError("training needs the model as an nn.Module")
+    world = dist.get_world_size()
+    if world != plan.gpus:
+        raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
+                           f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
+    mesh = Mesh(plan.pp, plan.dp, plan.tp)
+    groups = build_groups(mesh)
+    collectives.bind_groups(tp=groups.tp)
+    micro = tuple(x[: plan.micro_batch] for x in example_inputs)
+    captured = capture(model, micro)
+    layout = plan.layout()
+    if len(captured.layers) != sum(layout.stage_sizes):
+        raise ValueError(f"the plan covers {sum(layout.stage_sizes)} layers, the model has "
+                         f"{len(captured.layers)}")
+    programs = rank_programs(captured, layout, groups.tp_index, (groups.pp_index,))
+    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches)
+    return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer)
+
+
+def gather_full_state(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
+    """Unshard tensor-parallel parameters and collect every stage's parameters on every rank."""
+    groups = trainer.groups
+    mine = {}
+    for program in trainer.programs.values():
+        specs = shard_specs(program.gm)
+        for name, param in program.gm.named_parameters():
+            value = param.detach().clone()
+            if name in specs and groups.tp is not None:
+                shards = [torch.empty_like(value) for _ in range(groups.mesh.tp)]
+                dist.all_gather(shards, value.contiguous(), group=groups.tp)
+                value = specs[name].join(shards)
+            mine[name] = value
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, mine)
+    return {k: v for part in everything for k, v in part.items()}
+
+
+def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None,
+                    *, cluster: str | Cluster | None = None, global_batch: int | None = None,
+                    memory_limit: float | None = None, fix: dict | None = None,
+                    optimizer: Callable | None = None) -> ParallelModel:
+    """Plan `model` for `gpus` devices. Outside a distributed launch this only plans; inside one
+    (world size must equal gpus) rank 0's plan is shared so every rank shards the same way."""
+    gpus = _check_gpus(gpus)
+    if dist.is_initialized() and dist.get_world_size() != gpus:
+        raise RuntimeError(f"autoparallelize(gpus={gpus}) inside a launch of "
+                           f"{dist.get_world_size()} processes: they must match")
+    plans = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        plans = plan(model, gpus, example_inputs, cluster=cluster, global_batch=global_batch,
+                     memory_limit=memory_limit, fix=fix)
+    if dist.is_initialized():
+        box = [[p.dumps() for p in plans] if plans else None]
+        dist.broadcast_object_list(box, src=0)
+        plans = [Plan.from_json(text) for text in box[0]]
+    module = model if isinstance(model, torch.nn.Module) else None
+    return ParallelModel(module, plans[0], plans[1:], example_inputs, optimizer)
+
+
+def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy to train in one process beside the parallel run."""
+    return copy.deepcopy(model)

@@ -1,0 +1,134 @@
+"""The Plan: what the planner chose and what it predicts, as a frozen value with JSON and text forms."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from tabulate import tabulate
+
+from passes.program import Layout
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    layers: tuple[str, ...]
+    strategies: tuple[str, ...]        # one per layer
+    time_s: float                      # fwd + bwd of one micro-batch
+    param_bytes: float                 # weights + gradients
+    optimizer_bytes: float
+    activation_bytes: float            # at peak (micro-batches in flight included)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.param_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class Predicted:
+    iteration_s: float
+    compute_s: float
+    comm_s: float                      # exposed communication: TP collectives, p2p, DP sync
+    bubble_s: float
+    bubble_fraction: float
+    peak_memory_bytes: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    gpus: int
+    cluster: str
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    num_microbatches: int
+    global_batch: int
+    seq: int
+    schedule: str
+    memory_limit_bytes: float
+    stages: tuple[StagePlan, ...]
+    predicted: Predicted
+    notes: tuple[str, ...] = ()
+    solver: str = ""
+
+    def layout(self) -> Layout:
+        tp_layers = frozenset(layer for st in self.stages
+                              for layer, s in zip(st.layers, st.strategies) if "tp" in s.split("+"))
+        return Layout(self.tp, tp_layers, tuple(len(st.layers) for st in self.stages))
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["mesh"] = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        return data
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    @staticmethod
+    def from_json(data: dict | str) -> "Plan":
+        if isinstance(data, str):
+            data = json.loads(data)
+        data = {k: v for k, v in data.items() if k != "mesh"}
+        stages = tuple(StagePlan(**{**s, "layers": tuple(s["layers"]),
+                                    "strategies": tuple(s["strategies"])})
+                       for s in data.pop("stages"))
+        return Plan(**{**data, "stages": stages, "predicted": Predicted(**data.pop("predicted")),
+                       "notes": tuple(data.pop("notes", ()))})
+
+    def __str__(self) -> str:
+        p = self.predicted
+        head = [
+            f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster})",
+            f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}   schedule {self.schedule}   "
+            f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
+            f"micro-batches x {self.micro_batch}   seq {self.seq}",
+        ]
+        rows = [[s, _span(st.layers), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
+                 _gib(st.param_bytes), _gib(st.optimizer_bytes), _gib(st.activation_bytes),
+                 _gib(st.memory_bytes)] for s, st in enumerate(self.stages)]
+        table = tabulate(rows, headers=["stage", "layers", "strategy", "ms/micro-batch",
+                                        "params+grads GiB", "optimizer GiB", "activations GiB",
+                                        "memory/device GiB"], tablefmt="simple")
+        tail = [
+            f"predicted iteration {p.iteration_s:.4g} s = compute {p.compute_s:.4g} + exposed "
+            f"comm {p.comm_s:.4g} + bubble {p.bubble_s:.4g}   bubble fraction "
+            f"{p.bubble_fraction:.3f}",
+            f"peak memory/device {_gib(p.peak_memory_bytes)} GiB of "
+            f"{_gib(self.memory_limit_bytes)} GiB   {p.tokens_per_s:,.0f} tokens/s   "
+            f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU",
+        ]
+        if self.solver:
+            tail.append(f"solver: {self.solver}")
+        tail += [f"note: {n}" for n in self.notes]
+        return "\n".join(head + [table] + tail)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f}" if nbytes < 100 * GiB else f"{nbytes / GiB:.0f}"
+
+
+def _span(layers: tuple[str, ...]) -> str:
+    blocks = [l for l in layers if l not in ("embed", "head")]
+    parts = ["embed"] if "embed" in layers else []
+    if blocks:
+        first, last = blocks[0].rsplit(".", 1)[-1], blocks[-1].rsplit(".", 1)[-1]
+        parts.append(f"blocks {first}-{last}" if first != last else f"block {first}")
+    if "head" in layers:
+        parts.append("head")
+    return " + ".join(parts)
+
+
+def _strategies(strategies: tuple[str, ...]) -> str:
+    """Run-length text: 'none, tp x 5'."""
+    runs: list[list] = []
+    for s in strategies:
+        if runs and runs[-1][0] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    return ", ".join(f"{s} x{c}" if c > 1 else s for s, c in runs)
