@@ -103,7 +103,7 @@ def _where(err: BaseException, root: torch.nn.Module) -> str:
 
 
 def _block_list_name(model: torch.nn.Module) -> str | None:
-    best, size = None, 1
+    best, size = None, 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) > size:
             if len({type(child) for child in module}) == 1:

@@ -78,6 +78,7 @@ def _build_stage(gm, stage, node_stage, crossing, num_stages) -> StageProgram:
         if node.op == "placeholder" and any(
                 _stage_of_use(u, node_stage, num_stages) == stage for u in node.users):
             env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
             data_inputs.append(node.name)
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output") and node_stage[node.name] == stage:

@@ -46,26 +46,30 @@ class ShardSpec:
         return torch.cat(pieces, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Linear):
+    """Holds its output-row shard (and bias shard). A Linear, so op pricing sees its local shape."""
+
     def __init__(self, full: nn.Linear, spec: ShardSpec):
-        super().__init__()
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = full.in_features, full.out_features // spec.parts
         self.weight = nn.Parameter(spec.take(full.weight.detach()), full.weight.requires_grad)
         self.bias = (nn.Parameter(spec.take(full.bias.detach()), full.bias.requires_grad)
                      if full.bias is not None else None)
         self.shard_specs = {"weight": spec, "bias": spec}
 
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Linear):
     """Holds its input-column shard; the bias (replicated) is added in the graph after the reduce."""
 
     def __init__(self, full: nn.Linear, spec: ShardSpec):
-        super().__init__()
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = full.in_features // spec.parts, full.out_features
         self.weight = nn.Parameter(spec.take(full.weight.detach()), full.weight.requires_grad)
         self.bias = full.bias
         self.shard_specs = {"weight": spec}
+
+    # A Linear computing x @ weight.T without its bias: cost rules price it as a linear.
+    fxpar_linear = True
 
     def forward(self, x):
         return F.linear(x, self.weight)
@@ -95,9 +99,8 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
                 _make_row(gm, node, module, layer, tp, rank, group)
             else:
                 _make_column(gm, node, module, layer, tp, rank)
-                if source not in entered:
+                if source not in entered.values():  # one region entry per value (q, k, v share it)
                     entered[source] = _insert_after(gm, source, collectives.tp_copy, group, layer)
-                node.replace_input_with(source, entered[source])
                 sharded.add(node)
         elif any(arg in sharded for arg in node.all_input_nodes):
             _check_heads(node, layer, tp)

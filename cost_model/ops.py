@@ -1,0 +1,141 @@
+"""Per-operation costs of torch.fx nodes: the bottom of the cost model.
+
+``node_cost(node, modules)`` prices one node of a ``torch.fx.symbolic_trace`` graph
+(call_module for torch.nn leaves, call_function/call_method for torch functions
+and tensor methods) or of a ``torch.export`` graph (aten overloads, either the
+training IR or after ``run_decompositions()``).  Shapes come from
+``node.meta["val"]`` as filled by FakeTensorProp or export.
+
+The rules and their conventions (Narayanan et al. 2021 FLOPs, Korthikanti et al.
+2022 saved activations) live in ``cost_model.op_rules``; this module maps nodes
+to rules and refuses to guess: an op without a rule raises UnknownOpError rather
+than being priced as free.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+from cost_model import op_rules as r
+from cost_model.op_rules import ZERO, OpCost, saved_node_name
+
+__all__ = ["OpCost", "UnknownOpError", "node_cost", "saved_node_name"]
+
+Rule = Callable[[r.Call], "OpCost | None"]
+
+
+class UnknownOpError(ValueError):
+    """An op with no cost rule; the message names the node, its target and module path."""
+
+
+_RULES: dict[str, Rule] = {
+    "linear": r.linear,
+    **dict.fromkeys(("mm", "bmm", "matmul", "addmm", "baddbmm"), r.matmul),
+    "einsum": r.einsum,
+    "scaled_dot_product_attention": r.attention,
+    "layer_norm": r.norm,
+    "rms_norm": r.norm,
+    "dropout": r.dropout,
+    "embedding": r.embedding,
+    "cross_entropy": r.cross_entropy,
+    "nll_loss": r.nll_loss,
+    **dict.fromkeys(r.POINTWISE, r.pointwise),
+    **dict.fromkeys(r.ALWAYS_VIEWS | r.VIEWS_IF_CONTIGUOUS | r.COPIES, r.view),
+    "getitem": r.view,
+    **dict.fromkeys(r.CASTS, r.cast),
+}
+
+# torch.nn leaf modules -> (rule name, rule).
+_MODULE_RULES: dict[type, tuple[str, Rule]] = {
+    nn.Linear: ("linear", r.linear),
+    nn.Embedding: ("embedding", r.embedding),
+    nn.LayerNorm: ("layer_norm", r.norm),
+    nn.RMSNorm: ("rms_norm", r.norm),
+    nn.Dropout: ("dropout", r.dropout),
+    nn.GELU: ("gelu", r.pointwise),
+    nn.SiLU: ("silu", r.pointwise),
+    nn.ReLU: ("relu", r.pointwise),
+    nn.Tanh: ("tanh", r.pointwise),
+    nn.Sigmoid: ("sigmoid", r.pointwise),
+    nn.Softmax: ("softmax", r.pointwise),
+    nn.LogSoftmax: ("log_softmax", r.pointwise),
+    nn.CrossEntropyLoss: ("cross_entropy", r.cross_entropy),
+    nn.Identity: ("identity", r.view),
+}
+
+# Tensor attributes that are views (x.T, x.mT); other attributes are metadata.
+_VIEW_ATTRS = frozenset({"T", "mT", "H", "mH"})
+
+
+def node_cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:
+    """Cost of one node; ``modules`` is ``dict(gm.named_modules())``."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return ZERO
+    if node.op == "call_function" and hasattr(node.target, "_fxpar_collective"):
+        return _collective(node)
+    module = modules.get(str(node.target)) if node.op == "call_module" else None
+    if module is not None and type(module).__name__ == "GuardsFn":
+        return ZERO  # torch.export's input-guard check: no tensor work
+    if "val" not in node.meta:
+        raise ValueError(f"node {node.name!r} has no meta['val']; run FakeTensorProp first")
+    if not r.tensors_in(node.meta["val"]):
+        return ZERO  # shape arithmetic, size(), asserts: no tensor is produced
+    resolved = _resolve(node, modules, module)
+    cost = resolved[1](resolved[0]) if resolved is not None else None
+    if cost is None:
+        raise _unknown(node, module)
+    return cost
+
+
+def _resolve(node: Node, modules: Mapping[str, nn.Module],
+             module: nn.Module | None) -> tuple[r.Call, Rule] | None:
+    if module is not None:
+        entry = _module_rule(module)
+        return (r.Call(node, entry[0], modules, module), entry[1]) if entry else None
+    name = r.op_name(node)
+    if name == "getattr":  # x.T, x.mT are views; other tensor attributes are not ops
+        return (r.Call(node, name, modules), r.view) if node.args[1] in _VIEW_ATTRS else None
+    rule = _RULES.get(name)
+    return (r.Call(node, name, modules), rule) if rule is not None else None
+
+
+def _module_rule(module: nn.Module) -> tuple[str, Rule] | None:
+    for cls in type(module).__mro__:
+        if cls in _MODULE_RULES:
+            # A subclass that overrides forward computes something else.
+            # A subclass that overrides forward computes something else, unless it declares
+            # itself a linear (tensor-parallel shards that leave the bias to a later node).
+            same = type(module).forward is cls.forward or getattr(module, "fxpar_linear", False)
+            return _MODULE_RULES[cls] if same else None
+    return None
+
+
+def _collective(node: Node) -> OpCost:
+    """fxpar collectives: no FLOPs here, priced by the comm model from these bytes.
+
+    The size is the full buffer a ring moves: the larger of input and output
+    (all_gather grows its input, reduce_scatter shrinks it).  Backward moves the
+    same amount (the conjugate collective)."""
+    inputs = sum(r.total_bytes(r.value(a)) for a in r.unique(r.tensor_args(node)))
+    size = max(inputs, r.total_bytes(node.meta.get("val")))
+    return OpCost("comm", 0.0, 0.0, size, size, ())
+
+
+def _unknown(node: Node, module: nn.Module | None) -> UnknownOpError:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()))[0] if stack else ""
+    target = node.target
+    if module is not None:
+        what = f"{target} ({type(module).__module__}.{type(module).__qualname__})"
+    elif isinstance(target, str):
+        what = f"Tensor.{target}"
+    elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        what = str(target)
+    else:
+        what = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', target)}"
+    return UnknownOpError(f"no cost rule for node {node.name!r}: {node.op} {what}"
+                          f" in module {path or '<root>'!r}")
