@@ -21,7 +21,7 @@ import torch.fx as fx
 from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
 from cost_model.compute import compute_time
-from cost_model.ops import node_cost
+from cost_model.ops import node_cost, saved_node_name
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
 from passes.pipeline_split import split_stages
@@ -151,7 +151,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     return LayerProfile(
         layer.name, layer.kind, tp, batch, tuple(ops),
         saved=sum(saved.values()),
-        saved_core=sum(b for k, b in saved.items() if _is_core(values.get(k), seq)),
+        saved_core=sum(b for k, b in saved.items() if _is_core(values.get(saved_node_name(k)), seq)),
         saved_replicated=sum(b for k, b in saved.items() if replicated and k in replicated),
         input_bytes=sum(_bytes(p.meta["val"]) for p in placeholders
                         if p.meta["val"].dtype.is_floating_point),

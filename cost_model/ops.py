@@ -77,13 +77,13 @@ def node_cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:
         return ZERO
     if node.op == "call_function" and hasattr(node.target, "_fxpar_collective"):
         return _collective(node)
-    module = modules.get(str(node.target)) if node.op == "call_module" else None
-    if module is not None and type(module).__name__ == "GuardsFn":
-        return ZERO  # torch.export's input-guard check: no tensor work
     if "val" not in node.meta:
+        if _returns_no_tensor(node):
+            return ZERO
         raise ValueError(f"node {node.name!r} has no meta['val']; run FakeTensorProp first")
     if not r.tensors_in(node.meta["val"]):
-        return ZERO  # shape arithmetic, size(), asserts: no tensor is produced
+        return ZERO  # shape arithmetic, size(): no tensor is produced
+    module = modules.get(str(node.target)) if node.op == "call_module" else None
     resolved = _resolve(node, modules, module)
     cost = resolved[1](resolved[0]) if resolved is not None else None
     if cost is None:
@@ -101,6 +101,14 @@ def _resolve(node: Node, modules: Mapping[str, nn.Module],
         return (r.Call(node, name, modules), r.view) if node.args[1] in _VIEW_ATTRS else None
     rule = _RULES.get(name)
     return (r.Call(node, name, modules), rule) if rule is not None else None
+
+
+def _returns_no_tensor(node: Node) -> bool:
+    """FakeTensorProp and export store no value for dtype/device/None results:
+    attribute reads like ``x.dtype`` and unused checks (asserts, export's _guards_fn)."""
+    if not node.users:
+        return True
+    return node.target is getattr and node.args[1] not in _VIEW_ATTRS
 
 
 def _module_rule(module: nn.Module) -> tuple[str, Rule] | None:

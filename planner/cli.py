@@ -18,15 +18,19 @@ EXAMPLES = {
 
 
 def _fix(text: str) -> dict:
-    """'tp=8,pp=8,dp=16,mb=1' -> {'tp': 8, ...}"""
+    """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}"""
     known = {"tp", "pp", "dp", "mb"}
-    result = {}
+    result: dict = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        if key not in known or not value.isdigit() or int(value) < 1:
+        if key == "strategy" and value:
+            result[key] = value
+        elif key in known and value.isdigit() and int(value) >= 1:
+            result[key] = int(value)
+        else:
             raise argparse.ArgumentTypeError(
-                f"bad --fix item {item!r}: use key=positive-int with keys {sorted(known)}")
-        result[key] = int(value)
+                f"bad --fix item {item!r}: use key=positive-int with keys {sorted(known)}, "
+                f"or strategy=none|tp|...")
     return result
 
 

@@ -28,6 +28,9 @@ instead, which is how an infeasible request learns the smallest memory that woul
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -82,7 +85,7 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
         return Solution((), float("inf"), "infeasible", 0.0, 0.0)
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     p, options = problem.pp, problem.options
-    n = {(s, k): pulp.LpVariable(f"n_{s}_{k}", 0, problem.blocks, cat="Integer")
+    n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, "Integer")
          for s in range(p) for k in range(len(options))}
     times = [_stage_time(problem, n, s) for s in range(p)]
     mems = [_stage_memory(problem, n, s) for s in range(p)]
@@ -93,7 +96,7 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
         _add_memory(prob, problem, mems)
         prob += _objective(times, tau, sigma, problem.microbatches)
     else:
-        peak = pulp.LpVariable("peak", 0)
+        peak = _var(prob, "peak")
         for s, mem in enumerate(mems):
             prob += peak >= mem, f"peak_{s}"
         prob += peak
@@ -103,6 +106,13 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
     counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(options)))
                    for s in range(p))
     return Solution(counts, pulp.value(prob.objective), status, gap, time.perf_counter() - start)
+
+
+def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
+    """A non-negative variable (pulp >= 3.3 attaches variables to the problem)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, 0, upper, cat=cat)
+    return pulp.LpVariable(name, 0, upper, cat=cat)
 
 
 def _stage_time(problem: StageProblem, n, s: int):
@@ -130,14 +140,14 @@ def _add_cover(prob, problem: StageProblem, n) -> None:
 
 
 def _add_bottleneck(prob, times):
-    tau = pulp.LpVariable("tau", 0)
+    tau = _var(prob, "tau")
     for s, t in enumerate(times):
         prob += tau >= t, f"bottleneck_{s}"
     return tau
 
 
 def _add_sync(prob, problem: StageProblem, n):
-    sigma = pulp.LpVariable("sigma", 0)
+    sigma = _var(prob, "sigma")
     if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0:
         return sigma
     for s in range(problem.pp):
@@ -162,7 +172,8 @@ def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float) -> tuple[str, f
         backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
     else:
         backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    prob.solve(backend)
+    with _quiet():
+        prob.solve(backend)
     if prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal", 0.0
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
@@ -176,3 +187,17 @@ def _gap(prob, backend) -> float:
         return float(model.getInfo().mip_gap)
     except Exception:  # noqa: BLE001 - a solver without the query reports an unknown gap
         return float("nan")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """HiGHS prints a banner from C++ even with output off: silence fd 1 around the solve."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

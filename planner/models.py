@@ -99,13 +99,15 @@ PRESETS: dict[str, ModelConfig] = {
 
 def get_config(name: str | ModelConfig, **overrides) -> ModelConfig:
     """A preset by name (with optional size overrides), or a config passed through."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(name, ModelConfig):
-        return name.with_(**overrides) if overrides else name
-    if name not in PRESETS:
+        base = name
+    elif name in PRESETS:
+        base = PRESETS[name]
+    else:
         known = ", ".join(sorted(PRESETS))
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    return PRESETS[name].with_(**overrides) if overrides else PRESETS[name]
+    return base.with_(**overrides) if overrides else base
 
 
 def build_model(config: str | ModelConfig, device: str | torch.device = "cpu",

@@ -88,18 +88,21 @@ class Plan:
             f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
             f"micro-batches x {self.micro_batch}   seq {self.seq}",
         ]
+        unit, scale = ("GiB", GiB) if p.peak_memory_bytes >= GiB else ("MiB", 2**20)
         rows = [[s, _span(st.layers), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
-                 _gib(st.param_bytes), _gib(st.optimizer_bytes), _gib(st.activation_bytes),
-                 _gib(st.memory_bytes)] for s, st in enumerate(self.stages)]
+                 *(_size(b, scale) for b in (st.param_bytes, st.optimizer_bytes,
+                                             st.activation_bytes, st.memory_bytes))]
+                for s, st in enumerate(self.stages)]
         table = tabulate(rows, headers=["stage", "layers", "strategy", "ms/micro-batch",
-                                        "params+grads GiB", "optimizer GiB", "activations GiB",
-                                        "memory/device GiB"], tablefmt="simple")
+                                        f"params+grads {unit}", f"optimizer {unit}",
+                                        f"activations {unit}", f"memory/device {unit}"],
+                         tablefmt="simple", disable_numparse=True)
         tail = [
             f"predicted iteration {p.iteration_s:.4g} s = compute {p.compute_s:.4g} + exposed "
             f"comm {p.comm_s:.4g} + bubble {p.bubble_s:.4g}   bubble fraction "
-            f"{p.bubble_fraction:.3f}",
-            f"peak memory/device {_gib(p.peak_memory_bytes)} GiB of "
-            f"{_gib(self.memory_limit_bytes)} GiB   {p.tokens_per_s:,.0f} tokens/s   "
+            f"{max(p.bubble_fraction, 0.0):.3f}",
+            f"peak memory/device {_size(p.peak_memory_bytes, scale)} {unit} of "
+            f"{_size(self.memory_limit_bytes, scale)} {unit}   {p.tokens_per_s:,.0f} tokens/s   "
             f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU",
         ]
         if self.solver:
@@ -108,8 +111,9 @@ class Plan:
         return "\n".join(head + [table] + tail)
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f}" if nbytes < 100 * GiB else f"{nbytes / GiB:.0f}"
+def _size(nbytes: float, scale: float) -> str:
+    value = nbytes / scale
+    return f"{value:.2f}" if value < 100 else f"{value:,.0f}"
 
 
 def _span(layers: tuple[str, ...]) -> str:

@@ -109,7 +109,12 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
 
 def _block_costs(costs: ModelCosts, req: Request, tp: int, b: int) -> list[LayerCost]:
     out = []
-    for strategy in strategy_space(tp, req.runnable_only):
+    space = strategy_space(tp, req.runnable_only)
+    if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
+        space = [Strategy.parse(req.fix["strategy"])]
+        if space[0].tp and tp == 1:
+            space = [Strategy(False, False, space[0].recompute)]
+    for strategy in space:
         profile = costs.block_profile(tp if strategy.tp else 1)
         out.append(price(profile, strategy, b, req.cluster, tp))
     return out
@@ -225,7 +230,7 @@ def _predict(costs, req, cand, problem, blocks, stages) -> Predicted:
     comm_per_mb = sum(b.comm_s for b, name in zip(blocks, [str(b.strategy) for b in blocks])
                       for _ in range(bottleneck.strategies.count(name)))
     comm_per_mb += problem.p2p_s * ((p > 1) + (p > 2))
-    bubble = iteration - m * tau - sync
+    bubble = max(iteration - m * tau - sync, 0.0)  # rounding can leave -1e-19
     model_flops = req.global_batch * _flops_per_sample(costs)
     return Predicted(iteration, m * (tau - comm_per_mb), m * comm_per_mb + sync, bubble,
                      bubble / (m * tau), max(st.memory_bytes for st in stages),

@@ -7,6 +7,8 @@ use: starting 8 processes costs seconds (each imports torch), a function call on
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import socket
 import traceback
 from datetime import timedelta
@@ -43,11 +45,14 @@ def _init_local(rank: int, world_size: int, port: int, timeout_s: float) -> None
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def _call(fn, args):
+def _call(fn, args) -> bytes:
+    """Run fn and pickle its outcome by value: torch's queues would otherwise share tensors through
+    file descriptors that vanish when a rank exits."""
     try:
-        return ("ok", fn(*args))
+        outcome = ("ok", fn(*args))
     except BaseException as err:  # noqa: BLE001 - shipped to the parent with its traceback
-        return ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        outcome = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+    return pickle.dumps(outcome)
 
 
 def _one_shot(rank, world_size, port, timeout_s, fn, args, queue):
@@ -56,7 +61,8 @@ def _one_shot(rank, world_size, port, timeout_s, fn, args, queue):
     dist.destroy_process_group()
 
 
-def _collect(results: dict[int, tuple[str, object]], world_size: int) -> list:
+def _collect(raw: dict[int, bytes], world_size: int) -> list:
+    results = {rank: pickle.loads(blob) for rank, blob in raw.items()}
     errors = [f"rank {r}: {v}" for r, (status, v) in sorted(results.items()) if status == "error"]
     if errors:
         raise RuntimeError("distributed run failed\n" + "\n".join(errors))
@@ -80,7 +86,7 @@ def run_local(fn, world_size: int, args: tuple = (), timeout_s: float = DEFAULT_
         for _ in range(world_size):
             rank, outcome = queue.get(timeout=timeout_s * 4)
             results[rank] = outcome
-    except Exception:  # noqa: BLE001 - a rank died before answering
+    except queue_module.Empty:  # a rank died or hung: report which ones below
         pass
     for p in procs:
         p.join(timeout=timeout_s)

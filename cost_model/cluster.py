@@ -1,0 +1,324 @@
+"""Hardware description used by the cost model: the `Cluster` spec, presets,
+and JSON profiles (as written by `fxpar calibrate --out FILE`).
+
+Every number is per device (one GPU, or one rank process on CPU) so that the
+cost model never has to know how many devices share a node's resources,
+except through `gpus_per_node`, which decides whether a communication group
+stays on the fast intra-node links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Cluster",
+    "ProfileError",
+    "PRESETS",
+    "get_cluster",
+    "load_profile",
+    "save_profile",
+]
+
+CALIBRATE_HINT = "fxpar calibrate --out FILE"
+
+
+class ProfileError(ValueError):
+    """A cluster profile file is missing, unreadable or malformed."""
+
+
+# Field rules: (kind, lower bound, upper bound, lower bound inclusive?).
+# "pos" fields divide something, so zero is as wrong as negative.
+_POSITIVE = ("float", 0.0, math.inf, False)
+_NONNEG = ("float", 0.0, math.inf, True)
+_FRACTION = ("float", 0.0, 1.0, False)  # an efficiency of 0 would mean "never finishes"
+_SHARE = ("float", 0.0, 1.0, True)  # an overlap share may legitimately be 0
+
+_RULES: dict[str, tuple] = {
+    "name": ("str",),
+    "device": ("device",),
+    "gpus_per_node": ("int",),
+    "peak_flops": _POSITIVE,
+    "mem_bytes": _POSITIVE,
+    "mem_bw": _POSITIVE,
+    "intra_bw": _POSITIVE,
+    "inter_bw": _POSITIVE,
+    "intra_latency": _NONNEG,
+    "inter_latency": _NONNEG,
+    "matmul_eff": _FRACTION,
+    "attention_eff": _FRACTION,
+    "bw_eff": _FRACTION,
+    "kernel_floor": _NONNEG,
+    "comm_eff": _FRACTION,
+    "dp_overlap": _SHARE,
+}
+
+_DEVICES = ("cuda", "cpu")
+
+
+def _field_problem(field: str, value: Any) -> str | None:
+    """Why `value` is not acceptable for `field`, or None when it is."""
+    kind = _RULES[field][0]
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            return f"must be a non-empty string, got {value!r}"
+        return None
+    if kind == "device":
+        if value not in _DEVICES:
+            return f"must be one of {list(_DEVICES)}, got {value!r}"
+        return None
+    # bool is an int subclass; `true` in a profile is a typo, not a number.
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"must be an integer >= 1, got {value!r}"
+        return None
+    _, lo, hi, lo_inclusive = _RULES[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number, got {type(value).__name__} {value!r}"
+    if not math.isfinite(value):
+        return f"must be finite, got {value!r}"
+    if value < lo or (value == lo and not lo_inclusive):
+        return f"must be {'>=' if lo_inclusive else '>'} {lo:g}, got {value!r}"
+    if value > hi:
+        return f"must be <= {hi:g}, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-device hardware numbers and achieved efficiencies; all SI units."""
+
+    name: str
+    device: str  # "cuda" or "cpu"
+    gpus_per_node: int
+    peak_flops: float  # dense bf16 FLOP/s per device (fp32 for cpu)
+    mem_bytes: float  # memory per device
+    mem_bw: float  # device memory bandwidth, bytes/s
+    intra_bw: float  # per-device one-direction bandwidth inside a node, bytes/s
+    inter_bw: float  # per-device one-direction bandwidth between nodes, bytes/s
+    intra_latency: float  # alpha, seconds per ring step inside a node
+    inter_latency: float  # alpha, seconds per ring step across nodes
+    matmul_eff: float  # achieved fraction of peak_flops for large matmuls
+    attention_eff: float  # achieved fraction for attention kernels
+    bw_eff: float  # achieved fraction of mem_bw for memory-bound kernels
+    kernel_floor: float  # seconds: the least time any kernel takes
+    comm_eff: float  # achieved fraction of nominal link bandwidth
+    dp_overlap: float  # fraction of the DP all-reduce hidden behind backward
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _field_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"Cluster field '{f.name}' {problem}")
+
+    def to_json(self) -> dict:
+        """A plain dict that `from_json` accepts and `json.dump` can write."""
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict, source: str = "<dict>") -> "Cluster":
+        """Build from a profile dict; any problem raises ProfileError naming
+        `source` and the offending field."""
+        fix = f"fix the field or regenerate the profile with `{CALIBRATE_HINT}`"
+        if not isinstance(d, dict):
+            raise ProfileError(
+                f"{source}: a cluster profile must be a JSON object, "
+                f"got {type(d).__name__}; {fix}"
+            )
+        names = [f.name for f in dataclasses.fields(Cluster)]
+        # Unknown keys are rejected so that a misspelt field cannot silently
+        # fall back to nothing and leave the intended value unused.
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ProfileError(
+                f"{source}: unknown field(s) {unknown}; the known fields are "
+                f"{names}; remove or rename them"
+            )
+        for name in names:
+            if name not in d:
+                raise ProfileError(f"{source}: missing field '{name}'; {fix}")
+            problem = _field_problem(name, d[name])
+            if problem:
+                raise ProfileError(f"{source}: field '{name}' {problem}; {fix}")
+        return Cluster(**{n: d[n] for n in names})
+
+
+def load_profile(path: str | os.PathLike) -> Cluster:
+    """Read a JSON profile; every failure is a ProfileError naming the file."""
+    path = os.fspath(path)
+    hint = f"create it with `{CALIBRATE_HINT.replace('FILE', path)}` or use a preset"
+    if not os.path.exists(path):
+        raise ProfileError(
+            f"cluster profile {path} does not exist; {hint} "
+            f"({', '.join(sorted(PRESETS))})"
+        )
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"cluster profile {path} could not be read ({exc}); {hint}") from exc
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ProfileError(f"cluster profile {path} is not valid JSON ({exc}); {hint}") from exc
+    return Cluster.from_json(data, source=path)
+
+
+def _reject_constant(token: str) -> float:
+    # Python's json accepts NaN/Infinity, which are not JSON and never valid here.
+    raise ValueError(f"non-standard JSON constant {token}")
+
+
+def save_profile(cluster: Cluster, path: str | os.PathLike) -> None:
+    """Write `cluster` as JSON; written to a temp file first so that a crash
+    never leaves a half-written profile behind."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(cluster.to_json(), fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def get_cluster(name_or_path: "str | os.PathLike | Cluster") -> Cluster:
+    """A preset by name, a profile by path, or a Cluster passed through."""
+    if isinstance(name_or_path, Cluster):
+        return name_or_path
+    if isinstance(name_or_path, os.PathLike):
+        return load_profile(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise TypeError(f"expected a preset name, a profile path or a Cluster, got {name_or_path!r}")
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    looks_like_path = (
+        name_or_path.endswith(".json") or os.sep in name_or_path or os.path.exists(name_or_path)
+    )
+    if looks_like_path:
+        return load_profile(name_or_path)
+    raise ValueError(
+        f"unknown cluster {name_or_path!r}; known presets: {', '.join(sorted(PRESETS))}; "
+        f"or pass the path of a JSON profile (make one with `{CALIBRATE_HINT}`)"
+    )
+
+
+# --------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------
+GB = 1e9  # vendor datasheets use decimal units
+GiB = float(2**30)
+
+# mem_bytes uses the datasheet's decimal GB. The card reports slightly more
+# (80 GB cards show ~79-80 GiB), but the CUDA context and allocator
+# fragmentation take ~1-3 GB, so the decimal figure is a fair usable cap.
+
+# Efficiencies shared by the NVIDIA presets. Sources and reasoning:
+# - matmul_eff: the cost model sums op by op, so this is the per-GEMM
+#   fraction, not end-to-end MFU. Large bf16 cuBLAS GEMMs reach ~70-80% of
+#   dense peak on A100 and ~65-75% on H100 (clock/power limited); Megatron-LM
+#   (Narayanan et al., SC'21; Korthikanti et al., 2022) reports 52-56% MFU
+#   end to end, which includes the non-matmul and communication time this
+#   model prices separately. Training-shaped GEMMs are smaller than the best
+#   case, hence 0.70 (A100) and 0.65 (Hopper).
+# - attention_eff: FlashAttention-2 (Dao, 2023) reports 50-73% of peak
+#   forward and less backward on A100, ~35-50% on H100 (FA3 reaches more, but
+#   PyTorch SDPA does not always select it): 0.50 / 0.45.
+# - bw_eff: streaming kernels reach ~80-90% of HBM bandwidth (STREAM-like
+#   copy); PyTorch elementwise kernels sit at the low end: 0.80.
+# - kernel_floor: eager PyTorch dispatch + launch is ~5 us per op.
+# - comm_eff: nccl-tests bus bandwidth on DGX systems is ~75-85% of nominal
+#   NVLink / InfiniBand rate for large messages: 0.80.
+# - latencies: NCCL's own tuning model (src/graph/tuning.cc, hwLat) charges
+#   a few us per ring step over NVLink and ~5-15 us over the network.
+# - dp_overlap: DDP's bucketed all-reduce (Li et al., VLDB 2020) overlaps all
+#   but roughly the last bucket with backward: 0.70.
+_GPU_EFFS = dict(
+    bw_eff=0.80,
+    kernel_floor=5e-6,
+    comm_eff=0.80,
+    intra_latency=5e-6,
+    inter_latency=10e-6,
+    dp_overlap=0.70,
+)
+
+PRESETS: dict[str, Cluster] = {
+    # This kind of machine: a 2-core x86 VM running one gloo rank per process,
+    # each with one torch thread. Rough values from single-thread AVX2
+    # matmul/copy/tiny-op timings and gloo over TCP loopback; `fxpar
+    # calibrate` replaces them with measured ones. Intra == inter because
+    # every rank shares the one host.
+    "cpu-gloo": Cluster(
+        name="cpu-gloo",
+        device="cpu",
+        gpus_per_node=4,  # calibrate's largest default world size
+        peak_flops=100e9,  # ~3 GHz x 32 fp32 FLOP/cycle (2 AVX2 FMA units)
+        mem_bytes=4.0 * GiB,  # a share of host RAM per rank, kept modest
+        mem_bw=25 * GB,  # measured single-thread copy, 23-35 GB/s
+        intra_bw=2 * GB,  # gloo over loopback TCP
+        inter_bw=2 * GB,
+        intra_latency=50e-6,
+        inter_latency=50e-6,
+        matmul_eff=0.70,
+        attention_eff=0.60,
+        bw_eff=0.80,
+        kernel_floor=5e-6,
+        comm_eff=1.0,  # intra_bw is already an achieved rate
+        dp_overlap=0.30,  # gloo's thread competes with compute for the cores
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS
+    # dense (624 with sparsity), 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s
+    # (total, both directions). NVIDIA DGX A100 datasheet: 8 GPUs, 8x
+    # single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute = 25 GB/s
+    # per GPU.
+    "a100-80g-dgx": Cluster(
+        name="a100-80g-dgx",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=312e12,
+        mem_bytes=80 * GB,
+        mem_bw=2039 * GB,
+        intra_bw=300 * GB,  # 600 GB/s bidirectional -> 300 per direction
+        inter_bw=25 * GB,  # 200 Gb/s / 8
+        matmul_eff=0.70,
+        attention_eff=0.50,
+        **_GPU_EFFS,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with
+    # sparsity -> 989 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s
+    # (bidirectional). NVIDIA DGX H100 datasheet: 8 GPUs, 8x ConnectX-7
+    # 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+    "h100-sxm-dgx": Cluster(
+        name="h100-sxm-dgx",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        mem_bytes=80 * GB,
+        mem_bw=3350 * GB,
+        intra_bw=450 * GB,  # 900 GB/s bidirectional -> 450 per direction
+        inter_bw=50 * GB,  # 400 Gb/s / 8
+        matmul_eff=0.65,
+        attention_eff=0.45,
+        **_GPU_EFFS,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with
+    # sparsity -> 989 dense (same compute as H100), 141 GB HBM3e at
+    # 4.8 TB/s, NVLink 900 GB/s. NVIDIA DGX H200 datasheet: 8 GPUs, 8x
+    # ConnectX-7 400 Gb/s = 50 GB/s per GPU.
+    "h200-sxm-dgx": Cluster(
+        name="h200-sxm-dgx",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        mem_bytes=141 * GB,
+        mem_bw=4800 * GB,
+        intra_bw=450 * GB,
+        inter_bw=50 * GB,
+        matmul_eff=0.65,
+        attention_eff=0.45,
+        **_GPU_EFFS,
+    ),
+}

@@ -1,0 +1,140 @@
+"""Alpha-beta (latency-bandwidth) times for ring collectives.
+
+    time = steps * alpha + volume / (bw * comm_eff)
+
+`volume` is what each rank sends over its link in a bandwidth-optimal ring
+(Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
+Operations in MPICH", 2005; the same counts nccl-tests uses to turn time
+into "bus bandwidth"). With n ranks and a tensor of M bytes:
+
+    all_reduce      2(n-1)/n * M   in 2(n-1) steps (reduce-scatter + all-gather)
+    all_gather       (n-1)/n * M   in  n-1 steps   (M = gathered output)
+    reduce_scatter   (n-1)/n * M   in  n-1 steps   (M = input)
+    all_to_all       (n-1)/n * M   in  n-1 steps   (M = per-rank buffer)
+    p2p                      M     in  1 step
+
+Ranks are numbered tp innermost, then cp, dp, pp, and consecutive members of
+a group sit `stride` ranks apart. A group whose span fits inside one node
+uses the NVLink numbers; otherwise at least one ring hop crosses the
+network and that slowest hop sets the pace of the whole ring.
+
+A cluster with device "cpu" runs on gloo over loopback TCP, which differs
+from NCCL on two counts that `collective_terms` accounts for (the ring
+formulas above stay what `ring_volume` reports):
+- gloo's reduce_scatter_tensor is an all-reduce of a copy followed by taking
+  this rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so
+  it is priced as the all-reduce it really is;
+- the "link" is the cores copying bytes through the kernel, and receiving
+  costs as much as sending. Ring ranks do both at once, so the calibrated
+  bandwidth is a full-duplex rate; each side of a p2p transfer does only one
+  of the two, so a p2p message moves at twice that rate (measured: ~2x).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .cluster import Cluster
+
+__all__ = [
+    "KINDS",
+    "collective_time",
+    "collective_terms",
+    "ring_steps",
+    "ring_volume",
+    "bytes_on_wire",
+    "crosses_nodes",
+]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(KINDS)}")
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_bytes(nbytes: float) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
+        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
+    if not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Sequential message steps (each paying one alpha) for n ranks."""
+    _check_kind(kind)
+    _check_count("group size", n)
+    if n == 1:
+        return 0
+    if kind == "p2p":
+        return 1
+    if kind == "all_reduce":
+        return 2 * (n - 1)
+    return n - 1
+
+
+def ring_volume(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank pushes through its link, the bandwidth term's volume."""
+    _check_kind(kind)
+    _check_bytes(nbytes)
+    _check_count("group size", n)
+    if n == 1:
+        return 0.0
+    if kind == "p2p":
+        return float(nbytes)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * (n - 1) / n * nbytes
+
+
+def bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends (p2p: the sender's). Equal to `ring_volume`
+    because ring algorithms are bandwidth-optimal; kept as a separate name
+    for traffic accounting, which should not change if the timing model
+    later gains tree or hierarchical algorithms."""
+    return ring_volume(kind, nbytes, n)
+
+
+def crosses_nodes(cluster: Cluster, kind: str, group_size: int, stride: int = 1) -> bool:
+    """Whether the group's ring (or the p2p pair) leaves a node."""
+    _check_kind(kind)
+    _check_count("group_size", group_size)
+    _check_count("stride", stride)
+    if kind == "p2p":
+        return stride >= cluster.gpus_per_node
+    return (group_size - 1) * stride >= cluster.gpus_per_node
+
+
+def collective_terms(
+    cluster: Cluster, kind: str, nbytes: float, group_size: int, stride: int = 1
+) -> tuple[int, float, bool]:
+    """(steps, per-rank volume, crosses_nodes) as `collective_time` prices
+    them; calibration fits alpha and bw against these same terms."""
+    crosses = crosses_nodes(cluster, kind, group_size, stride)
+    gloo = cluster.device == "cpu"  # see module docstring for both quirks
+    if gloo and kind == "reduce_scatter":
+        kind = "all_reduce"
+    volume = ring_volume(kind, nbytes, group_size)
+    if gloo and kind == "p2p":
+        volume /= 2
+    return ring_steps(kind, group_size), volume, crosses
+
+
+def collective_time(
+    cluster: Cluster, kind: str, nbytes: float, group_size: int, stride: int = 1
+) -> float:
+    """Seconds for one `kind` collective over `group_size` ranks; see module doc
+    for what `nbytes` means per kind."""
+    steps, volume, crosses = collective_terms(cluster, kind, nbytes, group_size, stride)
+    if steps == 0:
+        return 0.0
+    if crosses:
+        alpha, bw = cluster.inter_latency, cluster.inter_bw
+    else:
+        alpha, bw = cluster.intra_latency, cluster.intra_bw
+    return steps * alpha + volume / (bw * cluster.comm_eff)

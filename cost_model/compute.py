@@ -1,0 +1,55 @@
+"""Roofline time of one kernel on one device.
+
+    time = max(flops / (peak_flops * eff), nbytes / (mem_bw * bw_eff), kernel_floor)
+
+A kernel is limited by whichever of arithmetic or memory traffic takes
+longer, and never runs faster than the fixed launch/dispatch overhead.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .cluster import Cluster
+
+__all__ = ["OP_CLASSES", "compute_time"]
+
+OP_CLASSES = (
+    "matmul",
+    "attention",
+    "norm",
+    "elementwise",
+    "embedding",
+    "loss",
+    "view",
+    "comm",
+)
+
+# Views and reshapes launch no kernel; communication is priced by comm.py,
+# so both cost nothing here (and no kernel floor either).
+_FREE = ("view", "comm")
+
+
+def _check_amount(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str) -> float:
+    """Seconds for one kernel doing `flops` arithmetic over `nbytes` of memory
+    traffic (reads + writes)."""
+    if op_class not in OP_CLASSES:
+        raise ValueError(f"unknown op_class {op_class!r}; expected one of {list(OP_CLASSES)}")
+    _check_amount("flops", flops)
+    _check_amount("nbytes", nbytes)
+    if op_class in _FREE:
+        return 0.0
+    # Non-matmul classes rarely run on tensor cores at matmul speed, but they
+    # do so little arithmetic per byte that the memory term wins anyway;
+    # pricing their flops at matmul speed keeps odd cases finite and sane.
+    eff = cluster.attention_eff if op_class == "attention" else cluster.matmul_eff
+    t_math = flops / (cluster.peak_flops * eff)
+    t_mem = nbytes / (cluster.mem_bw * cluster.bw_eff)
+    return max(t_math, t_mem, cluster.kernel_floor)
