@@ -11,15 +11,20 @@ from passes.tensor_parallel import tensor_parallel
 
 @dataclass(frozen=True)
 class Layout:
-    """Plain description of the rewrite: which layers are tensor-parallel, how layers map to stages."""
+    """Plain description of the rewrite: each layer's strategy text (cost_model.strategy form,
+    e.g. "tp+sp+sel"; layers not listed are "none"), and contiguous layer counts per stage."""
 
     tp: int
-    tp_layers: frozenset[str]
-    stage_sizes: tuple[int, ...]   # contiguous layer counts per pipeline stage, in layer order
+    strategies: tuple[tuple[str, str], ...]   # (layer name, strategy text)
+    stage_sizes: tuple[int, ...]              # in layer order; len = number of stages
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_sizes)
+
+    def layers_with(self, part: str) -> frozenset[str]:
+        """Layers whose strategy includes `part` ("tp", "sp", "sel", "full")."""
+        return frozenset(layer for layer, text in self.strategies if part in text.split("+"))
 
 
 def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
@@ -27,7 +32,7 @@ def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
     """The stage programs for `stages` on the rank with tensor-parallel index `tp_rank`."""
     gm = captured.gm
     layer_nodes = {layer.name: layer.nodes for layer in captured.layers}
-    tensor_parallel(gm, {name: layer_nodes[name] for name in sorted(layout.tp_layers)},
+    tensor_parallel(gm, {name: layer_nodes[name] for name in sorted(layout.layers_with("tp"))},
                     layout.tp, tp_rank)
     # The rewrite added collective and bias nodes: they belong to the layer of the node they follow.
     node_stage = stage_assignment(layer_nodes, [l.name for l in captured.layers],

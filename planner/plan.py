@@ -57,9 +57,9 @@ class Plan:
     solver: str = ""
 
     def layout(self) -> Layout:
-        tp_layers = frozenset(layer for st in self.stages
-                              for layer, s in zip(st.layers, st.strategies) if "tp" in s.split("+"))
-        return Layout(self.tp, tp_layers, tuple(len(st.layers) for st in self.stages))
+        strategies = tuple((layer, s) for st in self.stages
+                           for layer, s in zip(st.layers, st.strategies) if s != "none")
+        return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages))
 
     def to_json(self) -> dict:
         data = asdict(self)
