@@ -108,6 +108,25 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
     return Solution(counts, pulp.value(prob.objective), status, gap, time.perf_counter() - start)
 
 
+def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
+    """(iteration time, peak memory) of a block assignment, computed in plain Python from the
+    same terms as the ILP: a brute-force enumeration over this checks the solver."""
+    p, opts = problem.pp, problem.options
+    times, mems, syncs = [], [], []
+    for s in range(p):
+        ends = _ends(problem, s)
+        f = problem.inflight[s]
+        t = sum(c * o.time_s for c, o in zip(counts[s], opts)) + sum(e.time_s for e in ends)
+        times.append(t + problem.p2p_s * ((s > 0) + (s < p - 1)))
+        mems.append(sum(c * (o.static_bytes + f * o.act_bytes) for c, o in zip(counts[s], opts))
+                    + sum(e.static_bytes + f * e.act_bytes for e in ends))
+        grads = sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
+        grads += sum(e.grad_bytes for e in ends)
+        syncs.append(problem.sync_alpha_s + problem.sync_s_per_byte * grads
+                     if problem.sync_s_per_byte or problem.sync_alpha_s else 0.0)
+    return sum(times) + (problem.microbatches - 1) * max(times) + max(syncs), max(mems)
+
+
 def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
     """A non-negative variable (pulp >= 3.3 attaches variables to the problem)."""
     if hasattr(prob, "add_variable"):

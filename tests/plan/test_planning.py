@@ -1,0 +1,96 @@
+"""Planning large models on the meta device, the Plan's forms, and bad input."""
+import json
+import math
+
+import pytest
+
+from planner.api import autoparallelize, plan
+from planner.models import get_config
+from planner.plan import GiB, Plan
+from planner.search import PlanningError
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan():
+    return plan("gpt3-175b", 1024, cluster="a100-80g-dgx")[0]
+
+
+def test_gpt3_on_1024_a100s_fits_and_uses_model_parallelism(gpt3_plan):
+    p = gpt3_plan
+    assert p.dp * p.tp * p.pp == 1024
+    assert p.tp <= 8, "tensor parallelism stays inside a node"
+    assert p.pp > 1, "175B parameters do not fit one device group without pipelining"
+    assert p.predicted.peak_memory_bytes <= 80e9
+    assert sum(len(s.layers) for s in p.stages) == 96 + 2
+    assert 0 < p.predicted.bubble_fraction < 1
+    # Megatron reports ~140 model TFLOP/s per A100 at this scale; a sane model lands near it.
+    assert 50 < p.predicted.tflops_per_gpu < 312
+
+
+def test_plan_round_trips_through_json(gpt3_plan):
+    again = Plan.from_json(json.loads(gpt3_plan.dumps()))
+    assert again == gpt3_plan
+    assert str(again) == str(gpt3_plan)
+
+
+def test_plan_text_names_mesh_stages_and_prediction(gpt3_plan):
+    text = str(gpt3_plan)
+    assert f"dp={gpt3_plan.dp} x tp={gpt3_plan.tp} x pp={gpt3_plan.pp}" in text
+    assert "bubble fraction" in text and "predicted iteration" in text
+    assert text.count("\n") >= 4 + gpt3_plan.pp
+
+
+@pytest.mark.parametrize("gpus", [0, -1, 2.5, "8", True, None])
+def test_gpus_must_be_a_positive_integer(gpus):
+    with pytest.raises(ValueError, match="gpus must be a positive integer"):
+        plan("gpt-tiny", gpus)
+
+
+def test_impossible_memory_limit_names_the_smallest_that_fits():
+    with pytest.raises(PlanningError) as err:
+        plan("gpt2-xl", 8, cluster="a100-80g-dgx", memory_limit=1 * GiB)
+    message = str(err.value)
+    assert "smallest memory per device any plan needs is" in message
+    need = float(message.split("needs is ")[1].split(" GiB")[0]) * GiB
+    assert need > 1 * GiB
+    # ... and that amount really is enough (within the rounding of the message).
+    fits = plan("gpt2-xl", 8, cluster="a100-80g-dgx", memory_limit=need * 1.01)[0]
+    assert fits.predicted.peak_memory_bytes <= need * 1.01
+
+
+def test_heads_that_no_tp_size_divides_are_planned_without_tp():
+    odd = get_config("gpt-tiny").with_(heads=7, hidden=56, name="gpt-7-heads")
+    chosen = plan(odd, 8, cluster="cpu-gloo")[0]
+    assert chosen.tp == 1
+    assert any("without tensor parallelism" in n and "tp=" in n for n in chosen.notes)
+    assert "planned without tensor parallelism" in str(chosen)
+
+
+@pytest.mark.parametrize("gpus", [7, 12])
+def test_prime_and_odd_gpu_counts(gpus):
+    chosen = plan("gpt2-small", gpus, cluster="a100-80g-dgx", global_batch=gpus * 8)[0]
+    assert chosen.dp * chosen.tp * chosen.pp == gpus
+
+
+def test_pruned_search_equals_exhaustive_search():
+    from planner.search import ModelCosts, Request, build_problem, candidates, search
+    from planner.api import _model_costs
+    from cost_model.cluster import get_cluster
+    from planner import ilp
+
+    costs, name, batch, seq = _model_costs("gpt2-small", None, 32, None)
+    req = Request(16, get_cluster("a100-80g-dgx"), batch, seq, 80e9, name, top_k=1)
+    best = search(costs, req)[0].predicted.iteration_s
+    exhaustive = math.inf
+    for cand in candidates(costs, req):
+        problem, _ = build_problem(costs, req, cand, req.memory_limit)
+        solution = ilp.solve(problem)
+        if solution.status != "infeasible":
+            exhaustive = min(exhaustive, solution.objective)
+    assert best == pytest.approx(exhaustive, rel=1e-9)
+
+
+def test_autoparallelize_outside_a_launch_only_plans():
+    pm = autoparallelize("gpt-tiny", gpus=8, cluster="cpu-gloo")
+    assert isinstance(pm.plan, Plan)
+    assert "fxpar plan" in repr(pm)
