@@ -13,7 +13,8 @@ from passes.program import rank_programs
 from passes.tensor_parallel import shard_specs
 from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan
-from planner.search import ModelCosts, PlanningError, Request, dtype_bytes, search, smallest_memory
+from planner.costs import ModelCosts, PlanningError
+from planner.search import Request, search, smallest_memory
 from runtime import collectives
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, build_groups
@@ -76,7 +77,8 @@ def _model_costs(model, example_inputs, global_batch, seq):
     captured = capture(model, tuple(x[:1] for x in example_inputs))
     batch = global_batch or example_inputs[0].shape[0]
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 else 1
-    return (ModelCosts(captured, len(captured.blocks), dtype_bytes(model)),
+    dtype_bytes = next(model.parameters()).element_size()
+    return (ModelCosts(captured, len(captured.blocks), dtype_bytes),
             type(model).__name__, batch, seq)
 
 
@@ -128,8 +130,9 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     if len(captured.layers) != sum(layout.stage_sizes):
         raise ValueError(f"the plan covers {sum(layout.stage_sizes)} layers, the model has "
                          f"{len(captured.layers)}")
-    programs = rank_programs(captured, layout, groups.tp_index, (groups.pp_index,))
-    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches)
+    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+    programs = rank_programs(captured, layout, groups.tp_index,
+                             schedule.stages_of(groups.pp_index))
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer)
 
 

@@ -1,30 +1,36 @@
-r"""The inner ILP: for a fixed mesh (dp, tp, pp) and micro-batching (b, m), how many blocks of
-each strategy every pipeline stage holds.
+r"""The inner ILP: for a fixed mesh, micro-batching and pipeline schedule, how many blocks of each
+strategy every pipeline stage holds.
 
 The model is a chain  embed, block × N, head  whose blocks are identical, so instead of placing
 each block we count blocks per (stage, strategy) — orders of magnitude fewer variables than a
-per-layer placement, and exact: identical blocks in a contiguous stage are interchangeable.
-Embed is pinned to stage 0 and head to stage p−1 (stages are contiguous and non-empty).
+per-layer placement, and exact: identical blocks inside a contiguous stage are interchangeable
+(a stage's blocks are ordered by strategy, so a stage mixing k strategies reshards k − 1 times;
+the per-strategy costs include their collectives, and resharding between tp layouts costs nothing
+extra because every block boundary is replicated). Embed is pinned to stage 0 and head to the last
+stage; the schedule places stage s on rank r(s) = s mod p (v stages per rank when interleaved).
 
 Data (per micro-batch, from cost_model.layer_cost):  t_k time fwd+bwd of one block under strategy
 k, w_k its static bytes (weights, gradients, optimizer states), a_k its activation bytes, g_k its
-gradient bytes; E_s, H_s the embed/head terms on the stages that hold them; c the p2p time of a
-boundary; f_s = min(p − s, m) micro-batches in flight on stage s under 1F1B; M the memory limit.
+gradient bytes; E, H the embed/head terms on the first/last stage; c the p2p time of a stage
+boundary; φ_r the activation sets rank r keeps alive at its peak, per stage it holds (the
+schedule's in-flight count ÷ v: p − r for 1F1B, m for GPipe); M the memory limit.
 
-Variables:  n[s,k] ∈ ℤ≥0, τ ≥ 0 (slowest stage), σ ≥ 0 (slowest data-parallel sync).
+Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-parallel sync).
 
-  minimise    Σ_s T_s + (m − 1)·τ + σ                                   objective: `_objective`
-  T_s       = Σ_k n[s,k]·t_k + E_s + H_s + c·[s > 0] + c·[s < p − 1]    stage time: `_stage_time`
-  τ         ≥ T_s                                 ∀s                    `_add_bottleneck`
-  σ         ≥ (1 − overlap)·allreduce_dp(Σ_k n[s,k]·g_k + grads of E_s, H_s)   ∀s   `_add_sync`
-  Σ_{s,k} n[s,k] = N                                                    `_add_cover`
-  Σ_k n[s,k] ≥ 1                                  ∀ 0 < s < p − 1       `_add_cover`
-  Σ_k n[s,k]·(w_k + f_s·a_k) + static/activation bytes of E_s, H_s ≤ M   ∀s   `_add_memory`
+  minimise    α·Σ_s T_s + β·ρ + σ                                        `_objective`
+  T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1])   `_stage_time`
+  ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
+  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H)   ∀ r    `_add_sync`
+  Σ_{s,k} n[s,k] = N                                                     `_add_cover`
+  Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
+  Σ_{s on r} Σ_k n[s,k]·(w_k + φ_r·a_k) + E, H terms ≤ M   ∀ r           `_add_memory`
 
-Σ_s T_s + (m − 1)·τ is the 1F1B iteration time: one micro-batch flows through every stage, the
-other m − 1 are paced by the slowest stage. The all-reduce time is affine in bytes, so σ is linear.
-With objective="memory" the same constraints (without the memory cap) minimise the peak memory
-instead, which is how an infeasible request learns the smallest memory that would fit.
+(α, β) come from the schedule: 1F1B and GPipe (1, m − 1) — one micro-batch flows through every
+stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
+(0, m + (p − 1)/3), whose deferred weight-gradient work fills two thirds of the bubble. The data-
+parallel all-reduce time is affine in bytes (a: latency terms, b: exposed seconds per byte), so σ is
+linear. With objective="memory" the same constraints (without the memory cap) minimise the peak
+memory instead, which is how an infeasible request learns the smallest memory that would fit.
 """
 from __future__ import annotations
 
@@ -60,13 +66,32 @@ class StageProblem:
     options: tuple[BlockOption, ...]
     embed: EndLayer
     head: EndLayer
-    pp: int
-    microbatches: int
+    ranks: int                 # p
+    stages: int                # S = p·v
+    sum_weight: float          # α
+    max_weight: float          # β
     p2p_s: float
     memory_limit: float
     sync_alpha_s: float        # latency part of one data-parallel all-reduce (0 if dp == 1)
     sync_s_per_byte: float     # bandwidth part, exposed share included
-    inflight: tuple[int, ...]  # micro-batches alive per stage (schedule-dependent)
+    act_factor: tuple[float, ...]   # φ_r per rank
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> range:
+        return range(rank, self.stages, self.ranks)
+
+
+def schedule_weights(name: str, p: int, m: int, v: int = 1) -> tuple[float, float]:
+    """(α, β) of the objective for a schedule; see the module docstring."""
+    if name in ("1f1b", "gpipe"):
+        return 1.0, float(m - 1)
+    if name == "interleaved-1f1b":
+        return 0.0, m + (p - 1) / v
+    if name == "zb-h1":
+        return 0.0, m + (p - 1) / 3
+    raise ValueError(f"unknown schedule {name!r}")
 
 
 @dataclass(frozen=True)
@@ -81,50 +106,67 @@ class Solution:
 def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 30.0,
           solver: str = "highs") -> Solution:
     start = time.perf_counter()
-    if problem.blocks < max(0, problem.pp - 2):
+    if problem.blocks < max(0, problem.stages - 2):
         return Solution((), float("inf"), "infeasible", 0.0, 0.0)
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
-    p, options = problem.pp, problem.options
     n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, "Integer")
-         for s in range(p) for k in range(len(options))}
-    times = [_stage_time(problem, n, s) for s in range(p)]
-    mems = [_stage_memory(problem, n, s) for s in range(p)]
+         for s in range(problem.stages) for k in range(len(problem.options))}
+    times = [_stage_time(problem, n, s) for s in range(problem.stages)]
+    mems = [_rank_memory(problem, n, r) for r in range(problem.ranks)]
     _add_cover(prob, problem, n)
     if objective == "time":
-        tau = _add_bottleneck(prob, times)
+        rho = _add_bottleneck(prob, problem, times)
         sigma = _add_sync(prob, problem, n)
         _add_memory(prob, problem, mems)
-        prob += _objective(times, tau, sigma, problem.microbatches)
+        prob += _objective(problem, times, rho, sigma)
     else:
         peak = _var(prob, "peak")
-        for s, mem in enumerate(mems):
-            prob += peak >= mem, f"peak_{s}"
+        for r, mem in enumerate(mems):
+            prob += peak >= mem, f"peak_{r}"
         prob += peak
     status, gap = _run(prob, solver, time_limit_s)
     if status == "infeasible":
         return Solution((), float("inf"), status, 0.0, time.perf_counter() - start)
-    counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(options)))
-                   for s in range(p))
+    counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
+                   for s in range(problem.stages))
     return Solution(counts, pulp.value(prob.objective), status, gap, time.perf_counter() - start)
 
 
 def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
     """(iteration time, peak memory) of a block assignment, computed in plain Python from the
     same terms as the ILP: a brute-force enumeration over this checks the solver."""
-    p, opts = problem.pp, problem.options
-    times, mems, syncs = [], [], []
-    for s in range(p):
-        ends = _ends(problem, s)
-        f = problem.inflight[s]
-        t = sum(c * o.time_s for c, o in zip(counts[s], opts)) + sum(e.time_s for e in ends)
-        times.append(t + problem.p2p_s * ((s > 0) + (s < p - 1)))
-        mems.append(sum(c * (o.static_bytes + f * o.act_bytes) for c, o in zip(counts[s], opts))
-                    + sum(e.static_bytes + f * e.act_bytes for e in ends))
-        grads = sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
-        grads += sum(e.grad_bytes for e in ends)
-        syncs.append(problem.sync_alpha_s + problem.sync_s_per_byte * grads
-                     if problem.sync_s_per_byte or problem.sync_alpha_s else 0.0)
-    return sum(times) + (problem.microbatches - 1) * max(times) + max(syncs), max(mems)
+    opts = problem.options
+    times = [stage_time(problem, counts, s) for s in range(problem.stages)]
+    rank_times, mems, syncs = [], [], []
+    for r in range(problem.ranks):
+        rank_times.append(sum(times[s] for s in problem.stages_of(r)))
+        phi, mem, grads = problem.act_factor[r], 0.0, 0.0
+        for s in problem.stages_of(r):
+            ends = _ends(problem, s)
+            mem += sum(c * (o.static_bytes + phi * o.act_bytes) for c, o in zip(counts[s], opts))
+            mem += sum(e.static_bytes + phi * e.act_bytes for e in ends)
+            grads += sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
+            grads += sum(e.grad_bytes for e in ends)
+        mems.append(mem)
+        syncs.append(_sync_time(problem, grads))
+    iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times)
+    return iteration + max(syncs), max(mems)
+
+
+def stage_time(problem: StageProblem, counts, s: int) -> float:
+    """T_s for a concrete assignment (seconds per micro-batch, p2p included)."""
+    t = sum(c * o.time_s for c, o in zip(counts[s], problem.options))
+    return t + sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s)
+
+
+def _sync_time(problem: StageProblem, grad_bytes: float) -> float:
+    if problem.sync_alpha_s == 0 and problem.sync_s_per_byte == 0:
+        return 0.0
+    return problem.sync_alpha_s + problem.sync_s_per_byte * grad_bytes
+
+
+def _p2p(problem: StageProblem, s: int) -> float:
+    return problem.p2p_s * ((s > 0) + (s < problem.stages - 1))
 
 
 def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
@@ -134,59 +176,64 @@ def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
     return pulp.LpVariable(name, 0, upper, cat=cat)
 
 
+def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
+    return ([problem.embed] if s == 0 else []) + ([problem.head] if s == problem.stages - 1 else [])
+
+
 def _stage_time(problem: StageProblem, n, s: int):
-    p, c = problem.pp, problem.p2p_s
-    fixed = (problem.embed.time_s if s == 0 else 0) + (problem.head.time_s if s == p - 1 else 0)
-    fixed += c * (s > 0) + c * (s < p - 1)
+    fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s)
     return pulp.lpSum(n[s, k] * o.time_s for k, o in enumerate(problem.options)) + fixed
 
 
-def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
-    return ([problem.embed] if s == 0 else []) + ([problem.head] if s == problem.pp - 1 else [])
-
-
-def _stage_memory(problem: StageProblem, n, s: int):
-    f = problem.inflight[s]
-    fixed = sum(e.static_bytes + f * e.act_bytes for e in _ends(problem, s))
-    return pulp.lpSum(n[s, k] * (o.static_bytes + f * o.act_bytes)
-                      for k, o in enumerate(problem.options)) + fixed
+def _rank_memory(problem: StageProblem, n, r: int):
+    phi = problem.act_factor[r]
+    terms = []
+    for s in problem.stages_of(r):
+        terms += [n[s, k] * (o.static_bytes + phi * o.act_bytes)
+                  for k, o in enumerate(problem.options)]
+        terms += [e.static_bytes + phi * e.act_bytes for e in _ends(problem, s)]
+    return pulp.lpSum(terms)
 
 
 def _add_cover(prob, problem: StageProblem, n) -> None:
     prob += pulp.lpSum(n.values()) == problem.blocks, "all_blocks_placed"
-    for s in range(1, problem.pp - 1):
+    for s in range(1, problem.stages - 1):
         prob += pulp.lpSum(n[s, k] for k in range(len(problem.options))) >= 1, f"nonempty_{s}"
 
 
-def _add_bottleneck(prob, times):
-    tau = _var(prob, "tau")
-    for s, t in enumerate(times):
-        prob += tau >= t, f"bottleneck_{s}"
-    return tau
+def _add_bottleneck(prob, problem: StageProblem, times):
+    rho = _var(prob, "rho")
+    for r in range(problem.ranks):
+        prob += rho >= pulp.lpSum(times[s] for s in problem.stages_of(r)), f"bottleneck_{r}"
+    return rho
 
 
 def _add_sync(prob, problem: StageProblem, n):
     sigma = _var(prob, "sigma")
     if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0:
         return sigma
-    for s in range(problem.pp):
-        grads = pulp.lpSum(n[s, k] * o.grad_bytes for k, o in enumerate(problem.options))
-        grads += sum(e.grad_bytes for e in _ends(problem, s))
-        prob += sigma >= problem.sync_alpha_s + problem.sync_s_per_byte * grads, f"sync_{s}"
+    for r in range(problem.ranks):
+        grads = []
+        for s in problem.stages_of(r):
+            grads += [n[s, k] * o.grad_bytes for k, o in enumerate(problem.options)]
+            grads += [e.grad_bytes for e in _ends(problem, s)]
+        prob += sigma >= problem.sync_alpha_s + problem.sync_s_per_byte * pulp.lpSum(grads), \
+            f"sync_{r}"
     return sigma
 
 
 def _add_memory(prob, problem: StageProblem, mems) -> None:
-    for s, mem in enumerate(mems):
-        prob += mem <= problem.memory_limit, f"memory_{s}"
+    for r, mem in enumerate(mems):
+        prob += mem <= problem.memory_limit, f"memory_{r}"
 
 
-def _objective(times, tau, sigma, m: int):
-    return pulp.lpSum(times) + (m - 1) * tau + sigma
+def _objective(problem: StageProblem, times, rho, sigma):
+    return problem.sum_weight * pulp.lpSum(times) + problem.max_weight * rho + sigma
 
 
 def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float) -> tuple[str, float]:
-    """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it)."""
+    """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it).
+    HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback."""
     if solver == "highs" and pulp.HiGHS().available():
         backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
     else:

@@ -55,6 +55,7 @@ class Plan:
     predicted: Predicted
     notes: tuple[str, ...] = ()
     solver: str = ""
+    virtual_stages: int = 1            # stages per rank (interleaved schedules)
 
     def layout(self) -> Layout:
         strategies = tuple((layer, s) for st in self.stages
@@ -84,12 +85,13 @@ class Plan:
         p = self.predicted
         head = [
             f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster})",
-            f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}   schedule {self.schedule}   "
+            f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}   schedule {self.schedule}"
+            f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}   "
             f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
             f"micro-batches x {self.micro_batch}   seq {self.seq}",
         ]
         unit, scale = ("GiB", GiB) if p.peak_memory_bytes >= GiB else ("MiB", 2**20)
-        rows = [[s, _span(st.layers), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
+        rows = [[f"{s} (rank {s % self.pp})" if self.virtual_stages > 1 else s, _span(st.layers), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
                  *(_size(b, scale) for b in (st.param_bytes, st.optimizer_bytes,
                                              st.activation_bytes, st.memory_bytes))]
                 for s, st in enumerate(self.stages)]

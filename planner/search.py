@@ -1,27 +1,29 @@
-"""The outer search: every mesh (dp, tp, pp) and micro-batching, each solved by the stage ILP.
+"""The outer search: every mesh (dp, tp, pp), micro-batching and schedule, each solved by the
+stage ILP (planner.ilp).
 
 Configurations are visited in order of a lower bound on their iteration time (perfectly balanced
-stages, cheapest strategy everywhere) and skipped once the bound cannot beat the k-th best plan.
+stages, the cheapest strategy everywhere, no communication) and the search stops once the bound
+cannot beat the k-th best plan found — exact for the best plan, since every skipped configuration
+is provably slower. Strategies that another strategy beats on time, memory and gradient bytes at
+once are pruned before the ILP sees them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from cost_model.cluster import Cluster
 from cost_model.comm import collective_time
-from cost_model.layer_cost import LayerCost, price, profile_layer
+from cost_model.layer_cost import LayerCost, price
 from cost_model.strategy import Strategy, strategy_space
-from passes.capture import Captured
-from passes.tensor_parallel import ShardingError
 from planner import ilp
+from planner.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
 from planner.plan import Plan, Predicted, StagePlan
+from runtime.generators import peak_inflight
 
-
-class PlanningError(ValueError):
-    """No plan satisfies the request; the message says what would."""
+# (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+FIX_KEYS = ("dp", "tp", "pp", "mb", "v", "schedule", "strategy", "recompute")
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,10 @@ class Request:
     memory_limit: float
     model_name: str = "model"
     fix: dict = field(default_factory=dict)
-    schedule: str = "1f1b"
     top_k: int = 5
     runnable_only: bool = True
     time_limit_s: float = 30.0
+    schedules: tuple[tuple[str, int], ...] = SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -46,52 +48,42 @@ class Candidate:
     pp: int
     micro_batch: int
     microbatches: int
+    schedule: str
+    v: int
     lower_bound: float
-
-
-class ModelCosts:
-    """Layer profiles of one captured model, with its block count, priced on demand."""
-
-    def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int):
-        signatures = {b.signature for b in captured.blocks}
-        if len(signatures) > 1:
-            raise PlanningError("the model's repeated blocks differ in structure or shape; "
-                                "fxpar plans chains of identical blocks")
-        self.captured = captured
-        self.num_blocks = num_blocks
-        self.dtype_bytes = dtype_bytes
-        self.block = captured.blocks[0]
-        self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers if l.kind != "block"}
-        self._profiles = {1: profile_layer(captured, self.block)}
-        self.tp_errors: dict[int, str] = {}
-
-    def block_profile(self, tp: int):
-        if tp not in self._profiles and tp not in self.tp_errors:
-            try:
-                self._profiles[tp] = profile_layer(self.captured, self.block, tp)
-            except ShardingError as err:
-                self.tp_errors[tp] = str(err)
-        return self._profiles.get(tp)
-
-    def static_bytes(self, params: int) -> tuple[float, float]:
-        """(weights + gradients, optimizer states): mixed-precision Adam keeps fp32 master weights
-        and two fp32 moments for 16-bit models; plain Adam keeps two moments."""
-        opt = 12 if self.dtype_bytes < 4 else 8
-        return 2.0 * self.dtype_bytes * params, float(opt * params)
-
-
-def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
-    sizes = [t for t in _divisors(gpus) if cluster.device == "cpu" or t <= cluster.gpus_per_node]
-    return [t for t in sizes if t == 1 or costs.block_profile(t) is not None]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
-    result = []
+def check_fix(fix: dict) -> None:
+    unknown = sorted(set(fix) - set(FIX_KEYS))
+    if unknown:
+        raise ValueError(f"unknown fixed setting(s) {unknown}; known: {', '.join(FIX_KEYS)}")
+
+
+def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
+    """tp sizes that divide the GPUs, stay inside a node on GPU clusters, and divide the model."""
+    sizes = [t for t in _divisors(gpus) if cluster.device == "cpu" or t <= cluster.gpus_per_node]
+    return [t for t in sizes if t == 1 or costs.block_profile(t) is not None]
+
+
+def _schedules(req: Request, pp: int, m: int, blocks: int):
     fix = req.fix
+    options = [(fix["schedule"], fix.get("v", 1))] if "schedule" in fix else list(req.schedules)
+    for name, v in options:
+        if "v" in fix and "schedule" not in fix and fix["v"] != v:
+            continue
+        if pp == 1 and (name != options[0][0] or v > 1):
+            continue  # without a pipeline every schedule is the same
+        if name == "interleaved-1f1b" and (m % pp or pp * v > blocks + 2):
+            continue
+        yield name, v
+
+
+def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
+    fix, result = req.fix, []
     for tp in tp_sizes(costs, req.gpus, req.cluster):
         for pp in _divisors(req.gpus // tp):
             dp = req.gpus // (tp * pp)
@@ -103,66 +95,72 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
                 if "mb" in fix and fix["mb"] != b:
                     continue
                 m = req.global_batch // (dp * b)
-                result.append(Candidate(dp, tp, pp, b, m, _lower_bound(costs, req, tp, pp, b, m)))
-    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp))
+                for name, v in _schedules(req, pp, m, costs.num_blocks):
+                    bound = _lower_bound(costs, req, tp, pp, b, m, name, v)
+                    result.append(Candidate(dp, tp, pp, b, m, name, v, bound))
+    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.v))
 
 
-def _block_costs(costs: ModelCosts, req: Request, tp: int, b: int) -> list[LayerCost]:
-    out = []
+def _strategies(req: Request, tp: int) -> list[Strategy]:
     space = strategy_space(tp, req.runnable_only)
     if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
-        space = [Strategy.parse(req.fix["strategy"])]
-        if space[0].tp and tp == 1:
-            space = [Strategy(False, False, space[0].recompute)]
-    for strategy in space:
-        profile = costs.block_profile(tp if strategy.tp else 1)
-        out.append(price(profile, strategy, b, req.cluster, tp))
-    return out
+        fixed = Strategy.parse(req.fix["strategy"])
+        space = [fixed if tp > 1 or not fixed.tp else Strategy(recompute=fixed.recompute)]
+    if "recompute" in req.fix:
+        space = [s for s in space if s.recompute == req.fix["recompute"]] or \
+                [Strategy(recompute=req.fix["recompute"])]
+    return space
 
 
-def _end_cost(costs: ModelCosts, req: Request, kind: str, b: int) -> LayerCost | None:
-    profile = costs.ends.get(kind)
-    return price(profile, Strategy(), b, req.cluster) if profile else None
+def block_costs(costs: ModelCosts, req: Request, tp: int, b: int) -> list[LayerCost]:
+    return [costs.price_block(s, b, req.cluster, tp) for s in _strategies(req, tp)]
 
 
-def _lower_bound(costs, req, tp, pp, b, m) -> float:
-    cheapest = min(c.fwd_s + c.bwd_s for c in _block_costs(costs, req, tp, b))
-    ends = sum(c.fwd_s + c.bwd_s for c in (_end_cost(costs, req, k, b) for k in ("embed", "head"))
-               if c)
+def _lower_bound(costs, req, tp, pp, b, m, schedule, v) -> float:
+    cheapest = min(c.fwd_s + c.bwd_s for c in block_costs(costs, req, tp, b))
+    ends = sum(c.fwd_s + c.bwd_s for c in costs.end_costs(b, req.cluster))
     total = costs.num_blocks * cheapest + ends
-    return total + (m - 1) * total / pp
+    alpha, beta = ilp.schedule_weights(schedule, pp, m, v)
+    return alpha * total + beta * total / pp
 
 
-def _end_layer(costs: ModelCosts, cost: LayerCost | None) -> ilp.EndLayer:
-    if cost is None:
-        return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
-    weights, opt = costs.static_bytes(cost.params)
-    return ilp.EndLayer(cost.fwd_s + cost.bwd_s, weights + opt, cost.act_bytes,
-                        cost.params * costs.dtype_bytes)
+def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
+    """Indices of options no other option beats (≤ on every term, < on one)."""
+    def key(o):
+        return (o.time_s, o.static_bytes, o.act_bytes, o.grad_bytes)
+    keep = []
+    for i, o in enumerate(options):
+        dominated = any(all(a <= b for a, b in zip(key(q), key(o))) and key(q) != key(o)
+                        or (key(q) == key(o) and j < i) for j, q in enumerate(options))
+        if not dominated:
+            keep.append(i)
+    return keep
 
 
 def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: float):
-    blocks = _block_costs(costs, req, c.tp, c.micro_batch)
-    options = []
-    for cost in blocks:
-        weights, opt = costs.static_bytes(cost.params)
-        options.append(ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s, weights + opt,
-                                       cost.act_bytes, cost.params * costs.dtype_bytes))
-    boundary = costs._profiles[1].output_bytes * c.micro_batch / costs._profiles[1].batch
+    """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option."""
+    blocks = block_costs(costs, req, c.tp, c.micro_batch)
+    options = [costs.block_option(cost) for cost in blocks]
+    keep = _prune_dominated(options)
+    options, blocks = [options[i] for i in keep], [blocks[i] for i in keep]
+    embed, head = (costs.end_layer(cost) for cost in costs.end_costs(c.micro_batch, req.cluster,
+                                                                      padded=True))
+    boundary = costs.boundary_bytes(c.micro_batch)
     p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=c.tp * c.dp)
     alpha = collective_time(req.cluster, "all_reduce", 0.0, c.dp, stride=c.tp)
     slope = (collective_time(req.cluster, "all_reduce", 2.0**30, c.dp, stride=c.tp) - alpha) / 2**30
     exposed = 1.0 - req.cluster.dp_overlap
+    weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
+    phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
     problem = ilp.StageProblem(
-        costs.num_blocks, tuple(options), _end_layer(costs, _end_cost(costs, req, "embed", c.micro_batch)),
-        _end_layer(costs, _end_cost(costs, req, "head", c.micro_batch)), c.pp, c.microbatches,
-        p2p if c.pp > 1 else 0.0, memory_limit, alpha * exposed, slope * exposed,
-        tuple(min(c.pp - s, c.microbatches) for s in range(c.pp)))
+        costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v, *weights,
+        p2p if c.pp > 1 else 0.0, memory_limit, alpha * exposed, slope * exposed, phi)
     return problem, blocks
 
 
 def search(costs: ModelCosts, req: Request) -> list[Plan]:
     """The best plans, fastest first (at most req.top_k)."""
+    check_fix(req.fix)
     found: list[Plan] = []
     for cand in candidates(costs, req):
         if len(found) >= req.top_k and cand.lower_bound >= found[-1].predicted.iteration_s:
@@ -189,79 +187,60 @@ def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate |
 
 
 def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
-    stages, block_index = [], 0
+    stages, index = [], 0
+    prefix = costs.block_prefix
     for s, counts in enumerate(solution.counts):
-        names, strategies = (["embed"] if s == 0 and "embed" in costs.ends else []), []
-        strategies += ["none"] * len(names)
+        names = ["embed"] if s == 0 and costs.has("embed") else []
+        strategies = ["vocab-tp" if costs.vocab_parallel(cand.tp) else "none"] * len(names)
         for k, count in enumerate(counts):
-            names += [f"{costs.block.name.rsplit('.', 1)[0]}.{block_index + i}" for i in range(count)]
+            names += [f"{prefix}.{index + i}" for i in range(count)]
             strategies += [problem.options[k].name] * count
-            block_index += count
-        if s == cand.pp - 1 and "head" in costs.ends:
+            index += count
+        if s == problem.stages - 1 and costs.has("head"):
             names.append("head")
-            strategies.append("none")
-        stages.append(_stage_plan(costs, problem, blocks, s, counts, tuple(names), tuple(strategies)))
+            strategies.append("vocab-tp" if costs.vocab_parallel(cand.tp) else "none")
+        stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies)))
     return Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
-                cand.micro_batch, cand.microbatches, req.global_batch, req.seq, req.schedule,
-                req.memory_limit, tuple(stages), _predict(costs, req, cand, problem, blocks, stages),
-                _notes(costs), f"{solution.status}, gap {solution.gap:.2%}, {solution.seconds:.2f} s")
+                cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
+                req.memory_limit, tuple(stages), _predict(costs, req, cand, problem, blocks,
+                                                          solution.counts),
+                costs.notes(), f"{solution.status}, gap {solution.gap:.2%}, "
+                               f"{solution.seconds:.2f} s", cand.v)
 
 
-def _stage_plan(costs, problem, blocks, s, counts, names, strategies) -> StagePlan:
-    f = problem.inflight[s]
+def _stage_plan(costs, problem, s, counts, names, strategies) -> StagePlan:
+    phi = problem.act_factor[problem.rank_of(s)]
     ends = ilp._ends(problem, s)
-    time_s = sum(c * o.time_s for c, o in zip(counts, problem.options)) + sum(e.time_s for e in ends)
-    params = sum(c * b.params for c, b in zip(counts, blocks))
-    params += sum(e.grad_bytes / costs.dtype_bytes for e in ends)
-    weights, opt = costs.static_bytes(int(params))
-    act = f * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
-               + sum(e.act_bytes for e in ends))
-    return StagePlan(names, strategies, time_s, weights, opt, act)
+    static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
+    static += sum(e.static_bytes for e in ends)
+    weights, opt = costs.split_static(static)
+    act = phi * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
+                 + sum(e.act_bytes for e in ends))
+    return StagePlan(names, strategies, _time_of(problem, counts, s), weights, opt, act)
 
 
-def _predict(costs, req, cand, problem, blocks, stages) -> Predicted:
-    m, p = cand.microbatches, cand.pp
-    times = [st.time_s + problem.p2p_s * ((s > 0) + (s < p - 1)) for s, st in enumerate(stages)]
-    tau = max(times)
-    sync = max(problem.sync_alpha_s + problem.sync_s_per_byte * costs.dtype_bytes *
-               (st.param_bytes / (2 * costs.dtype_bytes)) for st in stages) if cand.dp > 1 else 0.0
-    iteration = sum(times) + (m - 1) * tau + sync
-    bottleneck = stages[times.index(tau)]
-    comm_per_mb = sum(b.comm_s for b, name in zip(blocks, [str(b.strategy) for b in blocks])
-                      for _ in range(bottleneck.strategies.count(name)))
-    comm_per_mb += problem.p2p_s * ((p > 1) + (p > 2))
-    bubble = max(iteration - m * tau - sync, 0.0)  # rounding can leave -1e-19
-    model_flops = req.global_batch * _flops_per_sample(costs)
-    return Predicted(iteration, m * (tau - comm_per_mb), m * comm_per_mb + sync, bubble,
-                     bubble / (m * tau), max(st.memory_bytes for st in stages),
-                     req.global_batch * req.seq / iteration,
-                     model_flops / iteration / req.gpus / 1e12)
+def _time_of(problem, counts, s) -> float:
+    padded = [()] * problem.stages
+    padded[s] = counts
+    return ilp.stage_time(problem, padded, s)
 
 
-def _flops_per_sample(costs: ModelCosts) -> float:
-    one = costs._profiles[1]
-    per = price(one, Strategy(), one.batch, _FLOP_ONLY).model_flops / one.batch
-    ends = sum(price(p, Strategy(), p.batch, _FLOP_ONLY).model_flops / p.batch
-               for p in costs.ends.values())
-    return costs.num_blocks * per + ends
-
-
-def _notes(costs: ModelCosts) -> tuple[str, ...]:
-    if costs.tp_errors and not any(t > 1 for t in costs._profiles):
-        first = min(costs.tp_errors)
-        return (f"planned without tensor parallelism: no tp size above 1 divides the model "
-                f"({costs.tp_errors[first]})",)
-    return ()
-
-
-def _cluster_for_flops() -> Cluster:
-    from cost_model.cluster import get_cluster
-    return get_cluster("cpu-gloo")
-
-
-_FLOP_ONLY = _cluster_for_flops()
-
-
-def dtype_bytes(model: torch.nn.Module) -> int:
-    param = next(model.parameters(), None)
-    return param.element_size() if param is not None else 4
+def _predict(costs, req, cand, problem, blocks, counts) -> Predicted:
+    iteration, peak = ilp.evaluate(problem, counts)
+    m = cand.microbatches
+    rank_times = [sum(_time_of(problem, counts[s], s) for s in problem.stages_of(r))
+                  for r in range(problem.ranks)]
+    busiest = rank_times.index(max(rank_times))
+    comm = {o.name: b.comm_s for o, b in zip(problem.options, blocks)}
+    comm_per_mb = sum(c * comm[o.name] for s in problem.stages_of(busiest)
+                      for c, o in zip(counts[s], problem.options))
+    comm_per_mb += sum(ilp._p2p(problem, s) for s in problem.stages_of(busiest))
+    busy = m * max(rank_times)
+    sync = iteration - problem.sum_weight * sum(_time_of(problem, counts[s], s)
+                                                for s in range(problem.stages)) \
+        - problem.max_weight * max(rank_times)
+    bubble = max(iteration - busy - sync, 0.0)  # rounding can leave -1e-19
+    flops = req.global_batch * costs.flops_per_sample()
+    return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + sync, bubble,
+                     bubble / busy, peak, req.global_batch * req.seq / iteration,
+                     flops / iteration / req.gpus / 1e12)

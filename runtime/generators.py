@@ -160,3 +160,17 @@ def _with_comms(compute_only: Schedule) -> Schedule:
             row.append(action)
         rows.append(row)
     return Schedule(sched.name, sched.num_ranks, sched.num_stages, sched.num_microbatches, rows)
+
+
+def peak_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per rank, the most (stage, micro-batch) activation sets alive at once under each generator
+    (the simulator's count, in closed form so the planner need not simulate)."""
+    if name == "gpipe":
+        return tuple(m * v for _ in range(p))
+    if name == "1f1b":
+        return tuple(min(p - r, m) for r in range(p))
+    if name == "zb-h1":  # each W trails its I by r micro-batches: p alive on every rank
+        return tuple(min(p, m) for _ in range(p))
+    if name == "interleaved-1f1b":
+        return tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
+    raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")

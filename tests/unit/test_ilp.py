@@ -6,6 +6,7 @@ import random
 import pytest
 
 from planner import ilp
+from runtime.generators import peak_inflight
 
 
 def _compositions(total: int, parts: int, minimum: list[int]):
@@ -19,37 +20,46 @@ def _compositions(total: int, parts: int, minimum: list[int]):
             yield (first,) + rest
 
 
-def brute_force(problem: ilp.StageProblem) -> float:
-    """Every contiguous stage split and every per-block strategy, best feasible time."""
-    p, k = problem.pp, len(problem.options)
-    minimum = [0 if s in (0, p - 1) else 1 for s in range(p)]
-    best = math.inf
-    for sizes in _compositions(problem.blocks, p, minimum):
+def _assignments(problem: ilp.StageProblem):
+    """Every contiguous stage split and every per-block strategy, as per-stage counts."""
+    S, k = problem.stages, len(problem.options)
+    minimum = [0 if s in (0, S - 1) else 1 for s in range(S)]
+    for sizes in _compositions(problem.blocks, S, minimum):
         for choice in itertools.product(range(k), repeat=problem.blocks):
             counts, pos = [], 0
             for size in sizes:
                 counts.append(tuple(choice[pos:pos + size].count(j) for j in range(k)))
                 pos += size
-            time_s, peak = ilp.evaluate(problem, counts)
-            if peak <= problem.memory_limit:
-                best = min(best, time_s)
+            yield counts
+
+
+def brute_force(problem: ilp.StageProblem) -> float:
+    best = math.inf
+    for counts in _assignments(problem):
+        time_s, peak = ilp.evaluate(problem, counts)
+        if peak <= problem.memory_limit:
+            best = min(best, time_s)
     return best
 
 
 def random_problem(rng: random.Random) -> ilp.StageProblem:
-    blocks, pp = rng.randint(1, 6), rng.randint(1, 4)
-    m = rng.randint(1, 6)
+    p, v = rng.randint(1, 3), rng.choice([1, 1, 2])
+    name = rng.choice(["1f1b", "gpipe", "zb-h1"]) if v == 1 else "interleaved-1f1b"
+    m = p * rng.randint(1, 3)
+    blocks = rng.randint(max(1, p * v - 2), 6)
     options = tuple(ilp.BlockOption(f"s{j}", rng.uniform(1, 3), rng.uniform(1, 4),
                                     rng.uniform(0.1, 1), rng.uniform(0.5, 2))
                     for j in range(rng.randint(1, 3)))
     end = lambda: ilp.EndLayer(rng.uniform(0, 2), rng.uniform(0, 2), rng.uniform(0, .5),  # noqa
                                rng.uniform(0, 1))
-    return ilp.StageProblem(blocks, options, end(), end(), pp, m, rng.uniform(0, .5),
-                            rng.uniform(4, 20), rng.choice([0.0, 0.3]), rng.uniform(0, .2),
-                            tuple(min(pp - s, m) for s in range(pp)))
+    alpha, beta = ilp.schedule_weights(name, p, m, v)
+    phi = tuple(f / v for f in peak_inflight(name, p, m, v))
+    return ilp.StageProblem(blocks, options, end(), end(), p, p * v, alpha, beta,
+                            rng.uniform(0, .5), rng.uniform(4, 20), rng.choice([0.0, 0.3]),
+                            rng.uniform(0, .2), phi)
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(80))
 def test_ilp_matches_brute_force(seed):
     problem = random_problem(random.Random(seed))
     expected = brute_force(problem)
@@ -65,20 +75,12 @@ def test_ilp_matches_brute_force(seed):
 def test_memory_objective_finds_the_smallest_peak():
     problem = random_problem(random.Random(7))
     solution = ilp.solve(problem, objective="memory")
-    peaks = []
-    p, k = problem.pp, len(problem.options)
-    for sizes in _compositions(problem.blocks, p, [0 if s in (0, p - 1) else 1 for s in range(p)]):
-        for choice in itertools.product(range(k), repeat=problem.blocks):
-            counts, pos = [], 0
-            for size in sizes:
-                counts.append(tuple(choice[pos:pos + size].count(j) for j in range(k)))
-                pos += size
-            peaks.append(ilp.evaluate(problem, counts)[1])
+    peaks = [ilp.evaluate(problem, counts)[1] for counts in _assignments(problem)]
     assert solution.objective == pytest.approx(min(peaks), rel=1e-6)
 
 
 def test_too_few_blocks_for_the_stages_is_infeasible():
     problem = random_problem(random.Random(3))
-    problem = ilp.StageProblem(**{**problem.__dict__, "blocks": 1, "pp": 4,
-                                  "inflight": (4, 3, 2, 1)})
+    problem = ilp.StageProblem(**{**problem.__dict__, "blocks": 1, "ranks": 4, "stages": 4,
+                                  "act_factor": (4, 3, 2, 1)})
     assert ilp.solve(problem).status == "infeasible"

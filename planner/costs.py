@@ -1,0 +1,109 @@
+"""A captured model's layer profiles, priced on demand for the search: the bridge between the
+cost model (per layer, per strategy) and the ILP's plain numbers."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from cost_model.cluster import Cluster
+from cost_model.layer_cost import LayerCost, LayerProfile, price, profile_layer
+from cost_model.strategy import Strategy
+from passes.capture import Captured
+from passes.tensor_parallel import ShardingError
+from planner import ilp
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request; the message says what would."""
+
+
+class ModelCosts:
+    """Layer profiles of one captured model whose repeated block occurs `num_blocks` times.
+
+    Memory of parameters follows the training precision: a 16-bit model is trained with
+    mixed-precision Adam (16-bit weights and gradients, fp32 master weights and two fp32 moments:
+    2 + 2 + 12 bytes per parameter); an fp32 model with plain Adam (4 + 4 + 8).
+    """
+
+    def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int):
+        signatures = {b.signature for b in captured.blocks}
+        if not captured.blocks:
+            raise PlanningError("found no repeated blocks (an nn.ModuleList of identical modules) "
+                                "to distribute")
+        if len(signatures) > 1:
+            raise PlanningError("the model's repeated blocks differ in structure or shape; "
+                                "fxpar plans chains of identical blocks")
+        self.captured = captured
+        self.num_blocks = num_blocks
+        self.dtype_bytes = dtype_bytes
+        self.block = captured.blocks[0]
+        self.block_prefix = self.block.name.rsplit(".", 1)[0]
+        self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
+                     if l.kind != "block"}
+        self._profiles: dict[int, LayerProfile] = {1: profile_layer(captured, self.block)}
+        self.tp_errors: dict[int, str] = {}
+        self._price = lru_cache(maxsize=None)(self._price_uncached)
+
+    def has(self, kind: str) -> bool:
+        return kind in self.ends
+
+    def block_profile(self, tp: int) -> LayerProfile | None:
+        """The block rewritten for tensor-parallel size tp, or None when it does not divide."""
+        if tp not in self._profiles and tp not in self.tp_errors:
+            try:
+                self._profiles[tp] = profile_layer(self.captured, self.block, tp)
+            except ShardingError as err:
+                self.tp_errors[tp] = str(err)
+        return self._profiles.get(tp)
+
+    def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
+                    tp: int) -> LayerCost:
+        return self._price(strategy, micro_batch, cluster, tp)
+
+    def _price_uncached(self, strategy, micro_batch, cluster, tp) -> LayerCost:
+        return price(self.block_profile(tp if strategy.tp else 1), strategy, micro_batch,
+                     cluster, tp)
+
+    def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False):
+        """LayerCosts of embed and head (None for a missing one when padded)."""
+        costs = [price(self.ends[k], Strategy(), micro_batch, cluster) if k in self.ends
+                 else None for k in ("embed", "head")]
+        return costs if padded else [c for c in costs if c is not None]
+
+    def vocab_parallel(self, tp: int) -> bool:
+        """Embed and head stay replicated until the vocab-parallel rewrite is priced."""
+        return False
+
+    def static_per_param(self) -> tuple[int, int]:
+        """(weight + gradient bytes, optimizer bytes) per parameter."""
+        return 2 * self.dtype_bytes, (12 if self.dtype_bytes < 4 else 8)
+
+    def split_static(self, static_bytes: float) -> tuple[float, float]:
+        weights, opt = self.static_per_param()
+        return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
+
+    def block_option(self, cost: LayerCost) -> ilp.BlockOption:
+        return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s,
+                               cost.params * sum(self.static_per_param()), cost.act_bytes,
+                               cost.params * self.dtype_bytes)
+
+    def end_layer(self, cost: LayerCost | None) -> ilp.EndLayer:
+        if cost is None:
+            return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
+        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * sum(self.static_per_param()),
+                            cost.act_bytes, cost.params * self.dtype_bytes)
+
+    def boundary_bytes(self, micro_batch: int) -> float:
+        one = self._profiles[1]
+        return one.output_bytes * micro_batch / one.batch
+
+    def flops_per_sample(self) -> float:
+        """Model FLOPs (forward + backward, no recompute) of one sample."""
+        profiles = [self._profiles[1]] * self.num_blocks + list(self.ends.values())
+        return sum(sum(op.fwd_flops + op.bwd_flops for op in p.ops) / p.batch for p in profiles)
+
+    def notes(self) -> tuple[str, ...]:
+        if self.tp_errors and not any(t > 1 for t in self._profiles):
+            first = min(self.tp_errors)
+            return (f"planned without tensor parallelism: no tp size above 1 divides the model "
+                    f"({self.tp_errors[first]})",)
+        return ()
