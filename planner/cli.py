@@ -10,8 +10,11 @@ from planner.plan import GiB
 
 EXAMPLES = {
     "plan": "examples:\n  fxpar plan --model gpt3-175b --gpus 1024 --cluster a100-80g-dgx\n"
-            "  fxpar plan --model llama2-7b --gpus 64 --json\n"
-            "  fxpar plan --model gpt2-xl --gpus 8 --fix tp=2,pp=4 --memory-limit 40",
+            "  fxpar plan --model llama2-7b --gpus 64 --json > a.json\n"
+            "  fxpar plan --model llama2-7b --gpus 64 --fix tp=8,pp=8,dp=1,mb=1,strategy=tp "
+            "--json > b.json\n"
+            "  fxpar plan --diff a.json b.json\n"
+            "  fxpar plan --model gpt2-xl --gpus 8 --explain --memory-limit 40",
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
 }
@@ -19,18 +22,19 @@ EXAMPLES = {
 
 def _fix(text: str) -> dict:
     """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}"""
-    known = {"tp", "pp", "dp", "mb"}
+    numbers, words = {"tp", "pp", "dp", "mb", "v"}, {"strategy", "recompute", "schedule"}
     result: dict = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        if key == "strategy" and value:
+        if key in words and value:
             result[key] = value
-        elif key in known and value.isdigit() and int(value) >= 1:
+        elif key in numbers and value.isdigit() and int(value) >= 1:
             result[key] = int(value)
         else:
             raise argparse.ArgumentTypeError(
-                f"bad --fix item {item!r}: use key=positive-int with keys {sorted(known)}, "
-                f"or strategy=none|tp|...")
+                f"bad --fix item {item!r}: use {'/'.join(sorted(numbers))}=positive-int, "
+                f"strategy=none|tp|tp+sp|..., recompute=none|selective|full, "
+                f"schedule=1f1b|gpipe|interleaved-1f1b|zb-h1")
     return result
 
 
@@ -40,9 +44,11 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help="preset name (see --list-models)")
-    p.add_argument("--gpus", type=_positive_int, required=True, help="number of devices")
+def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", default=None if not required else "gpt-tiny",
+                   help="preset: gpt-tiny, gpt2-small, gpt2-xl, gpt3-175b, llama-tiny, "
+                        "llama2-7b, llama2-70b")
+    p.add_argument("--gpus", type=_positive_int, required=required, help="number of devices")
     p.add_argument("--cluster", default=None,
                    help="cluster preset (cpu-gloo, a100-80g-dgx, h100-sxm-dgx, h200-sxm-dgx) "
                         "or a profile JSON written by `fxpar calibrate`")
@@ -69,15 +75,36 @@ def _plans(args, top_k: int = 5):
                 memory_limit=limit, fix=args.fix, top_k=top_k)
 
 
+def _load_plan(path: str):
+    from planner.plan import Plan
+    try:
+        with open(path) as f:
+            return Plan.from_json(json.load(f))
+    except OSError as err:
+        raise ValueError(f"cannot read plan file {path}: {err.strerror}") from err
+    except (json.JSONDecodeError, TypeError, KeyError) as err:
+        raise ValueError(f"{path} is not a plan written by `fxpar plan --json`: {err}") from err
+
+
 def cmd_plan(args) -> int:
+    from planner.explain import diff, explain
+    if args.diff:
+        a, b = (_load_plan(p) for p in args.diff)
+        print(diff(a, b, tuple(args.diff)))
+        return 0
+    if args.model is None or args.gpus is None:
+        raise ValueError("fxpar plan needs --model and --gpus (or --diff A.json B.json)")
     start = time.perf_counter()
-    best = _plans(args)[0]
+    plans = _plans(args, top_k=args.top_k)
+    best = plans[0]
     if args.json:
-        data = best.to_json()
-        print(json.dumps(data, indent=2))
-    else:
-        print(best)
-        print(f"planned in {time.perf_counter() - start:.2f} s")
+        print(best.dumps())
+        return 0
+    print(best)
+    if args.explain:
+        print()
+        print(explain(plans))
+    print(f"planned in {time.perf_counter() - start:.2f} s")
     return 0
 
 
@@ -100,8 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="choose the fastest plan that fits", epilog=EXAMPLES["plan"],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    _model_args(p, required=False)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--explain", action="store_true",
+                   help="also print the top alternatives, the binding constraint and what the "
+                        "next best gives up")
+    p.add_argument("--top-k", type=_positive_int, default=5, help="alternatives for --explain")
+    p.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
+                   help="compare two plans written by --json")
     p.set_defaults(func=cmd_plan)
     r = sub.add_parser("run", help="plan, then train on local gloo CPU ranks beside one process",
                        epilog=EXAMPLES["run"], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -169,10 +169,20 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
         solution = ilp.solve(problem, time_limit_s=req.time_limit_s)
         if solution.status == "infeasible":
             continue
-        found.append(make_plan(costs, req, cand, problem, blocks, solution))
-        found.sort(key=lambda p: p.predicted.iteration_s)
+        _keep_best_per_configuration(found, make_plan(costs, req, cand, problem, blocks, solution))
         del found[req.top_k:]
     return found
+
+
+def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:
+    """Alternatives differ in mesh or schedule: a plan only replaces a slower one of its kind."""
+    def kind(p: Plan):
+        return p.dp, p.tp, p.pp, p.schedule, p.virtual_stages
+    same = [p for p in found if kind(p) == kind(plan)]
+    if same and same[0].predicted.iteration_s <= plan.predicted.iteration_s:
+        return
+    found[:] = [p for p in found if kind(p) != kind(plan)] + [plan]
+    found.sort(key=lambda p: p.predicted.iteration_s)
 
 
 def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate | None]:
