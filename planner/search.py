@@ -10,7 +10,7 @@ once are pruned before the ILP sees them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_model.cluster import Cluster
 from cost_model.comm import collective_time
@@ -97,7 +97,8 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
                 m = req.global_batch // (dp * b)
                 for name, v in _schedules(req, pp, m, costs.num_blocks):
                     bound = _lower_bound(costs, req, tp, pp, b, m, name, v)
-                    result.append(Candidate(dp, tp, pp, b, m, name, v, bound))
+                    if bound < math.inf or req.memory_limit == math.inf:
+                        result.append(Candidate(dp, tp, pp, b, m, name, v, bound))
     return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.v))
 
 
@@ -117,11 +118,23 @@ def block_costs(costs: ModelCosts, req: Request, tp: int, b: int) -> list[LayerC
 
 
 def _lower_bound(costs, req, tp, pp, b, m, schedule, v) -> float:
-    cheapest = min(c.fwd_s + c.bwd_s for c in block_costs(costs, req, tp, b))
-    ends = sum(c.fwd_s + c.bwd_s for c in costs.end_costs(b, req.cluster))
-    total = costs.num_blocks * cheapest + ends
+    """Iteration time if every stage were perfectly balanced with the cheapest strategy; infinite
+    when even the least memory-hungry strategy, spread perfectly, cannot fit."""
+    blocks = block_costs(costs, req, tp, b)
+    ends = costs.end_costs(b, req.cluster)
+    options = [costs.block_option(c) for c in blocks]
+    least_static = min(o.static_bytes for o in options) * costs.num_blocks
+    least_static += sum(costs.end_layer(c).static_bytes for c in ends)
+    if least_static / pp > req.memory_limit:
+        return math.inf
+    total = costs.num_blocks * min(o.time_s for o in options)
+    total += sum(c.fwd_s + c.bwd_s for c in ends)
     alpha, beta = ilp.schedule_weights(schedule, pp, m, v)
-    return alpha * total + beta * total / pp
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, tp, pp, (req.gpus // (tp * pp)), b)
+    boundaries = 2 * (pp * v - 1) * p2p  # Σ_s of the p2p terms; the busiest rank has ≥ 1/pp
+    grads = costs.num_blocks * min(o.grad_bytes for o in options) / pp
+    sync = sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
+    return alpha * (total + boundaries) + beta * (total + boundaries) / pp + sync
 
 
 def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
@@ -145,17 +158,27 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     options, blocks = [options[i] for i in keep], [blocks[i] for i in keep]
     embed, head = (costs.end_layer(cost) for cost in costs.end_costs(c.micro_batch, req.cluster,
                                                                       padded=True))
-    boundary = costs.boundary_bytes(c.micro_batch)
-    p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=c.tp * c.dp)
-    alpha = collective_time(req.cluster, "all_reduce", 0.0, c.dp, stride=c.tp)
-    slope = (collective_time(req.cluster, "all_reduce", 2.0**30, c.dp, stride=c.tp) - alpha) / 2**30
-    exposed = 1.0 - req.cluster.dp_overlap
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c.tp, c.pp, c.dp, c.micro_batch)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
-    problem = ilp.StageProblem(
-        costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v, *weights,
-        p2p if c.pp > 1 else 0.0, memory_limit, alpha * exposed, slope * exposed, phi)
+    problem = ilp.StageProblem(costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v,
+                               *weights, p2p, memory_limit, sync_alpha, sync_slope, phi)
     return problem, blocks
+
+
+def _comm_terms(costs, req, tp, pp, dp, micro_batch) -> tuple[float, float, float]:
+    """(p2p seconds per stage boundary and micro-batch, forward + backward; exposed data-parallel
+    all-reduce latency; exposed seconds per gradient byte). Ranks are laid out tp innermost, then
+    dp, then pp: a pipeline neighbour is tp·dp ranks away, a dp peer tp ranks away."""
+    if pp > 1:
+        boundary = costs.boundary_bytes(micro_batch)
+        p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * dp)
+    else:
+        p2p = 0.0
+    alpha = collective_time(req.cluster, "all_reduce", 0.0, dp, stride=tp)
+    slope = (collective_time(req.cluster, "all_reduce", 2.0**30, dp, stride=tp) - alpha) / 2**30
+    exposed = 1.0 - req.cluster.dp_overlap
+    return p2p, alpha * exposed, slope * exposed
 
 
 def search(costs: ModelCosts, req: Request) -> list[Plan]:
@@ -188,7 +211,13 @@ def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:
 def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate | None]:
     """The least peak memory per device any candidate needs (for infeasibility errors)."""
     best, where = math.inf, None
-    for cand in candidates(costs, req):
+    seen = set()
+    unlimited = replace(req, memory_limit=math.inf)
+    for cand in sorted(candidates(costs, unlimited), key=lambda c: c.micro_batch):
+        kind = (cand.dp, cand.tp, cand.pp, cand.schedule, cand.v)
+        if kind in seen:  # a larger micro-batch only adds activation memory
+            continue
+        seen.add(kind)
         problem, _ = build_problem(costs, req, cand, math.inf)
         sol = ilp.solve(problem, objective="memory", time_limit_s=req.time_limit_s)
         if sol.status != "infeasible" and sol.objective < best:
