@@ -53,8 +53,10 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
 def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
     need, where = smallest_memory(costs, req)
     if where is None:
+        why = costs.tp_errors.get(req.fix.get("tp"), "")
         return PlanningError(f"no configuration of {req.gpus} GPUs fits the model and global "
-                             f"batch {req.global_batch} (constraints: {req.fix or 'none'})")
+                             f"batch {req.global_batch} (constraints: {req.fix or 'none'})"
+                             + (f": {why}" if why else ""))
     return PlanningError(
         f"no plan fits in {req.memory_limit / GiB:.2f} GiB per device; the smallest memory per "
         f"device any plan needs is {need / GiB:.2f} GiB (dp={where.dp}, tp={where.tp}, "

@@ -15,6 +15,10 @@ EXAMPLES = {
             "--json > b.json\n"
             "  fxpar plan --diff a.json b.json\n"
             "  fxpar plan --model gpt2-xl --gpus 8 --explain --memory-limit 40",
+    "simulate": "examples:\n  fxpar simulate --model gpt2-xl --gpus 32 --fix pp=4,dp=8,mb=1 "
+                "--global-batch 64 --out timeline/\n"
+                "  fxpar plan --model llama2-7b --gpus 64 --json > plan.json && "
+                "fxpar simulate --plan plan.json\n",
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
 }
@@ -101,10 +105,32 @@ def cmd_plan(args) -> int:
         print(best.dumps())
         return 0
     print(best)
+    if args.png:
+        from planner.pictures import plot_plan
+        print(f"plan picture written to {plot_plan(best, args.png)}")
     if args.explain:
         print()
         print(explain(plans))
     print(f"planned in {time.perf_counter() - start:.2f} s")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from planner.pictures import predicted_timeline, write_timeline
+    if args.plan:
+        chosen = _load_plan(args.plan)
+    elif args.model and args.gpus:
+        chosen = _plans(args, top_k=1)[0]
+    else:
+        raise ValueError("fxpar simulate needs --plan PLAN.json, or --model and --gpus")
+    timeline = predicted_timeline(chosen)
+    print(f"{chosen.model} on {chosen.gpus} GPUs: {chosen.schedule}, {chosen.pp} stages x "
+          f"{chosen.num_microbatches} micro-batches")
+    print(f"simulated iteration {timeline.makespan:.4g} s (pipeline only, without data-parallel "
+          f"sync), bubble fraction {timeline.bubble_fraction():.3f}, peak in-flight micro-batches "
+          f"per rank {list(timeline.peak_inflight)}")
+    for path in write_timeline(chosen, args.out):
+        print(f"wrote {path}")
     return 0
 
 
@@ -135,7 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_positive_int, default=5, help="alternatives for --explain")
     p.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
                    help="compare two plans written by --json")
+    p.add_argument("--png", metavar="FILE", help="also draw the plan (stages x layers, memory)")
     p.set_defaults(func=cmd_plan)
+    sim = sub.add_parser("simulate", help="predicted pipeline timeline of a plan (PNG + trace)",
+                         epilog=EXAMPLES["simulate"],
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(sim, required=False)
+    sim.add_argument("--plan", metavar="PLAN.json", help="a plan written by `fxpar plan --json`")
+    sim.add_argument("--out", default="fxpar-timeline", help="output folder")
+    sim.set_defaults(func=cmd_simulate)
     r = sub.add_parser("run", help="plan, then train on local gloo CPU ranks beside one process",
                        epilog=EXAMPLES["run"], formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(r)
