@@ -19,6 +19,8 @@ EXAMPLES = {
                 "--global-batch 64 --out timeline/\n"
                 "  fxpar plan --model llama2-7b --gpus 64 --json > plan.json && "
                 "fxpar simulate --plan plan.json\n",
+    "bench": "examples:\n  fxpar bench --model gpt-tiny --gpus 4 --cluster cpu-gloo\n"
+             "  fxpar bench --model gpt2-small --gpus 8 --cluster profile.json --top-k 5\n",
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
 }
@@ -143,6 +145,18 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from planner.bench import bench, plot, report
+    plans = _plans(args, top_k=args.top_k)
+    print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
+          f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
+          f"each after {args.warmup} warm-up steps")
+    results = bench(plans, _config(args), args.steps, args.warmup)
+    print(report(plans, results))
+    print(f"plot written to {plot(plans, results, args.png)}")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from cost_model.calibrate import main as calibrate_main
     return calibrate_main(args.rest)
@@ -175,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(r)
     r.add_argument("--steps", type=_positive_int, default=3)
     r.set_defaults(func=cmd_run, cluster="cpu-gloo")
+    b = sub.add_parser("bench", help="run the top plans on the devices here, predicted vs "
+                       "measured", epilog=EXAMPLES["bench"],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(b)
+    b.add_argument("--top-k", type=_positive_int, default=3)
+    b.add_argument("--steps", type=_positive_int, default=5)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
+    b.set_defaults(func=cmd_bench)
     c = sub.add_parser("calibrate", help="measure this machine and write a cluster profile",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,0 +1,170 @@
+"""`fxpar bench`: run the planner's top plans on the devices at hand and compare with predictions.
+
+Each plan runs under `torchrun --standalone --nproc-per-node N` (NCCL on CUDA, gloo on CPU) for a
+few steps; rank 0 writes the measured step times and every rank's peak memory to a JSON file. The
+table puts predicted and measured side by side, and says whether the planner's first choice was
+also the fastest measured.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class Measured:
+    step_s: float              # median over measured steps
+    tokens_per_s: float
+    peak_memory_bytes: float   # largest over ranks (CUDA: allocator peak; CPU: process RSS)
+    losses: tuple[float, ...]
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}", end="",
+          file=sys.stderr, flush=True)
+    if done == total:
+        print(file=sys.stderr)
+
+
+def run_plan(plan: Plan, config, steps: int, warmup: int, timeout_s: float = 900) -> Measured:
+    """Launch one plan with torchrun and read back what rank 0 measured."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path, config_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "model.json")
+        out = os.path.join(tmp, "result.json")
+        with open(plan_path, "w") as f:
+            f.write(plan.dumps())
+        with open(config_path, "w") as f:
+            json.dump(dataclasses.asdict(config), f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={plan.gpus}", "-m", "planner.bench", "--worker",
+               plan_path, config_path, str(steps), str(warmup), out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"torchrun failed for dp={plan.dp} tp={plan.tp} pp={plan.pp}:\n"
+                               f"{tail}")
+        with open(out) as f:
+            data = json.load(f)
+    return Measured(data["step_s"], data["tokens_per_s"], data["peak_memory_bytes"],
+                    tuple(data["losses"]))
+
+
+def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str) -> None:
+    """Runs on every rank under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    from planner.api import ParallelModel
+    from planner.models import ModelConfig, build_model, example_batch
+    from planner.train import make_optimizer
+    from runtime.launch import init_from_env
+
+    init_from_env()
+    torch.set_num_threads(1)
+    with open(plan_path) as f:
+        plan = Plan.from_json(f.read())
+    with open(config_path) as f:
+        config = ModelConfig(**json.load(f))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = build_model(config, device=device)
+    batch = example_batch(config, config.global_batch, device=device)
+    pm = ParallelModel(model, plan, [], batch, make_optimizer)
+    times, losses = [], []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        losses.append(pm.train_step(*batch))
+        dist.barrier()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = _peak_memory(device)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    if dist.get_rank() == 0:
+        step_s = statistics.median(times)
+        with open(out, "w") as f:
+            json.dump({"step_s": step_s, "tokens_per_s": config.global_batch * config.seq / step_s,
+                       "peak_memory_bytes": max(peaks), "losses": losses}, f)
+    dist.destroy_process_group()
+
+
+def _peak_memory(device: str) -> float:
+    import resource
+
+    import torch
+    if device == "cuda":
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def bench(plans: list[Plan], config, steps: int = 5, warmup: int = 2):
+    results = []
+    for i, plan in enumerate(plans):
+        _progress(i, len(plans), f"plan {i + 1}: dp={plan.dp} tp={plan.tp} pp={plan.pp}")
+        results.append(run_plan(plan, config, steps, warmup))
+    _progress(len(plans), len(plans), "done")
+    return results
+
+
+def report(plans: list[Plan], results: list[Measured]) -> str:
+    rows = []
+    for i, (p, m) in enumerate(zip(plans, results)):
+        rows.append([i + 1, f"dp={p.dp} tp={p.tp} pp={p.pp} {p.schedule} mb={p.micro_batch}"
+                     f"x{p.num_microbatches}", f"{p.predicted.iteration_s * 1e3:.1f}",
+                     f"{m.step_s * 1e3:.1f}", f"{p.predicted.iteration_s / m.step_s:.2f}",
+                     f"{p.predicted.tokens_per_s:,.0f}", f"{m.tokens_per_s:,.0f}",
+                     f"{p.predicted.peak_memory_bytes / 2**20:.1f}",
+                     f"{m.peak_memory_bytes / 2**20:.1f}"])
+    table = tabulate(rows, headers=["#", "plan", "predicted ms", "measured ms", "pred/meas",
+                                    "pred tokens/s", "meas tokens/s", "pred peak MiB",
+                                    "meas peak MiB"], disable_numparse=True)
+    fastest = min(range(len(results)), key=lambda i: results[i].step_s)
+    verdict = ("the planner's first choice was also the fastest measured" if fastest == 0 else
+               f"the planner's first choice was NOT the fastest measured: plan {fastest + 1} was "
+               f"{results[0].step_s / results[fastest].step_s:.2f}x faster")
+    note = ("measured peak memory: the CUDA allocator's peak on GPUs; on CPUs the process's "
+            "resident memory, which includes the Python runtime and torch itself")
+    return f"{table}\n{verdict}\n{note}"
+
+
+def plot(plans: list[Plan], results: list[Measured], path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{i + 1}: dp{p.dp} tp{p.tp} pp{p.pp}" for i, p in enumerate(plans)]
+    x = range(len(plans))
+    fig, ax = plt.subplots(figsize=(1.6 * len(plans) + 3, 3.5))
+    ax.bar([i - 0.2 for i in x], [p.predicted.iteration_s * 1e3 for p in plans], 0.4,
+           label="predicted")
+    ax.bar([i + 0.2 for i in x], [m.step_s * 1e3 for m in results], 0.4, label="measured")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("ms per iteration")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    else:
+        argparse.ArgumentParser(description="use `fxpar bench`").print_help()
