@@ -241,21 +241,23 @@ def _make_pingpong(buf: torch.Tensor, rank: int) -> Callable[[], None]:
     return op
 
 
-def _time_op(op: Callable[[], None], dev: str, reps: int, barrier_s: float) -> float:
-    """Median seconds per op: barrier, `inner` ops, barrier; the trailing
-    barrier makes the slowest rank's finish count, and its own cost is
-    subtracted."""
+def _time_op(op: Callable[[], None], dev: str, reps: int) -> float:
+    """Seconds per op. Each repetition starts at a barrier and ends when this
+    rank's last op returns (gloo ops block until the rank's part is done);
+    the slowest rank's time counts. No trailing barrier: its own cost is as
+    large as a small collective and too noisy to subtract on a busy host."""
     inner = _inner_count(op, dev)
-    times = []
-    for _ in range(reps):
+    times = torch.zeros(reps, dtype=torch.float64)
+    for i in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(inner):
             op()
         _sync(dev)
-        dist.barrier()
-        times.append((time.perf_counter() - t0 - barrier_s) / inner)
-    return max(statistics.median(times), 1e-7)
+        times[i] = (time.perf_counter() - t0) / inner
+    times = times.to(dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return max(statistics.median(times.tolist()), 1e-7)
 
 
 REP_SECONDS = 0.02  # each timed repetition lasts at least this long
@@ -264,7 +266,9 @@ REP_SECONDS = 0.02  # each timed repetition lasts at least this long
 def _inner_count(op: Callable[[], None], dev: str) -> int:
     """Ops per timed repetition, agreed by all ranks. Short repetitions are
     at the mercy of the scheduler's time slice (milliseconds) on a busy
-    host; ~20 ms of ops averages that out."""
+    host; ~20 ms of ops averages that out. (Measured on a loaded 2-core
+    host: run-to-run spread of the median was ~20% with 20 ms repetitions,
+    ~33% taking the minimum of 3 ms ones.)"""
     op()  # warm-up: first use of a buffer size allocates and connects
     t0 = time.perf_counter()
     op()
@@ -272,16 +276,6 @@ def _inner_count(op: Callable[[], None], dev: str) -> int:
     slowest = torch.tensor([time.perf_counter() - t0], device=dev)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return max(1, min(64, math.ceil(REP_SECONDS / max(slowest.item(), 1e-7))))
-
-
-def _barrier_time(reps: int = 11) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _collective_worker(rank, n, port, plan, device, reps, results) -> None:
@@ -298,11 +292,10 @@ def _collective_worker(rank, n, port, plan, device, reps, results) -> None:
         timeout=timedelta(seconds=60),
     )
     try:
-        barrier_s = _barrier_time()
         times = []
         for i, (kind, nbytes) in enumerate(plan):
             op = _make_op(kind, nbytes, rank, n, dev)
-            t = _time_op(op, dev, reps, barrier_s)
+            t = _time_op(op, dev, reps)
             times.append(t / 2 if kind == "p2p" else t)
             if rank == 0:
                 results.put(("progress", i))
@@ -390,44 +383,46 @@ class _Progress:
 # --------------------------------------------------------------------------
 # Calibration
 # --------------------------------------------------------------------------
+_GPU_PRESETS = (("H200", "h200-sxm-dgx"), ("H100", "h100-sxm-dgx"), ("A100", "a100-80g-dgx"))
+
+
+def _vendor_preset(device: str) -> Cluster | None:
+    """The GPU preset describing the local GPU, if there is one."""
+    if not device.startswith("cuda"):
+        return None
+    gpu = torch.cuda.get_device_name(0).upper()
+    return next((PRESETS[name] for key, name in _GPU_PRESETS if key in gpu), None)
+
+
 def _base_cluster(device: str) -> Cluster:
-    """Starting point: the preset whose hardware matches, so fields this run
-    cannot measure (inter-node links, dp_overlap) keep sensible values."""
+    """Starting point, so that fields this run cannot measure (inter-node
+    links, dp_overlap) keep sensible values."""
     if not device.startswith("cuda"):
         return PRESETS["cpu-gloo"]
-    gpu = torch.cuda.get_device_name(0).upper()
-    for key, preset in (("H200", "h200-sxm-dgx"), ("H100", "h100-sxm-dgx"), ("A100", "a100-80g-dgx")):
-        if key in gpu:
-            return PRESETS[preset]
-    return PRESETS["a100-80g-dgx"]
+    return _vendor_preset(device) or PRESETS["a100-80g-dgx"]
 
 
-def _vendor_peak_known(device: str) -> bool:
-    if not device.startswith("cuda"):
-        return False
-    gpu = torch.cuda.get_device_name(0).upper()
-    return any(key in gpu for key in ("H200", "H100", "A100"))
-
-
-def _calibrate_compute(device: str, base: Cluster, bar: _Progress) -> dict:
+def _calibrate_compute(device: str, bar: _Progress) -> dict:
     cuda = device.startswith("cuda")
     rates = []
     for m, n, k in CUDA_MATMULS if cuda else CPU_MATMULS:
         rates.append(2 * m * n * k / measure_matmul(m, n, k, device))
         bar.step(f"matmul {m}x{k}x{n}")
-    # A vendor peak is the honest denominator when known; on CPU the best
-    # rate seen is the practical peak (turbo and AVX clocks vary by chip).
-    peak = base.peak_flops if _vendor_peak_known(device) else max(rates)
     b, h, s, d = (4, 16, 2048, 128) if cuda else (1, 8, 512, 64)
     attn_rate = 4 * b * h * s * s * d / measure_attention(b, h, s, d, device)
     bar.step(f"attention s={s}")
-    big = 1 * 2**30 if cuda else 64 * MiB
+    big = 1 * 2**30 if cuda else 64 * MiB  # well past the last-level cache
     bw_rates = [2 * big / measure_copy(big, device), 2 * 2 * big / measure_copy(2 * big, device),
                 3 * big / measure_add(big, device)]
     bar.step(f"memory bandwidth {format_bytes(big)}")
-    mem_bw = base.mem_bw if cuda else max(bw_rates)
     floor = measure_kernel_floor(device)
     bar.step("kernel floor")
+    # Datasheet peaks are the honest denominators when the GPU is known; on
+    # CPU (and unknown GPUs) the best rate seen is the practical peak, since
+    # turbo and vector clocks vary from chip to chip.
+    vendor = _vendor_preset(device)
+    peak = vendor.peak_flops if vendor else max(rates)
+    mem_bw = vendor.mem_bw if vendor else max(bw_rates)
     return dict(
         peak_flops=peak,
         matmul_eff=min(1.0, statistics.median(rates) / peak),
@@ -496,6 +491,24 @@ def _usable_world_sizes(device: str, world_sizes: Sequence[int]) -> list[int]:
     return sizes
 
 
+def _with_ranks_per_node(base: Cluster, device: str, sizes: Sequence[int]) -> Cluster:
+    """GPU presets keep their node size; on CPU it depends on the cores."""
+    if device == "cpu":
+        return dataclasses.replace(base, gpus_per_node=_cpu_ranks_per_node(sizes))
+    return base
+
+
+def _comm_fields(base: Cluster, measurements: Sequence[tuple]) -> dict:
+    link = fit_links(base, measurements)
+    if base.device == "cpu":
+        return link
+    # One node of GPUs: only the NVLink class was measured. The preset's
+    # nominal inter-node figure is rescaled by its comm_eff so that both
+    # classes are achieved rates under the fitted comm_eff = 1.
+    return dict(intra_latency=link["intra_latency"], intra_bw=link["intra_bw"],
+                inter_bw=base.inter_bw * base.comm_eff, comm_eff=1.0)
+
+
 def calibrate(
     device: str = "cpu",
     world_sizes: Sequence[int] = (2, 4),
@@ -515,19 +528,12 @@ def calibrate(
     if device == "cpu":
         torch.set_num_threads(1)  # a CPU "device" is one single-threaded rank
     try:
-        fields = _calibrate_compute(device, base, bar)
+        fields = _calibrate_compute(device, bar)
     finally:
         torch.set_num_threads(threads)
-    if sizes and device == "cpu":
-        base = dataclasses.replace(base, gpus_per_node=_cpu_ranks_per_node(sizes))
-        fields.update(fit_links(base, _calibrate_comm(device, sizes, bar)))
-    elif sizes:
-        # One node of GPUs: only the NVLink class is measured. The preset's
-        # nominal inter-node figure is rescaled by its comm_eff so that both
-        # classes are achieved rates under comm_eff = 1.
-        link = fit_links(base, _calibrate_comm(device, sizes, bar))
-        fields.update(intra_latency=link["intra_latency"], intra_bw=link["intra_bw"],
-                      inter_bw=base.inter_bw * base.comm_eff, comm_eff=1.0)
+    if sizes:
+        base = _with_ranks_per_node(base, device, sizes)
+        fields.update(_comm_fields(base, _calibrate_comm(device, sizes, bar)))
     cluster = dataclasses.replace(base, name=f"{base.name}-calibrated", **fields)
     if out is not None:
         save_profile(cluster, out)
@@ -545,7 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = calibrate(args.device, args.world_sizes, args.out, progress=not args.quiet)
     for key, value in cluster.to_json().items():
         print(f"{key:>14}: {value:.4g}" if isinstance(value, float) else f"{key:>14}: {value}")
-    print(f"calibrated in {time.perf_counter() - t0:.1f} s" + (f"; wrote {args.out}" if args.out else ""))
+    wrote = f"; wrote {args.out}" if args.out else ""
+    print(f"calibrated in {time.perf_counter() - t0:.1f} s{wrote}")
     return 0
 
 

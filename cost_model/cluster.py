@@ -124,7 +124,8 @@ class Cluster:
     def from_json(d: dict, source: str = "<dict>") -> "Cluster":
         """Build from a profile dict; any problem raises ProfileError naming
         `source` and the offending field."""
-        fix = f"fix the field or regenerate the profile with `{CALIBRATE_HINT}`"
+        command = CALIBRATE_HINT if source == "<dict>" else CALIBRATE_HINT.replace("FILE", source)
+        fix = f"fix the field or regenerate the profile with `{command}`"
         if not isinstance(d, dict):
             raise ProfileError(
                 f"{source}: a cluster profile must be a JSON object, "
@@ -192,7 +193,8 @@ def get_cluster(name_or_path: "str | os.PathLike | Cluster") -> Cluster:
     if isinstance(name_or_path, os.PathLike):
         return load_profile(name_or_path)
     if not isinstance(name_or_path, str):
-        raise TypeError(f"expected a preset name, a profile path or a Cluster, got {name_or_path!r}")
+        raise TypeError(
+            f"expected a preset name, a profile path or a Cluster, got {name_or_path!r}")
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     looks_like_path = (
@@ -246,27 +248,28 @@ _GPU_EFFS = dict(
 )
 
 PRESETS: dict[str, Cluster] = {
-    # This kind of machine: a 2-core x86 VM running one gloo rank per process,
-    # each with one torch thread. Rough values from single-thread AVX2
-    # matmul/copy/tiny-op timings and gloo over TCP loopback; `fxpar
-    # calibrate` replaces them with measured ones. Intra == inter because
-    # every rank shares the one host.
+    # This kind of machine: a 2-core x86 VM (AVX2, no AVX-512) running one
+    # gloo rank per process, each with one torch thread. Rounded from what
+    # `fxpar calibrate` measured here; run it to replace them. A "node" is
+    # as many ranks as there are cores: larger groups time-share cores, and
+    # every ring step then also waits for the scheduler, which the model
+    # treats as a slower inter-node link (see calibrate._cpu_ranks_per_node).
     "cpu-gloo": Cluster(
         name="cpu-gloo",
         device="cpu",
-        gpus_per_node=4,  # calibrate's largest default world size
+        gpus_per_node=2,
         peak_flops=100e9,  # ~3 GHz x 32 fp32 FLOP/cycle (2 AVX2 FMA units)
         mem_bytes=4.0 * GiB,  # a share of host RAM per rank, kept modest
-        mem_bw=25 * GB,  # measured single-thread copy, 23-35 GB/s
-        intra_bw=2 * GB,  # gloo over loopback TCP
-        inter_bw=2 * GB,
-        intra_latency=50e-6,
-        inter_latency=50e-6,
-        matmul_eff=0.70,
+        mem_bw=20 * GB,  # single-thread copy measured 16-25 GB/s
+        intra_bw=0.7 * GB,  # gloo over loopback TCP, full-duplex ring rate
+        inter_bw=0.6 * GB,
+        intra_latency=500e-6,  # includes scheduler wake-ups on a busy host
+        inter_latency=1.2e-3,
+        matmul_eff=0.75,  # 256-2048 fp32 GEMMs reached 70-90 GFLOP/s
         attention_eff=0.60,
-        bw_eff=0.80,
-        kernel_floor=5e-6,
-        comm_eff=1.0,  # intra_bw is already an achieved rate
+        bw_eff=0.85,
+        kernel_floor=5e-6,  # a tiny eager op measured 2-7 us
+        comm_eff=1.0,  # the bandwidths above are already achieved rates
         dp_overlap=0.30,  # gloo's thread competes with compute for the cores
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS

@@ -27,7 +27,8 @@ formulas above stay what `ring_volume` reports):
 - the "link" is the cores copying bytes through the kernel, and receiving
   costs as much as sending. Ring ranks do both at once, so the calibrated
   bandwidth is a full-duplex rate; each side of a p2p transfer does only one
-  of the two, so a p2p message moves at twice that rate (measured: ~2x).
+  of the two, so a p2p message moves at about twice that rate (measured
+  2-4x, noisily, on a loaded 2-core host).
 """
 
 from __future__ import annotations

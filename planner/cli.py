@@ -157,11 +157,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_calibrate(args) -> int:
-    from cost_model.calibrate import main as calibrate_main
-    return calibrate_main(args.rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxpar", description="Auto-parallel planner for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,17 +193,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
     b.set_defaults(func=cmd_bench)
-    c = sub.add_parser("calibrate", help="measure this machine and write a cluster profile",
-                       add_help=False)
-    c.add_argument("rest", nargs=argparse.REMAINDER)
-    c.set_defaults(func=cmd_calibrate)
+    sub.add_parser("calibrate", help="measure this machine and write a cluster profile "
+                   "(fxpar calibrate --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:  # its own parser (it also runs as python -m cost_model.calibrate)
+        from cost_model.calibrate import main as calibrate_main
+        return _guarded(calibrate_main, argv[1:])
     args = build_parser().parse_args(argv)
+    return _guarded(args.func, args)
+
+
+def _guarded(func, *args) -> int:
+    """Errors the user can fix are one line on stderr, exit status 2, no traceback."""
     try:
-        return args.func(args)
+        return func(*args) or 0
     except (ValueError, RuntimeError, OSError, KeyError) as err:
         print(f"fxpar: error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,170 @@
+"""Alpha-beta collective model and the calibration fit (on synthetic timings)."""
+
+import dataclasses
+import random
+
+import pytest
+
+from cost_model.calibrate import fit_alpha_beta, fit_links
+from cost_model.cluster import PRESETS
+from cost_model.comm import (
+    KINDS,
+    bytes_on_wire,
+    collective_time,
+    crosses_nodes,
+    ring_steps,
+    ring_volume,
+)
+
+A100 = PRESETS["a100-80g-dgx"]
+M = 64 * 2**20
+
+
+# ---------------------------------------------------------------- ring formulas
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+def test_ring_volumes_match_published_formulas(n):
+    # Thakur et al. 2005 / nccl-tests "bus bandwidth" factors.
+    assert ring_volume("all_reduce", M, n) == pytest.approx(2 * (n - 1) / n * M)
+    assert ring_volume("all_gather", M, n) == pytest.approx((n - 1) / n * M)
+    assert ring_volume("reduce_scatter", M, n) == pytest.approx((n - 1) / n * M)
+    assert ring_volume("all_to_all", M, n) == pytest.approx((n - 1) / n * M)
+    assert ring_volume("p2p", M, n) == M
+    for kind in KINDS:
+        assert bytes_on_wire(kind, M, n) == ring_volume(kind, M, n)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_steps(n):
+    assert ring_steps("all_reduce", n) == 2 * (n - 1)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert ring_steps(kind, n) == n - 1
+    assert ring_steps("p2p", n) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_of_one_is_free(kind):
+    assert collective_time(A100, kind, M, 1) == 0.0
+    assert ring_volume(kind, M, 1) == 0.0
+
+
+def test_time_is_alpha_beta_formula():
+    n = 8
+    expected = 2 * (n - 1) * A100.intra_latency + 2 * (n - 1) / n * M / (
+        A100.intra_bw * A100.comm_eff)
+    assert collective_time(A100, "all_reduce", M, n) == pytest.approx(expected)
+
+
+def test_bigger_messages_take_longer():
+    times = [collective_time(A100, "all_gather", m, 4) for m in (1e3, 1e6, 1e9)]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+# ---------------------------------------------------------------- intra vs inter
+@pytest.mark.parametrize(
+    "group_size, stride, inter",
+    [
+        (8, 1, False),  # tp=8 fills one node
+        (4, 2, False),  # span 6 < 8
+        (2, 4, False),  # span 4 < 8
+        (4, 4, True),  # span 12: leaves the node
+        (2, 8, True),  # dp across nodes with tp=8
+        (16, 1, True),  # larger than a node
+    ],
+)
+def test_ring_link_selection_by_stride(group_size, stride, inter):
+    assert crosses_nodes(A100, "all_reduce", group_size, stride) is inter
+    if inter:
+        alpha, bw = A100.inter_latency, A100.inter_bw
+    else:
+        alpha, bw = A100.intra_latency, A100.intra_bw
+    n = group_size
+    expected = (n - 1) * alpha + (n - 1) / n * M / (bw * A100.comm_eff)
+    assert collective_time(A100, "all_gather", M, n, stride) == pytest.approx(expected)
+
+
+def test_p2p_crosses_nodes_when_stride_reaches_a_node():
+    intra = collective_time(A100, "p2p", M, 2, stride=4)
+    inter = collective_time(A100, "p2p", M, 2, stride=8)
+    assert intra == pytest.approx(A100.intra_latency + M / (A100.intra_bw * A100.comm_eff))
+    assert inter == pytest.approx(A100.inter_latency + M / (A100.inter_bw * A100.comm_eff))
+
+
+def test_gloo_prices_its_reduce_scatter_as_all_reduce_and_p2p_one_way():
+    cpu = PRESETS["cpu-gloo"]
+    assert collective_time(cpu, "reduce_scatter", M, 4) == collective_time(cpu, "all_reduce", M, 4)
+    assert collective_time(cpu, "p2p", M, 2) == pytest.approx(
+        cpu.intra_latency + M / 2 / (cpu.intra_bw * cpu.comm_eff))
+    # NCCL keeps the ring formulas.
+    assert collective_time(A100, "reduce_scatter", M, 4) < collective_time(A100, "all_reduce", M, 4)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("broadcast", M, 4), "kind"),
+        (("all_reduce", -1.0, 4), "nbytes"),
+        (("all_reduce", float("nan"), 4), "nbytes"),
+        (("all_reduce", M, 0), "group"),
+        (("all_reduce", M, 2.5), "group"),
+    ],
+)
+def test_bad_arguments_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        collective_time(A100, *args)
+
+
+def test_bad_stride_raises():
+    with pytest.raises(ValueError, match="stride"):
+        collective_time(A100, "all_reduce", M, 4, stride=0)
+
+
+# ---------------------------------------------------------------- calibration fit
+def _synthetic(alpha, bw, noise=0.0, seed=0):
+    rng = random.Random(seed)
+    samples = []
+    for n in (2, 4):
+        for kind in KINDS:
+            for size in (4e3, 64e3, 1e6, 4e6, 16e6):
+                steps, vol = ring_steps(kind, n), ring_volume(kind, size, n)
+                t = (steps * alpha + vol / bw) * (1 + rng.uniform(-noise, noise))
+                samples.append((steps, vol, t))
+    return samples
+
+
+def test_fit_recovers_alpha_and_bw_exactly():
+    alpha, bw = fit_alpha_beta(_synthetic(50e-6, 2e9))
+    assert alpha == pytest.approx(50e-6, rel=1e-6)
+    assert bw == pytest.approx(2e9, rel=1e-6)
+
+
+def test_fit_tolerates_noise():
+    alpha, bw = fit_alpha_beta(_synthetic(200e-6, 1e9, noise=0.1, seed=3))
+    assert alpha == pytest.approx(200e-6, rel=0.15)
+    assert bw == pytest.approx(1e9, rel=0.15)
+
+
+def test_fit_with_no_latency_keeps_alpha_non_negative():
+    alpha, bw = fit_alpha_beta(_synthetic(0.0, 5e9))
+    assert 0.0 <= alpha < 1e-9
+    assert bw == pytest.approx(5e9, rel=1e-4)
+
+
+def test_fit_needs_data():
+    with pytest.raises(ValueError):
+        fit_alpha_beta([(1, 1e6, 1e-3)])
+
+
+def test_fit_links_recovers_both_link_classes():
+    truth = dataclasses.replace(
+        PRESETS["cpu-gloo"], gpus_per_node=2, intra_latency=100e-6, intra_bw=2e9,
+        inter_latency=400e-6, inter_bw=0.5e9, comm_eff=1.0)
+    measurements = [
+        (kind, n, size, collective_time(truth, kind, size, n))
+        for n in (2, 4) for kind in KINDS for size in (4096, 2**20, 2**24)
+    ]
+    fields = fit_links(truth, measurements)
+    assert fields["intra_latency"] == pytest.approx(100e-6, rel=1e-4)
+    assert fields["intra_bw"] == pytest.approx(2e9, rel=1e-4)
+    assert fields["inter_latency"] == pytest.approx(400e-6, rel=1e-4)
+    assert fields["inter_bw"] == pytest.approx(0.5e9, rel=1e-4)
+    assert fields["comm_eff"] == 1.0
