@@ -1,0 +1,277 @@
+"""Context-parallel rewrite: each rank of the cp group holds a slice of every sequence.
+
+The batch is cut on its sequence dimension (`runtime.cp_data`, zig-zag by default), so all per-token
+work (embeddings, norms, MLPs, the loss) is local as it stands. Two things see across tokens and are
+rewritten, in place:
+
+  attention  F.scaled_dot_product_attention, or its written-out form
+               softmax(q @ kᵀ * scale [.masked_fill(causal mask, -inf)]) [dropout, p=0] @ v
+             becomes a call of `runtime.ring_attention.ring_attention(q, k, v, group, causal=...,
+             layout=..., scale=..., tag=layer)`; a grouped k/v repeated by repeat_interleave on the
+             head dimension is passed unrepeated (the ring sends the smaller blocks).
+  positions  torch.narrow(table, 0, 0, seq) of a table indexed by position (GPT's position ids,
+             Llama's rotary cos/sin) becomes torch.index_select(table, 0, cp_positions), where the
+             buffer `cp_positions` holds this rank's global token positions. The graph is thereby
+             specialised to the sequence length it was captured with.
+
+The loss needs no rewrite: each rank takes the mean over its own tokens, and with equal token
+counts per rank the average of those means over the group (a data-parallel style gradient average)
+is the global mean.
+
+Every attention of the graph must be converted (a plain attention over local tokens would be
+silently wrong), so attention outside `layers` or in a form not recognised is an error.
+Run it on the whole captured graph (after tensor_parallel, before the pipeline split): node
+meta["val"] is recomputed afterwards for the local sequence length, which the split and pricing use.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from passes.capture import propagate_shapes
+from runtime.cp_data import check_sequence, global_positions
+from runtime.ring_attention import ring_attention
+
+_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+_SOFTMAX = {F.softmax, torch.softmax, "softmax"}
+_MATMUL = {operator.matmul, torch.matmul, "matmul"}
+POSITIONS_BUFFER = "cp_positions"
+
+
+class ContextParallelError(ValueError):
+    """The graph cannot be run context-parallel; names the attention node and the reason."""
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention found in the graph, reduced to what the ring needs."""
+
+    output: fx.Node          # the node whose value is the attention output
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    causal: bool
+    scale: float | None      # None: 1/sqrt(head_dim)
+
+
+def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp: int, rank: int,
+                     group: str = "cp", layout: str = "zigzag") -> fx.GraphModule:
+    """Rewrite the attention of `layers` (layer name -> its node names) as ring attention over the
+    `cp` ranks of the group named `group`, and positions for this `rank`'s tokens; in place."""
+    if cp == 1:
+        return gm
+    seq = _sequence_length(gm)
+    check_sequence(seq, cp, layout)
+    layer_of = {name: layer for layer, names in layers.items() for name in names}
+    for node in list(gm.graph.nodes):
+        found = _find_attention(gm, node)
+        if found is None:
+            continue
+        if node.name not in layer_of:
+            raise ContextParallelError(
+                f"attention {node.name} is in no layer given to context_parallel; with the "
+                f"sequence sharded every attention must become a ring attention")
+        _replace(gm, found, group, layout, layer_of[node.name])
+    gm.graph.eliminate_dead_code()
+    _fix_positions(gm, seq, cp, rank, layout)
+    gm.graph.lint()
+    gm.recompile()
+    propagate_shapes(gm, _local_inputs(gm, seq, cp))
+    return gm
+
+
+def _sequence_length(gm: fx.GraphModule) -> int:
+    """The captured sequence length: dim 1 of the first [batch, seq, ...] input."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise ContextParallelError(
+                    f"input {node.name} has no shape; capture the model (passes.capture) first")
+            if val.dim() >= 2:
+                return int(val.shape[1])
+    raise ContextParallelError("no [batch, seq] input: cannot tell the sequence length")
+
+
+def _local_inputs(gm: fx.GraphModule, seq: int, cp: int) -> tuple:
+    """Zero inputs of the captured shapes with the sequence dimension cut to seq / cp."""
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            shape = list(val.shape)
+            if len(shape) >= 2 and shape[1] == seq:
+                shape[1] = seq // cp
+            inputs.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
+    return tuple(inputs)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _find_attention(gm: fx.GraphModule, node: fx.Node) -> Attention | None:
+    if node.op == "call_function" and node.target in _SDPA:
+        return _sdpa(node)
+    if node.op in ("call_function", "call_method") and node.target in _SOFTMAX:
+        return _math(gm, node)
+    return None
+
+
+def _sdpa(node: fx.Node) -> Attention:
+    args = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+    if args.get("attn_mask") is not None:
+        _fail(node, "an explicit attn_mask is not supported (only is_causal)")
+    if args.get("dropout_p", 0.0):
+        _fail(node, f"attention dropout (dropout_p={args['dropout_p']}) is not supported")
+    return Attention(node, args["query"], args["key"], args["value"],
+                     bool(args.get("is_causal", False)), args.get("scale"))
+
+
+def _math(gm: fx.GraphModule, softmax: fx.Node) -> Attention | None:
+    """softmax(q @ kᵀ * c [masked causal]) @ v; None when the softmax is not over q @ kᵀ."""
+    scores, causal = softmax.args[0], False
+    if _is_method(scores, "masked_fill"):
+        mask, value = scores.args[1], scores.args[2]
+        if value != float("-inf") or not _is_causal_mask(gm, mask):
+            _fail(softmax, "written-out attention masks other than the causal mask are not "
+                  "supported")
+        scores, causal = scores.args[0], True
+    scale = 1.0
+    if _is_call(scores, {operator.mul, operator.truediv, torch.mul, "mul", "div"}):
+        scores, scale = _scaled(softmax, scores)
+    if not _is_call(scores, _MATMUL):
+        return None
+    if _dim_arg(softmax) not in (-1, 3):
+        _fail(softmax, "the softmax must be over the last (key) dimension")
+    q, key_t = scores.args
+    if not (_is_method(key_t, "transpose") and {*key_t.args[1:]} in ({-2, -1}, {2, 3})):
+        _fail(softmax, "the scores must be q @ k.transpose(-2, -1)")
+    probs = _skip_dropout(gm, softmax)
+    if len(probs.users) != 1:
+        _fail(softmax, "the attention probabilities are used more than once")
+    (out,) = probs.users
+    if not (_is_call(out, _MATMUL) and out.args[0] is probs):
+        _fail(softmax, "the attention probabilities must be multiplied by v")
+    return Attention(out, q, _unrepeat(key_t.args[0]), _unrepeat(out.args[1]), causal, scale)
+
+
+def _scaled(softmax: fx.Node, scores: fx.Node) -> tuple[fx.Node, float]:
+    """(tensor, scale) of `tensor * c`, `c * tensor` or `tensor / c` with a constant c."""
+    first, second = scores.args
+    multiply = scores.target in (operator.mul, torch.mul, "mul")
+    tensor, factor = (second, first) if multiply and not isinstance(first, fx.Node) else \
+        (first, second)
+    if not isinstance(tensor, fx.Node) or isinstance(factor, fx.Node):
+        _fail(softmax, "the attention scale must be a constant")
+    return tensor, float(factor) if multiply else 1.0 / float(factor)
+
+
+def _skip_dropout(gm: fx.GraphModule, softmax: fx.Node) -> fx.Node:
+    users = list(softmax.users)
+    if len(users) == 1 and users[0].op == "call_module":
+        module = gm.get_submodule(users[0].target)
+        if isinstance(module, nn.Dropout):
+            if module.p and module.training:
+                _fail(softmax, f"attention dropout (p={module.p}) is not supported")
+            return users[0]
+    return softmax
+
+
+def _unrepeat(node: fx.Node) -> fx.Node:
+    """x.repeat_interleave(n, dim=1) (grouped K/V repeated to the query heads) -> x."""
+    if _is_method(node, "repeat_interleave"):
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        if dim == 1:
+            return node.args[0]
+    return node
+
+
+def _is_causal_mask(gm: fx.GraphModule, mask) -> bool:
+    """A prefix (narrow from 0 on dims 0/1) of a constant upper-triangular boolean buffer."""
+    while isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target is torch.narrow:
+        if mask.args[1] not in (0, 1) or mask.args[2] != 0:
+            return False
+        mask = mask.args[0]
+    if not (isinstance(mask, fx.Node) and mask.op == "get_attr"):
+        return False
+    table = _attr(gm, mask.target)
+    if table.dim() != 2 or table.dtype != torch.bool:
+        return False
+    if table.is_meta:  # a model built on the meta device holds no values to check
+        return True
+    return bool(torch.equal(table, torch.ones_like(table).triu(1)))
+
+
+def _replace(gm: fx.GraphModule, found: Attention, group: str, layout: str, layer: str) -> None:
+    kwargs = {"causal": found.causal, "layout": layout, "scale": found.scale, "tag": layer}
+    with gm.graph.inserting_before(found.output):
+        ring = gm.graph.call_function(ring_attention, (found.q, found.k, found.v, group), kwargs)
+    ring.meta = dict(found.output.meta)
+    found.output.replace_all_uses_with(ring)
+
+
+# ---------------------------------------------------------------- positions
+
+
+def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
+    """narrow(table, 0, 0, seq) -> index_select(table, 0, this rank's global positions)."""
+    for node in list(gm.graph.nodes):
+        if not _is_position_prefix(node, seq):
+            continue
+        if not hasattr(gm, POSITIONS_BUFFER):
+            device = _attr(gm, node.args[0].target).device
+            gm.register_buffer(POSITIONS_BUFFER, global_positions(seq, cp, rank, layout, device),
+                               persistent=False)
+        # One read of the buffer per use, next to it, like the model's own tables: a pipeline
+        # split then keeps it in the stage of its user instead of sending it across stages.
+        with gm.graph.inserting_before(node):
+            positions = gm.graph.get_attr(POSITIONS_BUFFER)
+            rows = gm.graph.call_function(torch.index_select, (node.args[0], 0, positions))
+        node.replace_all_uses_with(rows)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()  # the size() nodes that fed the narrows
+
+
+def _is_position_prefix(node: fx.Node, seq: int) -> bool:
+    if not (node.op == "call_function" and node.target is torch.narrow):
+        return False
+    table, dim, start = node.args[:3]
+    val = node.meta.get("val")
+    return (isinstance(table, fx.Node) and table.op == "get_attr" and dim == 0 and start == 0
+            and isinstance(val, torch.Tensor) and val.shape[0] == seq)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _is_call(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and \
+        node.target in targets
+
+
+def _is_method(node, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
+
+
+def _dim_arg(softmax: fx.Node):
+    return softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
+
+
+def _fail(node: fx.Node, reason: str):
+    raise ContextParallelError(
+        f"cannot make attention {node.name} context-parallel: {reason}. Context parallel needs "
+        f"F.scaled_dot_product_attention (is_causal or no mask, no dropout) or the form "
+        f"softmax(q @ k.transpose(-2, -1) * scale [.masked_fill(causal, -inf)]) @ v")

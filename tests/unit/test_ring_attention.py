@@ -1,0 +1,188 @@
+"""Context parallel in one process: the zig-zag split, the blockwise attention the ring runs (every
+rank's computation, with every K/V block at hand), and the graph rewrite."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from passes.capture import capture, propagate_shapes
+from passes.context_parallel import POSITIONS_BUFFER, ContextParallelError, context_parallel
+from planner.models import build_model, example_batch, get_config
+from runtime.cp_data import (chunk_ids, global_positions, shard_batch, shard_sequence,
+                             unshard_sequence)
+from runtime.ring_attention import Spec, backward_blocks, forward_blocks, ring_attention
+
+# ---------------------------------------------------------------- the split
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_unshard_inverts_shard(layout, cp):
+    x = torch.arange(2 * 3 * 24).view(2, 3, 24)
+    shards = [shard_sequence(x, cp, r, dim=2, layout=layout) for r in range(cp)]
+    assert all(s.shape == (2, 3, 24 // cp) for s in shards)
+    assert torch.equal(unshard_sequence(shards, dim=2, layout=layout), x)
+
+
+def test_zigzag_pairs_opposite_chunks():
+    assert [chunk_ids(4, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert global_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    assert global_positions(16, 4, 1, layout="contiguous").tolist() == [4, 5, 6, 7]
+    tokens, targets = shard_batch([torch.arange(16).view(1, 16)] * 2, 4, 3)
+    assert tokens.tolist() == targets.tolist() == [[6, 7, 8, 9]]
+
+
+def test_sequence_must_divide_into_two_cp_chunks():
+    with pytest.raises(ValueError, match="sequence length 12 is not divisible by 2·cp = 8"):
+        shard_sequence(torch.zeros(1, 12), 4, 0)
+    with pytest.raises(ValueError, match="sequence length 10 is not divisible by cp = 4"):
+        shard_sequence(torch.zeros(1, 10), 4, 0, layout="contiguous")
+    with pytest.raises(ValueError, match="layout"):
+        shard_sequence(torch.zeros(1, 16), 4, 0, layout="striped")
+    with pytest.raises(ValueError, match="rank 4 is outside"):
+        chunk_ids(4, 4)
+
+
+def test_zigzag_balances_causal_work():
+    """Per step, each rank computes the same area of scores (a diagonal block counts half)."""
+    cp = 4
+    spec = Spec(cp, "zigzag", causal=True, scale=1.0)
+    for step in range(cp):
+        work = {sum(0.5 if diag else 1.0 for *_, diag in spec.pairs(r, (r - step) % cp))
+                for r in range(cp)}
+        assert work == {2.0}   # chunk pairs: the same on every rank at every step
+
+
+# ---------------------------------------------------------------- blockwise attention
+
+
+def _emulate(q, k, v, grad_out, cp, causal, layout):
+    """Every rank's forward and backward over all K/V blocks in ring order; unsharded results."""
+    shard = lambda t: [shard_sequence(t, cp, r, dim=2, layout=layout) for r in range(cp)]  # noqa
+    qs, ks, vs, gs = shard(q), shard(k), shard(v), shard(grad_out)
+    spec = Spec(cp, layout, causal, q.size(-1) ** -0.5)
+    outs, dqs, dkv = [], [], [0] * cp
+    for r in range(cp):
+        blocks = [((r - t) % cp, torch.stack([ks[(r - t) % cp], vs[(r - t) % cp]]))
+                  for t in range(cp)]
+        out, lse = forward_blocks(qs[r], blocks, spec, r)
+        outs.append(out)
+        settle = lambda source, grad: dkv.__setitem__(source, dkv[source] + grad)  # noqa: E731
+        dqs.append(backward_blocks(gs[r], qs[r], out, lse, blocks, spec, r, settle))
+    join = lambda xs: unshard_sequence(xs, dim=2, layout=layout)  # noqa: E731
+    return join(outs), join(dqs), join([g[0] for g in dkv]), join([g[1] for g in dkv])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cp,kv_heads", [(1, 4), (2, 2), (3, 4), (4, 1)])
+def test_blockwise_attention_is_exact(layout, causal, cp, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    seq = 2 * cp * 3
+    q, k, v = (torch.randn(2, h, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h in (4, kv_heads, kv_heads))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4)
+    grad_out = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    expected.backward(grad_out)
+    got = _emulate(q.detach(), k.detach(), v.detach(), grad_out, cp, causal, layout)
+    for g, want in zip(got, (expected, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(g, want.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_ring_attention_alone_is_attention():
+    """Outside a process group (one rank holds everything) and on fake tensors: plain attention."""
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    torch.testing.assert_close(ring_attention(q, k, v, causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                              enable_gqa=True))
+    with FakeTensorMode() as mode:
+        out = ring_attention(*(mode.from_tensor(t) for t in (q, k, v)), causal=True)
+    assert out.shape == q.shape
+    assert ring_attention._fxpar_collective == "ring_p2p"
+    with pytest.raises(ValueError, match="heads dividing"):
+        ring_attention(q, torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8))
+
+
+# ---------------------------------------------------------------- the rewrite
+
+
+def _captured(model: str, attention: str = "sdpa", **overrides):
+    config = get_config(model, layers=2, attention=attention, **overrides)
+    return capture(build_model(config), example_batch(config, 2))
+
+
+def _blocks(captured):
+    return {layer.name: layer.nodes for layer in captured.blocks}
+
+
+def _rings(gm):
+    return [n for n in gm.graph.nodes if n.target is ring_attention]
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_rewrite_uses_ring_attention_and_global_positions(model, attention):
+    captured = _captured(model, attention)
+    gm = context_parallel(captured.gm, _blocks(captured), cp=4, rank=1)
+    rings = _rings(gm)
+    assert [n.kwargs["tag"] for n in rings] == ["blocks.0", "blocks.1"]
+    assert all(n.kwargs["causal"] and n.args[3] == "cp" for n in rings)
+    kv_heads = get_config(model).n_kv_heads
+    assert all(n.args[1].meta["val"].shape[1] == kv_heads for n in rings)  # not repeated
+    left = [n.name for n in gm.graph.nodes
+            if n.target in (F.scaled_dot_product_attention, F.softmax, torch.narrow)]
+    assert left == []
+    assert torch.equal(getattr(gm, POSITIONS_BUFFER), global_positions(32, 4, 1))
+    selects = [n for n in gm.graph.nodes if n.target is torch.index_select]
+    assert len(selects) == (1 if model == "gpt-tiny" else 4 * 2)
+    assert rings[0].meta["val"].shape[2] == 32 // 4   # shapes re-propagated for local tokens
+
+
+def test_one_rank_leaves_the_graph_alone():
+    captured = _captured("gpt-tiny")
+    before = captured.gm.code
+    assert context_parallel(captured.gm, _blocks(captured), cp=1, rank=0).code == before
+
+
+def test_sequence_not_divisible_is_an_error():
+    captured = _captured("gpt-tiny", seq=24)
+    with pytest.raises(ValueError, match="sequence length 24 is not divisible by 2·cp = 16"):
+        context_parallel(captured.gm, _blocks(captured), cp=8, rank=0)
+
+
+def test_attention_outside_the_layers_is_an_error():
+    captured = _captured("llama-tiny")
+    only_first = {"blocks.0": _blocks(captured)["blocks.0"]}
+    with pytest.raises(ContextParallelError, match="in no layer given"):
+        context_parallel(captured.gm, only_first, cp=2, rank=0)
+
+
+def test_attention_dropout_is_an_error():
+    captured = _captured("gpt-tiny", dropout=0.1)
+    with pytest.raises(ContextParallelError, match=r"dropout.*F.scaled_dot_product_attention"):
+        context_parallel(captured.gm, _blocks(captured), cp=2, rank=0)
+
+
+class _BandAttention(nn.Module):
+    """Written-out attention with a mask that is not causal: beyond what the ring can do."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(8, 8, dtype=torch.bool).triu(2))
+
+    def forward(self, x):
+        q = k = v = x.unflatten(-1, (2, 4)).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(self.mask, float("-inf"))
+        return F.softmax(scores, dim=-1) @ v
+
+
+def test_unrecognised_attention_names_the_sdpa_form():
+    gm = fx.symbolic_trace(_BandAttention())
+    propagate_shapes(gm, (torch.randn(1, 8, 8),))
+    softmax = next(n.name for n in gm.graph.nodes if n.target is F.softmax)
+    with pytest.raises(ContextParallelError, match="causal mask.*F.scaled_dot_product_attention"):
+        context_parallel(gm, {"attn": [softmax]}, cp=2, rank=0)
