@@ -10,6 +10,7 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -98,10 +99,14 @@ def run_local(fn, world_size: int, args: tuple = (), timeout_s: float = DEFAULT_
 def _pool_worker(rank, world_size, port, timeout_s, inbox, outbox):
     _init_local(rank, world_size, port, timeout_s)
     while True:
-        job = inbox.get()
-        if job is None:
+        blob = inbox.get()
+        if blob is None:
             break
-        fn, args = job
+        try:  # a job whose function cannot be imported here is reported, not a dead worker
+            fn, args = pickle.loads(blob)
+        except Exception as err:  # noqa: BLE001
+            outbox.put((rank, pickle.dumps(("error", f"cannot load the job: {err!r}"))))
+            continue
         outbox.put((rank, _call(fn, args)))
     dist.destroy_process_group()
 
@@ -123,12 +128,20 @@ class RankPool:
             p.start()
 
     def run(self, fn, *args) -> list:
+        job = pickle.dumps((fn, args))
         for inbox in self.inboxes:
-            inbox.put((fn, args))
-        results = {}
-        for _ in range(self.world_size):
-            rank, outcome = self.outbox.get(timeout=self.timeout_s * 4)
-            results[rank] = outcome
+            inbox.put(job)
+        results: dict[int, bytes] = {}
+        deadline = time.monotonic() + self.timeout_s * 4
+        while len(results) < self.world_size and time.monotonic() < deadline:
+            try:
+                rank, outcome = self.outbox.get(timeout=1.0)
+                results[rank] = outcome
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:  # a crashed rank never answers: fail now, not at the deadline
+                    raise RuntimeError(f"ranks {dead} of the pool died (exit codes "
+                                       f"{[self.procs[r].exitcode for r in dead]})")
         return _collect(results, self.world_size)
 
     def close(self) -> None:
