@@ -122,6 +122,8 @@ ALIASES = {
     "truediv": "div", "true_divide": "div", "divide": "div", "multiply": "mul",
     "subtract": "sub", "floordiv": "floor_divide", "mod": "remainder",
     "and_": "bitwise_and", "or_": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
+    "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor",
+    "__invert__": "bitwise_not",
     "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
     "concat": "cat", "concatenate": "cat", "constant_pad_nd": "pad", "absolute": "abs",
     "clip": "clamp", "swapaxes": "transpose", "swapdims": "transpose", "moveaxis": "movedim",

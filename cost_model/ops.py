@@ -86,9 +86,26 @@ def node_cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:
     module = modules.get(str(node.target)) if node.op == "call_module" else None
     resolved = _resolve(node, modules, module)
     cost = resolved[1](resolved[0]) if resolved is not None else None
+    if cost is None and _index_arithmetic(node):
+        return _index_cost(node)
     if cost is None:
         raise _unknown(node, module)
     return cost
+
+
+def _index_arithmetic(node: Node) -> bool:
+    """Integer/boolean work with no floating input or output (mask and position building, as in
+    transformers' mask utilities): nothing to differentiate, so nothing saved and no backward."""
+    outputs = r.tensors_in(node.meta.get("val"))
+    inputs = [t for a in r.tensor_args(node) for t in r.tensors_in(r.value(a))]
+    return bool(outputs) and not any(r.is_float(t) for t in outputs + inputs)
+
+
+def _index_cost(node: Node) -> OpCost:
+    """Memory-bound: read the inputs, write the outputs."""
+    moved = sum(r.total_bytes(r.value(a)) for a in r.unique(r.tensor_args(node)))
+    moved += r.total_bytes(node.meta.get("val"))
+    return OpCost("elementwise", 0.0, 0.0, moved, 0.0, ())
 
 
 def _resolve(node: Node, modules: Mapping[str, nn.Module],

@@ -42,6 +42,8 @@ class Captured:
     layer_graph: nx.DiGraph     # layers as nodes; an edge carries the bytes of the tensors crossing it
     input_names: tuple[str, ...]
     method: str                 # "symbolic_trace" or "export"
+    batch: int = 1              # samples in the example inputs (dim 0): every shape is at this size
+    seq: int = 1                # their dim 1 (tokens per sample), when they have one
 
     def layer_of(self) -> dict[str, str]:
         return {n: layer.name for layer in self.layers for n in layer.nodes}
@@ -61,15 +63,19 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     propagate_shapes(gm, example_inputs)
     layers = _group_layers(gm, block_prefix)
     inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
-    return Captured(gm, layers, _layer_graph(gm, layers), inputs, method)
+    first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    batch = int(first.shape[0]) if first is not None and first.dim() else 1
+    seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
+    return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq)
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
     """Set node.meta["val"] on every node, using fake tensors (no real memory is touched)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    fakes = [mode.from_tensor(x.to(device) if x.device != device and device.type == "meta" else x)
-             if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    with mode:  # fake inputs on the weights' device: only shapes and dtypes matter
+        fakes = [torch.empty(x.shape, dtype=x.dtype, device=device)
+                 if isinstance(x, torch.Tensor) else x for x in example_inputs]
     try:
         FakeTensorProp(gm, mode).propagate(*fakes)
     except Exception as err:  # noqa: BLE001 - re-raised with the module and op named

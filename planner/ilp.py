@@ -23,6 +23,7 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
   σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H)   ∀ r    `_add_sync`
   Σ_{s,k} n[s,k] = N                                                     `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
+  Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
   Σ_{s on r} Σ_k n[s,k]·(w_k + φ_r·a_k) + E, H terms ≤ M   ∀ r           `_add_memory`
 
 (α, β) come from the schedule: 1F1B and GPipe (1, m − 1) — one micro-batch flows through every
@@ -75,6 +76,10 @@ class StageProblem:
     sync_alpha_s: float        # latency part of one data-parallel all-reduce (0 if dp == 1)
     sync_s_per_byte: float     # bandwidth part, exposed share included
     act_factor: tuple[float, ...]   # φ_r per rank
+    needs_tp: bool = False          # tp > 1: a mesh whose tp ranks all replicate is no plan
+
+    def tp_options(self) -> list[int]:
+        return [k for k, o in enumerate(self.options) if "tp" in o.name.split("+")]
 
     def rank_of(self, stage: int) -> int:
         return stage % self.ranks
@@ -150,6 +155,9 @@ def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
         mems.append(mem)
         syncs.append(_sync_time(problem, grads))
     iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times)
+    if problem.needs_tp and not any(counts[s][k] for s in range(problem.stages)
+                                    for k in problem.tp_options()):
+        return float("inf"), max(mems)
     return iteration + max(syncs), max(mems)
 
 
@@ -197,6 +205,9 @@ def _rank_memory(problem: StageProblem, n, r: int):
 
 def _add_cover(prob, problem: StageProblem, n) -> None:
     prob += pulp.lpSum(n.values()) == problem.blocks, "all_blocks_placed"
+    if problem.needs_tp:
+        prob += pulp.lpSum(n[s, k] for s in range(problem.stages)
+                           for k in problem.tp_options()) >= 1, "some_block_uses_tp"
     for s in range(1, problem.stages - 1):
         prob += pulp.lpSum(n[s, k] for k in range(len(problem.options))) >= 1, f"nonempty_{s}"
 

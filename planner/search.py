@@ -162,7 +162,8 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
     problem = ilp.StageProblem(costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v,
-                               *weights, p2p, memory_limit, sync_alpha, sync_slope, phi)
+                               *weights, p2p, memory_limit, sync_alpha, sync_slope, phi,
+                               needs_tp=c.tp > 1)
     return problem, blocks
 
 

@@ -47,7 +47,7 @@ def random_problem(rng: random.Random) -> ilp.StageProblem:
     name = rng.choice(["1f1b", "gpipe", "zb-h1"]) if v == 1 else "interleaved-1f1b"
     m = p * rng.randint(1, 3)
     blocks = rng.randint(max(1, p * v - 2), 6)
-    options = tuple(ilp.BlockOption(f"s{j}", rng.uniform(1, 3), rng.uniform(1, 4),
+    options = tuple(ilp.BlockOption(rng.choice(["none", "tp", "tp+sel"]), rng.uniform(1, 3), rng.uniform(1, 4),
                                     rng.uniform(0.1, 1), rng.uniform(0.5, 2))
                     for j in range(rng.randint(1, 3)))
     end = lambda: ilp.EndLayer(rng.uniform(0, 2), rng.uniform(0, 2), rng.uniform(0, .5),  # noqa
@@ -56,7 +56,7 @@ def random_problem(rng: random.Random) -> ilp.StageProblem:
     phi = tuple(f / v for f in peak_inflight(name, p, m, v))
     return ilp.StageProblem(blocks, options, end(), end(), p, p * v, alpha, beta,
                             rng.uniform(0, .5), rng.uniform(4, 20), rng.choice([0.0, 0.3]),
-                            rng.uniform(0, .2), phi)
+                            rng.uniform(0, .2), phi, needs_tp=rng.random() < 0.3)
 
 
 @pytest.mark.parametrize("seed", range(80))
