@@ -82,7 +82,7 @@ def _model_costs(model, example_inputs, global_batch, seq):
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 else 1
     dtype_bytes = next(model.parameters()).element_size()
     return (ModelCosts(captured, len(captured.blocks), dtype_bytes),
-            type(model).__name__, batch, seq)
+            getattr(model, "fxpar_name", type(model).__name__), batch, seq)
 
 
 class ParallelModel:

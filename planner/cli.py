@@ -62,6 +62,9 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (what-if)")
     p.add_argument("--fix", type=_fix, default={}, help="fix part of the plan, e.g. tp=8,pp=8,mb=1")
+    p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (gpt2, llama) at "
+                   "small sizes, built from its config; needs the hf extra")
+    p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
     for size in ("layers", "hidden", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{size}", type=_positive_int, default=None,
                        help=f"override the preset's {size.replace('-', ' ')}")
@@ -74,10 +77,23 @@ def _config(args):
     return get_config(args.model, **sizes)
 
 
+def _hf_model(args):
+    """The Hugging Face model and a global batch, on the meta device (no weights allocated)."""
+    import torch
+
+    from planner.hf import build_hf, build_hf_from_file, sequence_length
+    with torch.device("meta"):
+        model = build_hf_from_file(args.hf_config) if args.hf_config else build_hf(args.hf)
+    seq = args.seq or sequence_length(model)
+    tokens = torch.zeros(args.global_batch or 16, seq, dtype=torch.long, device="meta")
+    return model, (tokens, tokens)
+
+
 def _plans(args, top_k: int = 5):
     from planner.api import plan
     limit = args.memory_limit * GiB if args.memory_limit is not None else None
-    return plan(_config(args), args.gpus, cluster=args.cluster, global_batch=args.global_batch,
+    model, inputs = _hf_model(args) if args.hf or args.hf_config else (_config(args), None)
+    return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
                 memory_limit=limit, fix=args.fix, top_k=top_k)
 
 
@@ -98,8 +114,9 @@ def cmd_plan(args) -> int:
         a, b = (_load_plan(p) for p in args.diff)
         print(diff(a, b, tuple(args.diff)))
         return 0
-    if args.model is None or args.gpus is None:
-        raise ValueError("fxpar plan needs --model and --gpus (or --diff A.json B.json)")
+    if args.gpus is None or not (args.model or args.hf or args.hf_config):
+        raise ValueError("fxpar plan needs --gpus and a model: --model PRESET, --hf ARCH or "
+                         "--hf-config FILE.json (or --diff A.json B.json)")
     start = time.perf_counter()
     plans = _plans(args, top_k=args.top_k)
     best = plans[0]
@@ -121,7 +138,7 @@ def cmd_simulate(args) -> int:
     from planner.pictures import predicted_timeline, write_timeline
     if args.plan:
         chosen = _load_plan(args.plan)
-    elif args.model and args.gpus:
+    elif args.gpus and (args.model or args.hf or args.hf_config):
         chosen = _plans(args, top_k=1)[0]
     else:
         raise ValueError("fxpar simulate needs --plan PLAN.json, or --model and --gpus")

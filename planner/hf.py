@@ -40,6 +40,10 @@ class HFCausalLM(torch.nn.Module):
         super().__init__()
         self.model = model
 
+    @property
+    def fxpar_name(self) -> str:
+        return type(self.model).__name__
+
     def forward(self, tokens, targets):
         return self.model(input_ids=tokens, labels=targets, use_cache=False).loss
 

@@ -29,11 +29,34 @@ class RunResult:
     state: dict            # full (unsharded) parameters after the last step
 
 
-def reference_run(config: ModelConfig, steps: int, seed: int = 0) -> RunResult:
+@dataclass(frozen=True)
+class HFSpec:
+    """A Hugging Face architecture at small sizes (see planner.hf), with its random batch."""
+
+    arch: str
+    global_batch: int = 16
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    def build(self):
+        from planner.hf import build_hf, sequence_length, vocab_size
+        model = build_hf(self.arch, **dict(self.overrides))
+        gen = torch.Generator().manual_seed(0)
+        shape = (self.global_batch, sequence_length(model))
+        batch = tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
+        return model, batch
+
+
+def build(spec: ModelConfig | HFSpec):
+    """(model, global batch) from a spec, the same on every rank given the same seed."""
+    if isinstance(spec, ModelConfig):
+        return build_model(spec), example_batch(spec, spec.global_batch)
+    return spec.build()
+
+
+def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0) -> RunResult:
     torch.manual_seed(seed)
-    model = build_model(config)
+    model, batch = build(config)
     opt = make_optimizer(list(model.parameters()))
-    batch = example_batch(config, config.global_batch)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -44,26 +67,26 @@ def reference_run(config: ModelConfig, steps: int, seed: int = 0) -> RunResult:
     return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()})
 
 
-def parallel_worker(config: ModelConfig, plan_json: str, steps: int, seed: int = 0) -> RunResult:
+def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
+                    seed: int = 0) -> RunResult:
     """Runs on every rank: the same model and batch as the reference, sharded by the plan."""
     from planner.api import ParallelModel
 
     torch.manual_seed(seed)
-    model = build_model(config)
-    batch = example_batch(config, config.global_batch)
+    model, batch = build(config)
     pm = ParallelModel(model, Plan.from_json(plan_json), [], batch, make_optimizer)
     losses = tuple(pm.train_step(*batch) for _ in range(steps))
     return RunResult(losses, pm.full_state_dict())
 
 
-def run_parallel(config: ModelConfig, plan: Plan, steps: int, pool: RankPool | None = None):
+def run_parallel(config: ModelConfig | HFSpec, plan: Plan, steps: int, pool: RankPool | None = None):
     args = (config, plan.dumps(), steps)
     results = pool.run(parallel_worker, *args) if pool else run_local(parallel_worker, plan.gpus,
                                                                       args)
     return results[0]
 
 
-def compare_with_reference(config: ModelConfig, plan: Plan, steps: int = 3) -> float:
+def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int = 3) -> float:
     """Print per-step losses side by side; return the largest relative difference."""
     config = copy.copy(config)
     print(f"training {steps} steps on {plan.gpus} gloo CPU processes "

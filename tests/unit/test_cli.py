@@ -52,3 +52,52 @@ def test_help(command):
     proc = subprocess.run([sys.executable, "-m", "planner.cli", command, "--help"],
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "examples:" in proc.stdout
+
+
+def test_plan_hugging_face_config_file(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 3, "n_embd": 64, "n_head": 4,
+                                  "vocab_size": 128, "n_positions": 16}))
+    assert main(["plan", "--hf-config", str(config), "--gpus", "2", "--cluster", "cpu-gloo",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "GPT2LMHeadModel"
+    assert sum(len(s["layers"]) for s in data["stages"]) == 3 + 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--hf", "bert", "--gpus", "2"], "unknown Hugging Face architecture 'bert'"),
+    (["plan", "--hf-config", "/nonexistent/config.json", "--gpus", "2"], "/nonexistent/config.json"),
+    (["plan", "--diff", "/nonexistent/a.json", "/nonexistent/b.json"], "cannot read plan file"),
+])
+def test_unreadable_inputs_give_one_line_errors(capsys, argv, message):
+    if "--hf" in argv:
+        pytest.importorskip("transformers")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fxpar: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("command", ["simulate", "bench", "calibrate"])
+def test_help_of_every_subcommand(command):
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", command, "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: fxpar" in proc.stdout
+
+
+def test_plan_explain_diff_and_simulate(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    args = ["--model", "gpt2-small", "--gpus", "16", "--cluster", "a100-80g-dgx"]
+    assert main(["plan", *args, "--json"]) == 0
+    a.write_text(capsys.readouterr().out)
+    assert main(["plan", *args, "--fix", "tp=2,pp=2,strategy=tp,schedule=1f1b", "--json"]) == 0
+    b.write_text(capsys.readouterr().out)
+    assert main(["plan", "--diff", str(a), str(b)]) == 0
+    assert "configuration" in capsys.readouterr().out
+    assert main(["plan", *args, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "top " in out and "binding constraint of the winner" in out
+    assert main(["simulate", "--plan", str(b), "--out", str(tmp_path / "tl")]) == 0
+    assert (tmp_path / "tl" / "timeline.png").exists()
+    assert json.loads((tmp_path / "tl" / "timeline.json").read_text())
