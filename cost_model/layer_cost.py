@@ -4,9 +4,14 @@
 asked, re-propagates fake shapes and counts every node (cost_model.ops). `price` turns a profile into
 times and bytes for a micro-batch size and a strategy:
 
-  activations  saved-for-backward bytes, deduplicated by tensor; sequence parallel divides the
-               tensors the TP rewrite left replicated by t; selective recompute drops the
-               attention core (tensors of shape [..., s, s]); full recompute keeps only the inputs.
+  activations  saved-for-backward bytes, deduplicated by tensor (Korthikanti et al. 2022 count per
+               GPT layer: sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) under tensor parallelism).
+               Sequence parallel divides the tensors the TP rewrite left replicated (the layer
+               input, the norms' inputs and outputs, the dropout masks after each row-parallel
+               reduce: 10sbh) by t; selective recompute drops the attention core (the scores and
+               everything computed from them up to the attention-over-values matmul: softmax
+               output, dropout mask and dropout output, 5as²b); full recompute keeps only the
+               layer input.
   compute      Σ roofline(op) forward and backward; recompute adds the recomputed forward.
   comm         the collectives the rewrite inserted, priced by alpha-beta ring models.
 Everything is linear in the micro-batch size, so profiles are taken once at the captured batch.
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from cost_model import op_rules
 from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
 from cost_model.compute import compute_time
@@ -36,7 +42,7 @@ class OpRecord:
     fwd_bytes: float
     bwd_bytes: float
     matmul_flops: float
-    core: bool                     # part of the attention core (output of shape [..., s, s])
+    core: bool                     # part of the attention core (see _core_nodes)
 
 
 @dataclass(frozen=True)
@@ -79,16 +85,14 @@ class LayerCost:
     comm_bytes: tuple[tuple[str, float], ...]   # (kind, bytes sent per rank)
 
 
-def _extract(gm: fx.GraphModule, layer: Layer) -> fx.GraphModule:
-    """The layer alone as a graph whose placeholders are its inputs (meta shapes kept)."""
-    mine = set(layer.nodes)
-    node_stage, stage = {}, 0
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        stage = 1 if node.name in mine else (0 if stage == 0 else 2)
-        node_stage[node.name] = stage
-    program = split_stages(gm, node_stage, 3)[1]
+def _extract(captured: Captured, layer: Layer) -> fx.GraphModule:
+    """The layer alone as a graph whose placeholders are its inputs (meta shapes kept): a
+    three-stage split into the layers before it, the layer, and the layers after it. By layer
+    index, not graph position: exported graphs list every parameter's get_attr first."""
+    index = {l.name: l.index for l in captured.layers}
+    node_stage = {node: (index[owner] > layer.index) * 2 if owner != layer.name else 1
+                  for node, owner in captured.layer_of().items()}
+    program = split_stages(captured.gm, node_stage, 3)[1]
     return program.gm
 
 
@@ -102,56 +106,100 @@ def _fake_inputs(sub: fx.GraphModule) -> list[torch.Tensor]:
 
 
 def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile:
-    sub = _extract(captured.gm, layer)
+    sub = _extract(captured, layer)
     inputs = _fake_inputs(sub)
     replicated_names = None
     if tp > 1:
         base_saved = _saved(sub)
         tensor_parallel(sub, {layer.name: [n.name for n in sub.graph.nodes]}, tp, 0)
         propagate_shapes(sub, inputs)
+        # A tensor the rewrite did not shrink is held whole on every rank: sequence parallel is
+        # what shards it.
         replicated_names = {k for k, v in _saved(sub).items() if base_saved.get(k) == v}
     else:
         propagate_shapes(sub, inputs)
-    return _profile(sub, layer, tp, replicated_names)
+    return _profile(sub, layer, tp, replicated_names, captured.batch, captured.seq)
+
+
+def _identity_forward(node: fx.Node) -> bool:
+    """A collective that passes its input through unchanged in forward (tp_copy, tp_grad_sum): a
+    tensor kept after it is the tensor kept before it, under the name of its source."""
+    kind = getattr(node.target, "_fxpar_collective", "")
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    return (kind.endswith("_backward") and src is not None
+            and _bytes(node.meta.get("val")) == _bytes(src.meta.get("val")))
+
+
+def _canonical(name: str, nodes: dict[str, fx.Node], modules) -> str:
+    """A saved entry's name, followed back through identity-forward collectives and views."""
+    node_name, suffix = saved_node_name(name), name[len(saved_node_name(name)):]
+    node = nodes.get(node_name)
+    if node is None or not _identity_forward(node):
+        return name
+    while _identity_forward(node):
+        node = op_rules.alias_root(node.args[0], modules)
+    return node.name + suffix
+
+
+def _saved_entries(sub: fx.GraphModule):
+    """(canonical saved name, bytes) of every node, in graph order."""
+    modules, nodes = dict(sub.named_modules()), {n.name: n for n in sub.graph.nodes}
+    for node in sub.graph.nodes:
+        for name, nbytes in node_cost(node, modules).saved:
+            yield _canonical(name, nodes, modules), nbytes
 
 
 def _saved(sub: fx.GraphModule) -> dict[str, float]:
+    return dict(_saved_entries(sub))
+
+
+def _core_nodes(sub: fx.GraphModule, seq: int) -> set[str]:
+    """The attention core: the scores (an [..., s, s] product of two activations, QKᵀ) and every
+    non-matmul op computed from them at their shape (scale, mask, softmax, dropout), stopping at
+    the attention-over-values matmul. Found by structure, not by shape alone, so that a
+    [b, s, h] tensor with h == s is never mistaken for scores."""
     modules = dict(sub.named_modules())
-    saved: dict[str, float] = {}
+    core: set[str] = set()
     for node in sub.graph.nodes:
-        for name, nbytes in node_cost(node, modules).saved:
-            saved[name] = nbytes
-    return saved
+        val = node.meta.get("val")
+        if not _square(val, seq) or node.op in ("placeholder", "get_attr", "output"):
+            continue
+        cost_class = node_cost(node, modules).op_class
+        args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if cost_class == "matmul":
+            if len(args) >= 2 and all(op_rules.kind(a) == "activation" for a in args[:2]):
+                core.add(node.name)
+        elif any(a.name in core and a.meta["val"].shape == val.shape for a in args):
+            core.add(node.name)
+    return core
 
 
-def _is_core(val, seq: int) -> bool:
+def _square(val, seq: int) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2] == seq
 
 
-def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | None):
+def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | None,
+             batch: int, seq: int):
     modules = dict(sub.named_modules())
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    first = placeholders[0].meta["val"]
-    batch = first.shape[0]
-    seq = first.shape[1] if first.dim() > 1 else 1
-    values = {n.name: n.meta.get("val") for n in sub.graph.nodes}
-    ops, saved, collectives = [], {}, []
+    core = _core_nodes(sub, seq)
+    ops, collectives = [], []
     for node in sub.graph.nodes:
-        cost = node_cost(node, modules)
         kind = getattr(node.target, "_fxpar_collective", None)
         if kind:
             nbytes = _bytes(node.meta.get("val"))
             phase = "bwd" if kind.endswith("_backward") else "fwd"
             collectives.append(Collective(kind.removesuffix("_backward"), phase, nbytes))
             continue
+        cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
-                            cost.bwd_bytes, cost.matmul_flops, _is_core(node.meta.get("val"), seq)))
-        saved.update(dict(cost.saved))
+                            cost.bwd_bytes, cost.matmul_flops, node.name in core))
+    saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
         layer.name, layer.kind, tp, batch, tuple(ops),
         saved=sum(saved.values()),
-        saved_core=sum(b for k, b in saved.items() if _is_core(values.get(saved_node_name(k)), seq)),
+        saved_core=sum(b for k, b in saved.items() if saved_node_name(k) in core),
         saved_replicated=sum(b for k, b in saved.items() if replicated and k in replicated),
         input_bytes=sum(_bytes(p.meta["val"]) for p in placeholders
                         if p.meta["val"].dtype.is_floating_point),

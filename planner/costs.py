@@ -6,6 +6,7 @@ from functools import lru_cache
 
 from cost_model.cluster import Cluster
 from cost_model.layer_cost import LayerCost, LayerProfile, price, profile_layer
+from cost_model.memory import TrainingMemory
 from cost_model.strategy import Strategy
 from passes.capture import Captured
 from passes.tensor_parallel import ShardingError
@@ -19,12 +20,15 @@ class PlanningError(ValueError):
 class ModelCosts:
     """Layer profiles of one captured model whose repeated block occurs `num_blocks` times.
 
-    Memory of parameters follows the training precision: a 16-bit model is trained with
-    mixed-precision Adam (16-bit weights and gradients, fp32 master weights and two fp32 moments:
-    2 + 2 + 12 bytes per parameter); an fp32 model with plain Adam (4 + 4 + 8).
+    Memory of parameters follows `training` (cost_model.memory); by default the training precision
+    decides: a 16-bit model is trained with mixed-precision Adam (16-bit weights and gradients,
+    fp32 master weights and two fp32 moments: 2 + 2 + 12 bytes per parameter); an fp32 model with
+    plain Adam (4 + 4 + 8). With ZeRO-1 the optimizer part shrinks with the data-parallel size, so
+    the memory methods take `dp`.
     """
 
-    def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int):
+    def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int,
+                 training: TrainingMemory | None = None):
         signatures = {b.signature for b in captured.blocks}
         if not captured.blocks:
             raise PlanningError("found no repeated blocks (an nn.ModuleList of identical modules) "
@@ -35,6 +39,7 @@ class ModelCosts:
         self.captured = captured
         self.num_blocks = num_blocks
         self.dtype_bytes = dtype_bytes
+        self.training = training or TrainingMemory.for_dtype(dtype_bytes)
         self.block = captured.blocks[0]
         self.block_prefix = self.block.name.rsplit(".", 1)[0]
         self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
@@ -73,24 +78,25 @@ class ModelCosts:
         """Embed and head stay replicated until the vocab-parallel rewrite is priced."""
         return False
 
-    def static_per_param(self) -> tuple[int, int]:
-        """(weight + gradient bytes, optimizer bytes) per parameter."""
-        return 2 * self.dtype_bytes, (12 if self.dtype_bytes < 4 else 8)
+    def static_per_param(self, dp: int = 1) -> tuple[float, float]:
+        """(weight + gradient bytes, optimizer bytes) per parameter on one rank of a dp group."""
+        t = self.training
+        return t.weight_bytes + t.grad_bytes, t.optimizer_bytes(dp)
 
-    def split_static(self, static_bytes: float) -> tuple[float, float]:
-        weights, opt = self.static_per_param()
+    def split_static(self, static_bytes: float, dp: int = 1) -> tuple[float, float]:
+        weights, opt = self.static_per_param(dp)
         return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
 
-    def block_option(self, cost: LayerCost) -> ilp.BlockOption:
+    def block_option(self, cost: LayerCost, dp: int = 1) -> ilp.BlockOption:
         return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s,
-                               cost.params * sum(self.static_per_param()), cost.act_bytes,
-                               cost.params * self.dtype_bytes)
+                               cost.params * sum(self.static_per_param(dp)), cost.act_bytes,
+                               cost.params * self.training.grad_bytes)
 
-    def end_layer(self, cost: LayerCost | None) -> ilp.EndLayer:
+    def end_layer(self, cost: LayerCost | None, dp: int = 1) -> ilp.EndLayer:
         if cost is None:
             return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
-        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * sum(self.static_per_param()),
-                            cost.act_bytes, cost.params * self.dtype_bytes)
+        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * sum(self.static_per_param(dp)),
+                            cost.act_bytes, cost.params * self.training.grad_bytes)
 
     def boundary_bytes(self, micro_batch: int) -> float:
         one = self._profiles[1]

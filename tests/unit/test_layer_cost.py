@@ -1,0 +1,136 @@
+"""Layer profiles against published and hand counts.
+
+Activation memory per GPT layer is checked against Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", Table 2), bytes for a 16-bit model with dropout:
+
+  no parallelism                  sbh(34 + 5as/h)
+  tensor parallel                 sbh(10 + 24/t + 5as/(ht))
+  tensor + sequence parallel      sbh/t · (34 + 5as/h)
+  tensor parallel + selective     sbh(10 + 24/t)
+  tensor + sequence + selective   sbh · 34/t
+  full recompute                  2sbh
+
+FLOPs of a Llama-style layer (grouped-query attention, SwiGLU, RMSNorm) are checked against a
+count by hand of every op the layer runs.
+"""
+import pytest
+import torch
+
+from cost_model.cluster import get_cluster
+from cost_model.layer_cost import price, profile_layer
+from cost_model.strategy import Strategy
+from passes.capture import capture
+from planner.models import ModelConfig, build_model, get_config
+
+CLUSTER = get_cluster("a100-80g-dgx")
+TOLERANCE = 0.05
+
+# GPT-3 175B at t = 8, and a small layer whose hidden size equals its sequence length, so that a
+# [b, s, h] tensor has the [..., s, s] shape of attention scores and must not be taken for them.
+CONFIGS = {
+    "gpt3-175b": (get_config("gpt3-175b").with_(layers=1, dropout=0.1, attention="math"), 8),
+    "small-h-eq-s": (ModelConfig("gpt", 1, 256, 8, 512, 256, dropout=0.1, attention="math"), 4),
+}
+
+
+def korthikanti(cfg: ModelConfig, strategy: Strategy, t: int) -> float:
+    """Bytes per layer from Korthikanti et al. 2022, Table 2 (b = 1)."""
+    s, h, a, b = cfg.seq, cfg.hidden, cfg.heads, 1
+    sbh, core = s * b * h, 5 * a * s / h
+    if strategy.recompute == "full":
+        return 2 * sbh / (t if strategy.sp else 1)
+    if not strategy.tp:
+        return sbh * (34 + core)
+    kept_core = 0 if strategy.recompute == "selective" else core / t
+    if strategy.sp:
+        return sbh * (34 / t + kept_core)
+    return sbh * (10 + 24 / t + kept_core)
+
+
+def _capture(cfg: ModelConfig):
+    model = build_model(cfg, device="meta", dtype=torch.bfloat16)
+    tokens = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
+    return capture(model, (tokens, tokens))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def gpt_layer(request):
+    cfg, t = CONFIGS[request.param]
+    captured = _capture(cfg)
+    block = captured.blocks[0]
+    return cfg, t, {1: profile_layer(captured, block), t: profile_layer(captured, block, t)}
+
+
+STRATEGIES = ["none", "tp", "tp+sp", "tp+sel", "tp+sp+sel", "full", "tp+full", "tp+sp+full"]
+
+
+@pytest.mark.parametrize("text", STRATEGIES)
+def test_gpt_activations_match_korthikanti(gpt_layer, text):
+    cfg, t, profiles = gpt_layer
+    strategy = Strategy.parse(text)
+    tp = t if strategy.tp else 1
+    ours = price(profiles[tp], strategy, 1, CLUSTER, tp).act_bytes
+    want = korthikanti(cfg, strategy, t)
+    assert ours == pytest.approx(want, rel=TOLERANCE), f"{text}: {ours / want - 1:+.2%}"
+
+
+def test_activations_scale_with_micro_batch(gpt_layer):
+    cfg, t, profiles = gpt_layer
+    one = price(profiles[t], Strategy(True, True), 1, CLUSTER, t).act_bytes
+    assert price(profiles[t], Strategy(True, True), 3, CLUSTER, t).act_bytes == pytest.approx(3 * one)
+
+
+def test_selective_recompute_reruns_only_the_attention_core(gpt_layer):
+    """The recomputed FLOPs are QKᵀ plus the per-score ops on the [b, a, s, s] scores."""
+    cfg, _, profiles = gpt_layer
+    s, h, a = cfg.seq, cfg.hidden, cfg.heads
+    plain = price(profiles[1], Strategy(), 1, CLUSTER)
+    selective = price(profiles[1], Strategy(recompute="selective"), 1, CLUSTER)
+    qk = 2 * s * s * h
+    # scale (1), causal mask (1), softmax (5), dropout (2) FLOPs per score: op_rules' conventions.
+    per_score = (1 + 1 + 5 + 2) * a * s * s
+    assert selective.flops - plain.flops == pytest.approx(qk + per_score)
+
+
+# ---------------------------------------------------------------- Llama-style layer FLOPs
+
+LLAMA = ModelConfig("llama", 1, 256, 8, 512, 64, kv_heads=2, ffn=384, attention="math")
+
+
+def llama_forward_flops(cfg: ModelConfig, b: int = 1) -> tuple[float, float]:
+    """(all forward FLOPs, matmul part) of one Llama layer, counted op by op.
+
+    Matmuls: 2·M·N·K each.  Other ops, per element (op_rules' conventions): RMSNorm 4 (square,
+    sum, scale by rstd, weight), SiLU 4, mul/add/neg/masked_fill 1, softmax 5, cat and
+    repeat_interleave 0 (data movement)."""
+    s, h, a, d, f = cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim, cfg.ffn_hidden
+    kv = cfg.n_kv_heads * d
+    tokens = b * s
+    matmul = (2 * tokens * h * (h + 2 * kv)       # q, k, v projections (GQA: k, v are kv wide)
+              + 2 * 2 * b * a * s * s * d        # QKᵀ and attention over values, all query heads
+              + 2 * tokens * h * h               # output projection
+              + 3 * 2 * tokens * h * f)          # gate, up, down
+    norms = 2 * 4 * tokens * h
+    # x·cos + cat(-x2, x1)·sin on q and k: two multiplies and an add, a negate of half.
+    rotary = 3.5 * tokens * (h + kv)
+    scores = (1 + 1 + 5) * b * a * s * s         # scale, causal mask, softmax
+    mlp = (4 + 1) * tokens * f                   # silu(gate) * up
+    residuals = 2 * tokens * h
+    return matmul + norms + rotary + scores + mlp + residuals, matmul
+
+
+def test_llama_layer_flops_equal_a_hand_count():
+    captured = _capture(LLAMA)
+    profile = profile_layer(captured, captured.blocks[0])
+    total, matmul = llama_forward_flops(LLAMA)
+    assert sum(op.matmul_flops for op in profile.ops) == matmul
+    assert sum(op.fwd_flops for op in profile.ops) == pytest.approx(total, rel=1e-12)
+    # Narayanan et al.: backward is twice the forward, for every op of a non-fused layer.
+    assert sum(op.bwd_flops for op in profile.ops) == pytest.approx(2 * total, rel=1e-12)
+
+
+def test_llama_tensor_parallel_shards_every_matmul():
+    captured = _capture(LLAMA)
+    t = 2  # divides the two kv heads, so k and v shard too
+    one, sharded = (profile_layer(captured, captured.blocks[0], tp) for tp in (1, t))
+    assert sum(op.matmul_flops for op in sharded.ops) * t == sum(op.matmul_flops for op in one.ops)
