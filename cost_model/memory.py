@@ -47,10 +47,11 @@ class TrainingMemory:
                              f"got {self.optimizer!r}")
 
     @staticmethod
-    def for_dtype(dtype_bytes: int) -> "TrainingMemory":
+    def for_dtype(dtype_bytes: int, zero1: bool = False) -> "TrainingMemory":
         """The usual recipe for a model stored in `dtype_bytes`: mixed-precision Adam for 16-bit
-        weights (2 + 2 + 12), plain Adam for fp32 ones (4 + 4 + 8)."""
-        return TrainingMemory(dtype_bytes, dtype_bytes, "adam", master_weights=dtype_bytes < 4)
+        weights (2 + 2 + 12), plain Adam for fp32 ones (4 + 4 + 8); optionally ZeRO-1."""
+        return TrainingMemory(dtype_bytes, dtype_bytes, "adam", master_weights=dtype_bytes < 4,
+                              zero1=zero1)
 
     @property
     def weight_bytes(self) -> int:

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     parser.add_argument("--no-collectives", action="store_true", help="time the layers only")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
                         help="time blocks by the wall clock or by this thread's CPU time")
     args = parser.parse_args(argv)
     layers = layer_rows(args.cluster, args.reps, args.clock)

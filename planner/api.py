@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.cluster import Cluster, get_cluster
+from cost_model.memory import TrainingMemory
 from passes.capture import capture
 from passes.program import rank_programs
 from passes.tensor_parallel import shard_specs
@@ -34,11 +35,11 @@ def default_cluster() -> str:
 def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None, *,
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
-         top_k: int = 5, runnable_only: bool = True) -> list[Plan]:
+         top_k: int = 5, runnable_only: bool = True, zero1: bool = False) -> list[Plan]:
     """The best plans, fastest first; raises PlanningError when none fits in memory."""
     gpus = _check_gpus(gpus)
     hw = get_cluster(cluster or default_cluster())
-    costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq)
+    costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1)
     limit = float(memory_limit) if memory_limit is not None else float(hw.mem_bytes)
     if limit <= 0:
         raise ValueError(f"memory limit must be positive, got {memory_limit!r}")
@@ -64,7 +65,7 @@ def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
         f"or use more GPUs")
 
 
-def _model_costs(model, example_inputs, global_batch, seq):
+def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False):
     """Capture the model on fake tensors. A config is captured with one block (blocks are identical,
     so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds."""
     if isinstance(model, (str, ModelConfig)):
@@ -72,7 +73,8 @@ def _model_costs(model, example_inputs, global_batch, seq):
         meta = build_model(cfg.with_(layers=1), device="meta", dtype=torch.bfloat16)
         tokens = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
         captured = capture(meta, (tokens, tokens))
-        return (ModelCosts(captured, cfg.layers, 2), cfg.name,
+        training = TrainingMemory.for_dtype(2, zero1=zero1)
+        return (ModelCosts(captured, cfg.layers, 2, training), cfg.name,
                 global_batch or cfg.global_batch, cfg.seq)
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "
@@ -81,7 +83,8 @@ def _model_costs(model, example_inputs, global_batch, seq):
     batch = global_batch or example_inputs[0].shape[0]
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 else 1
     dtype_bytes = next(model.parameters()).element_size()
-    return (ModelCosts(captured, len(captured.blocks), dtype_bytes),
+    training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
+    return (ModelCosts(captured, len(captured.blocks), dtype_bytes, training),
             getattr(model, "fxpar_name", type(model).__name__), batch, seq)
 
 

@@ -62,6 +62,8 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (what-if)")
     p.add_argument("--fix", type=_fix, default={}, help="fix part of the plan, e.g. tp=8,pp=8,mb=1")
+    p.add_argument("--zero1", action="store_true",
+                   help="price optimizer states sharded over data parallel (ZeRO stage 1)")
     p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (gpt2, llama) at "
                    "small sizes, built from its config; needs the hf extra")
     p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
@@ -94,7 +96,7 @@ def _plans(args, top_k: int = 5):
     limit = args.memory_limit * GiB if args.memory_limit is not None else None
     model, inputs = _hf_model(args) if args.hf or args.hf_config else (_config(args), None)
     return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
-                memory_limit=limit, fix=args.fix, top_k=top_k)
+                memory_limit=limit, fix=args.fix, top_k=top_k, zero1=args.zero1)
 
 
 def _load_plan(path: str):

@@ -108,8 +108,13 @@ class ModelCosts:
         return sum(sum(op.fwd_flops + op.bwd_flops for op in p.ops) / p.batch for p in profiles)
 
     def notes(self) -> tuple[str, ...]:
+        notes = []
         if self.tp_errors and not any(t > 1 for t in self._profiles):
             first = min(self.tp_errors)
-            return (f"planned without tensor parallelism: no tp size above 1 divides the model "
-                    f"({self.tp_errors[first]})",)
-        return ()
+            notes.append(f"planned without tensor parallelism: no tp size above 1 divides the "
+                         f"model ({self.tp_errors[first]})")
+        if self.training.zero1:
+            notes.append("optimizer states priced as sharded over data parallel (ZeRO-1); the "
+                         "fxpar runtime keeps them whole, so use an optimizer that shards them "
+                         "(e.g. torch.distributed.optim.ZeroRedundancyOptimizer)")
+        return tuple(notes)

@@ -122,15 +122,16 @@ def _lower_bound(costs, req, tp, pp, b, m, schedule, v) -> float:
     when even the least memory-hungry strategy, spread perfectly, cannot fit."""
     blocks = block_costs(costs, req, tp, b)
     ends = costs.end_costs(b, req.cluster)
-    options = [costs.block_option(c) for c in blocks]
+    dp = req.gpus // (tp * pp)
+    options = [costs.block_option(c, dp) for c in blocks]
     least_static = min(o.static_bytes for o in options) * costs.num_blocks
-    least_static += sum(costs.end_layer(c).static_bytes for c in ends)
+    least_static += sum(costs.end_layer(c, dp).static_bytes for c in ends)
     if least_static / pp > req.memory_limit:
         return math.inf
     total = costs.num_blocks * min(o.time_s for o in options)
     total += sum(c.fwd_s + c.bwd_s for c in ends)
     alpha, beta = ilp.schedule_weights(schedule, pp, m, v)
-    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, tp, pp, (req.gpus // (tp * pp)), b)
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, tp, pp, dp, b)
     boundaries = 2 * (pp * v - 1) * p2p  # Σ_s of the p2p terms; the busiest rank has ≥ 1/pp
     grads = costs.num_blocks * min(o.grad_bytes for o in options) / pp
     sync = sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
@@ -153,11 +154,11 @@ def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
 def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: float):
     """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option."""
     blocks = block_costs(costs, req, c.tp, c.micro_batch)
-    options = [costs.block_option(cost) for cost in blocks]
+    options = [costs.block_option(cost, c.dp) for cost in blocks]
     keep = _prune_dominated(options)
     options, blocks = [options[i] for i in keep], [blocks[i] for i in keep]
-    embed, head = (costs.end_layer(cost) for cost in costs.end_costs(c.micro_batch, req.cluster,
-                                                                      padded=True))
+    embed, head = (costs.end_layer(cost, c.dp)
+                   for cost in costs.end_costs(c.micro_batch, req.cluster, padded=True))
     p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c.tp, c.pp, c.dp, c.micro_batch)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
@@ -239,7 +240,8 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
         if s == problem.stages - 1 and costs.has("head"):
             names.append("head")
             strategies.append("vocab-tp" if costs.vocab_parallel(cand.tp) else "none")
-        stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies)))
+        stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies),
+                                  cand.dp))
     return Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages), _predict(costs, req, cand, problem, blocks,
@@ -248,12 +250,12 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                                f"{solution.seconds:.2f} s", cand.v)
 
 
-def _stage_plan(costs, problem, s, counts, names, strategies) -> StagePlan:
+def _stage_plan(costs, problem, s, counts, names, strategies, dp) -> StagePlan:
     phi = problem.act_factor[problem.rank_of(s)]
     ends = ilp._ends(problem, s)
     static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
     static += sum(e.static_bytes for e in ends)
-    weights, opt = costs.split_static(static)
+    weights, opt = costs.split_static(static, dp)
     act = phi * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
                  + sum(e.act_bytes for e in ends))
     return StagePlan(names, strategies, _time_of(problem, counts, s), weights, opt, act)
