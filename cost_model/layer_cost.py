@@ -66,6 +66,7 @@ class LayerProfile:
     output_bytes: float            # what the layer hands to the next one
     params: int                    # parameters held per device
     collectives: tuple[Collective, ...] = field(default=())
+    kv_bytes: float = 0.0          # keys + values entering fused attention (what a CP ring moves)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     modules = dict(sub.named_modules())
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     core = _core_nodes(sub, seq)
-    ops, collectives = [], []
+    ops, collectives, kv_bytes = [], [], 0.0
     for node in sub.graph.nodes:
         kind = getattr(node.target, "_fxpar_collective", None)
         if kind:
@@ -194,6 +195,8 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
                             cost.bwd_bytes, cost.matmul_flops, node.name in core))
+        if cost.op_class == "attention":
+            kv_bytes += sum(_bytes(arg.meta.get("val")) for arg in node.args[1:3])
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
@@ -205,7 +208,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
                         if p.meta["val"].dtype.is_floating_point),
         output_bytes=_bytes(fx.node.map_arg(out.args[0], lambda n: n.meta.get("val"))),
         params=sum(p.numel() for p in sub.parameters()),
-        collectives=tuple(collectives))
+        collectives=tuple(collectives), kv_bytes=kv_bytes)
 
 
 def _bytes(val) -> float:
@@ -217,9 +220,11 @@ def _bytes(val) -> float:
 
 
 def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: Cluster,
-          tp: int = 1) -> LayerCost:
-    """Times and bytes of the profiled layer for a micro-batch; tp is the group size of the mesh."""
-    scale = micro_batch / profile.batch
+          tp: int = 1, cp: int = 1) -> LayerCost:
+    """Times and bytes of the profiled layer for a micro-batch; tp and cp are the group sizes of
+    the mesh. Context parallelism gives each rank 1/cp of the tokens — zig-zag sharding balances
+    causal attention too — and adds the key/value ring (`_ring`)."""
+    scale = micro_batch / profile.batch / cp
     fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
               for op in profile.ops)
     bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
@@ -228,11 +233,30 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
     recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops)
     comm_s, comm_bytes = _comm(profile, strategy, scale, cluster, tp)
+    if cp > 1:
+        ring_s, ring_bytes = _ring(profile, scale, cluster, tp, cp)
+        comm_s += ring_s
+        comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring_bytes),)))
     return LayerCost(profile.layer, strategy, micro_batch,
                      fwd_s=fwd + comm_s / 2, bwd_s=bwd + recompute_s + comm_s / 2, comm_s=comm_s,
                      flops=model_flops + recompute_flops, model_flops=model_flops,
                      act_bytes=_activations(profile, strategy, tp) * scale,
                      params=profile.params, comm_bytes=comm_bytes)
+
+
+def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int):
+    """Exposed seconds and bytes sent of ring attention per micro-batch: forward passes this
+    rank's key/value block cp − 1 times; backward passes it again and carries fp32 dK/dV
+    accumulators cp hops home. Each transfer overlaps the attention computed on the block in hand,
+    so only what the transfers exceed the attention time is exposed."""
+    kv = profile.kv_bytes * scale
+    sent = (cp - 1) * kv + (cp - 1) * kv + cp * 2 * kv
+    hop = lambda nbytes: collective_time(cluster, "p2p", nbytes, 2, stride=tp)  # noqa: E731
+    transfer = 2 * (cp - 1) * hop(kv) + cp * hop(2 * kv)
+    attention = sum(compute_time(cluster, (op.fwd_flops + op.bwd_flops) * scale,
+                                 (op.fwd_bytes + op.bwd_bytes) * scale, op.op_class)
+                    for op in profile.ops if op.op_class == "attention")
+    return max(0.0, transfer - attention), sent
 
 
 def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops):

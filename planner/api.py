@@ -35,7 +35,7 @@ def default_cluster() -> str:
 def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None, *,
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
-         top_k: int = 5, runnable_only: bool = True, zero1: bool = False) -> list[Plan]:
+         top_k: int = 1, runnable_only: bool = True, zero1: bool = False) -> list[Plan]:
     """The best plans, fastest first; raises PlanningError when none fits in memory."""
     gpus = _check_gpus(gpus)
     hw = get_cluster(cluster or default_cluster())
@@ -127,6 +127,10 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     if world != plan.gpus:
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
+    if plan.cp > 1:
+        raise ValueError(f"this plan uses context parallelism (cp={plan.cp}), which the runtime "
+                         f"builds only through passes.context_parallel so far; plan with cp=1 "
+                         f"(the default search space) to train it")
     mesh = Mesh(plan.pp, plan.dp, plan.tp)
     groups = build_groups(mesh)
     collectives.bind_groups(tp=groups.tp)

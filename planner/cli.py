@@ -91,7 +91,7 @@ def _hf_model(args):
     return model, (tokens, tokens)
 
 
-def _plans(args, top_k: int = 5):
+def _plans(args, top_k: int = 1):
     from planner.api import plan
     limit = args.memory_limit * GiB if args.memory_limit is not None else None
     model, inputs = _hf_model(args) if args.hf or args.hf_config else (_config(args), None)
@@ -120,7 +120,7 @@ def cmd_plan(args) -> int:
         raise ValueError("fxpar plan needs --gpus and a model: --model PRESET, --hf ARCH or "
                          "--hf-config FILE.json (or --diff A.json B.json)")
     start = time.perf_counter()
-    plans = _plans(args, top_k=args.top_k)
+    plans = _plans(args, top_k=args.top_k if args.explain else 1)
     best = plans[0]
     if args.json:
         print(best.dumps())

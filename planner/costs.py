@@ -61,16 +61,21 @@ class ModelCosts:
         return self._profiles.get(tp)
 
     def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
-                    tp: int) -> LayerCost:
-        return self._price(strategy, micro_batch, cluster, tp)
+                    tp: int, cp: int = 1) -> LayerCost:
+        return self._price(strategy, micro_batch, cluster, tp, cp)
 
-    def _price_uncached(self, strategy, micro_batch, cluster, tp) -> LayerCost:
+    def _price_uncached(self, strategy, micro_batch, cluster, tp, cp) -> LayerCost:
         return price(self.block_profile(tp if strategy.tp else 1), strategy, micro_batch,
-                     cluster, tp)
+                     cluster, tp, cp)
 
-    def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False):
+    def supports_cp(self, cp: int, seq: int) -> bool:
+        """Context parallel needs fused attention to ring and a sequence that splits into 2·cp
+        zig-zag chunks."""
+        return cp == 1 or (self._profiles[1].kv_bytes > 0 and seq % (2 * cp) == 0)
+
+    def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1):
         """LayerCosts of embed and head (None for a missing one when padded)."""
-        costs = [price(self.ends[k], Strategy(), micro_batch, cluster) if k in self.ends
+        costs = [price(self.ends[k], Strategy(), micro_batch, cluster, 1, cp) if k in self.ends
                  else None for k in ("embed", "head")]
         return costs if padded else [c for c in costs if c is not None]
 

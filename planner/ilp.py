@@ -109,12 +109,14 @@ class Solution:
 
 
 def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 30.0,
-          solver: str = "highs") -> Solution:
+          solver: str = "highs", relax: bool = False, gap: float = 1e-4) -> Solution:
+    """Solve the ILP (or, with relax, its LP relaxation: a lower bound in milliseconds)."""
     start = time.perf_counter()
     if problem.blocks < max(0, problem.stages - 2):
         return Solution((), float("inf"), "infeasible", 0.0, 0.0)
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
-    n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, "Integer")
+    cat = "Continuous" if relax else "Integer"
+    n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, cat)
          for s in range(problem.stages) for k in range(len(problem.options))}
     times = [_stage_time(problem, n, s) for s in range(problem.stages)]
     mems = [_rank_memory(problem, n, r) for r in range(problem.ranks)]
@@ -129,12 +131,16 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
         for r, mem in enumerate(mems):
             prob += peak >= mem, f"peak_{r}"
         prob += peak
-    status, gap = _run(prob, solver, time_limit_s)
+    status, gap = _run(prob, solver, time_limit_s, gap)
+    if relax and status != "infeasible":
+        return Solution((), pulp.value(prob.objective), "relaxed", 0.0,
+                        time.perf_counter() - start)
     if status == "infeasible":
         return Solution((), float("inf"), status, 0.0, time.perf_counter() - start)
     counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
                    for s in range(problem.stages))
-    return Solution(counts, pulp.value(prob.objective), status, gap, time.perf_counter() - start)
+    value = pulp.value(prob.objective) * (_byte_unit(problem) if objective == "memory" else 1.0)
+    return Solution(counts, value, status, gap, time.perf_counter() - start)
 
 
 def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
@@ -193,13 +199,21 @@ def _stage_time(problem: StageProblem, n, s: int):
     return pulp.lpSum(n[s, k] * o.time_s for k, o in enumerate(problem.options)) + fixed
 
 
+def _byte_unit(problem: StageProblem) -> float:
+    """Bytes enter the model in units of the largest per-block amount: coefficients of 1e10
+    beside times of 1e-1 would make the solver's tolerances meaningless and its search slow."""
+    sizes = [o.static_bytes + o.act_bytes + o.grad_bytes for o in problem.options]
+    return max(sizes + [1e-30])
+
+
 def _rank_memory(problem: StageProblem, n, r: int):
-    phi = problem.act_factor[r]
+    """Peak memory of rank r, in units of _byte_unit."""
+    phi, unit = problem.act_factor[r], _byte_unit(problem)
     terms = []
     for s in problem.stages_of(r):
-        terms += [n[s, k] * (o.static_bytes + phi * o.act_bytes)
+        terms += [n[s, k] * ((o.static_bytes + phi * o.act_bytes) / unit)
                   for k, o in enumerate(problem.options)]
-        terms += [e.static_bytes + phi * e.act_bytes for e in _ends(problem, s)]
+        terms += [(e.static_bytes + phi * e.act_bytes) / unit for e in _ends(problem, s)]
     return pulp.lpSum(terms)
 
 
@@ -208,8 +222,16 @@ def _add_cover(prob, problem: StageProblem, n) -> None:
     if problem.needs_tp:
         prob += pulp.lpSum(n[s, k] for s in range(problem.stages)
                            for k in problem.tp_options()) >= 1, "some_block_uses_tp"
+    size = [pulp.lpSum(n[s, k] for k in range(len(problem.options)))
+            for s in range(problem.stages)]
     for s in range(1, problem.stages - 1):
-        prob += pulp.lpSum(n[s, k] for k in range(len(problem.options))) >= 1, f"nonempty_{s}"
+        prob += size[s] >= 1, f"nonempty_{s}"
+    # Symmetry breaking: middle stages that are alike (one stage per rank, same activation
+    # factor) can be permuted without changing time or memory, so order them by size; without
+    # this the solver explores every permutation of equivalent stages.
+    for s in range(1, problem.stages - 2):
+        if problem.stages == problem.ranks and problem.act_factor[s] == problem.act_factor[s + 1]:
+            prob += size[s] >= size[s + 1], f"symmetry_{s}"
 
 
 def _add_bottleneck(prob, problem: StageProblem, times):
@@ -224,31 +246,34 @@ def _add_sync(prob, problem: StageProblem, n):
     if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0:
         return sigma
     for r in range(problem.ranks):
+        unit = _byte_unit(problem)
         grads = []
         for s in problem.stages_of(r):
-            grads += [n[s, k] * o.grad_bytes for k, o in enumerate(problem.options)]
-            grads += [e.grad_bytes for e in _ends(problem, s)]
-        prob += sigma >= problem.sync_alpha_s + problem.sync_s_per_byte * pulp.lpSum(grads), \
-            f"sync_{r}"
+            grads += [n[s, k] * (o.grad_bytes / unit) for k, o in enumerate(problem.options)]
+            grads += [e.grad_bytes / unit for e in _ends(problem, s)]
+        per_unit = problem.sync_s_per_byte * unit
+        prob += sigma >= problem.sync_alpha_s + per_unit * pulp.lpSum(grads), f"sync_{r}"
     return sigma
 
 
 def _add_memory(prob, problem: StageProblem, mems) -> None:
     for r, mem in enumerate(mems):
-        prob += mem <= problem.memory_limit, f"memory_{r}"
+        prob += mem <= problem.memory_limit / _byte_unit(problem), f"memory_{r}"
 
 
 def _objective(problem: StageProblem, times, rho, sigma):
     return problem.sum_weight * pulp.lpSum(times) + problem.max_weight * rho + sigma
 
 
-def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float) -> tuple[str, float]:
+def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
+         gap: float) -> tuple[str, float]:
     """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it).
-    HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback."""
+    HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback. `gap`
+    is the relative optimality gap at which the search may stop."""
     if solver == "highs" and pulp.HiGHS().available():
-        backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+        backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
     else:
-        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap)
     with _quiet():
         prob.solve(backend)
     if prob.sol_status == pulp.LpSolutionOptimal:

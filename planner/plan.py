@@ -56,6 +56,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     solver: str = ""
     virtual_stages: int = 1            # stages per rank (interleaved schedules)
+    cp: int = 1                        # context-parallel ranks sharing a sequence
 
     def layout(self) -> Layout:
         strategies = tuple((layer, s) for st in self.stages
@@ -64,7 +65,7 @@ class Plan:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data["mesh"] = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        data["mesh"] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
         return data
 
     def dumps(self) -> str:
@@ -85,7 +86,8 @@ class Plan:
         p = self.predicted
         head = [
             f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster})",
-            f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}   schedule {self.schedule}"
+            f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}"
+            f"{f' x cp={self.cp}' if self.cp > 1 else ''}   schedule {self.schedule}"
             f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}   "
             f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
             f"micro-batches x {self.micro_batch}   seq {self.seq}",

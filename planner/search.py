@@ -23,7 +23,7 @@ from runtime.generators import peak_inflight
 
 # (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
-FIX_KEYS = ("dp", "tp", "pp", "mb", "v", "schedule", "strategy", "recompute")
+FIX_KEYS = ("dp", "tp", "pp", "cp", "mb", "v", "schedule", "strategy", "recompute")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Request:
     fix: dict = field(default_factory=dict)
     top_k: int = 5
     runnable_only: bool = True
-    time_limit_s: float = 30.0
+    time_limit_s: float = 1.0      # per ILP: a stopped search reports its plan with the gap
     schedules: tuple[tuple[str, int], ...] = SCHEDULES
 
 
@@ -51,6 +51,7 @@ class Candidate:
     schedule: str
     v: int
     lower_bound: float
+    cp: int = 1
 
 
 def _divisors(n: int) -> list[int]:
@@ -82,24 +83,39 @@ def _schedules(req: Request, pp: int, m: int, blocks: int):
         yield name, v
 
 
-def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
-    fix, result = req.fix, []
+def cp_sizes(costs: ModelCosts, req: Request, rest: int) -> list[int]:
+    """Context-parallel sizes: the runtime builds cp > 1 only when asked for the full space."""
+    if req.runnable_only and req.fix.get("cp", 1) == 1:
+        return [1]
+    return [c for c in _divisors(rest) if costs.supports_cp(c, req.seq)]
+
+
+def meshes(costs: ModelCosts, req: Request):
+    """(dp, tp, cp, pp) with dp·tp·cp·pp = gpus that the model admits and the fix allows."""
+    fix = req.fix
     for tp in tp_sizes(costs, req.gpus, req.cluster):
-        for pp in _divisors(req.gpus // tp):
-            dp = req.gpus // (tp * pp)
-            if any(k in fix and fix[k] != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
-                continue
-            if pp > costs.num_blocks + 2 or req.global_batch % dp:
-                continue
-            for b in _divisors(req.global_batch // dp):
-                if "mb" in fix and fix["mb"] != b:
+        for cp in cp_sizes(costs, req, req.gpus // tp):
+            for pp in _divisors(req.gpus // (tp * cp)):
+                dp = req.gpus // (tp * cp * pp)
+                chosen = (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp))
+                if any(k in fix and fix[k] != v for k, v in chosen):
                     continue
-                m = req.global_batch // (dp * b)
-                for name, v in _schedules(req, pp, m, costs.num_blocks):
-                    bound = _lower_bound(costs, req, tp, pp, b, m, name, v)
-                    if bound < math.inf or req.memory_limit == math.inf:
-                        result.append(Candidate(dp, tp, pp, b, m, name, v, bound))
-    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.v))
+                if pp <= costs.num_blocks + 2 and req.global_batch % dp == 0:
+                    yield dp, tp, cp, pp
+
+
+def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
+    result = []
+    for dp, tp, cp, pp in meshes(costs, req):
+        for b in _divisors(req.global_batch // dp):
+            if "mb" in req.fix and req.fix["mb"] != b:
+                continue
+            m = req.global_batch // (dp * b)
+            for name, v in _schedules(req, pp, m, costs.num_blocks):
+                bound = _lower_bound(costs, req, Candidate(dp, tp, pp, b, m, name, v, 0.0, cp))
+                if bound < math.inf or req.memory_limit == math.inf:
+                    result.append(Candidate(dp, tp, pp, b, m, name, v, bound, cp))
+    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
 
 
 def _strategies(req: Request, tp: int) -> list[Strategy]:
@@ -113,16 +129,16 @@ def _strategies(req: Request, tp: int) -> list[Strategy]:
     return space
 
 
-def block_costs(costs: ModelCosts, req: Request, tp: int, b: int) -> list[LayerCost]:
-    return [costs.price_block(s, b, req.cluster, tp) for s in _strategies(req, tp)]
+def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1) -> list[LayerCost]:
+    return [costs.price_block(s, b, req.cluster, tp, cp) for s in _strategies(req, tp)]
 
 
-def _lower_bound(costs, req, tp, pp, b, m, schedule, v) -> float:
+def _lower_bound(costs, req, c: Candidate) -> float:
     """Iteration time if every stage were perfectly balanced with the cheapest strategy; infinite
     when even the least memory-hungry strategy, spread perfectly, cannot fit."""
-    blocks = block_costs(costs, req, tp, b)
-    ends = costs.end_costs(b, req.cluster)
-    dp = req.gpus // (tp * pp)
+    tp, pp, b, m, dp = c.tp, c.pp, c.micro_batch, c.microbatches, c.dp
+    blocks = block_costs(costs, req, tp, b, c.cp)
+    ends = costs.end_costs(b, req.cluster, cp=c.cp)
     options = [costs.block_option(c, dp) for c in blocks]
     least_static = min(o.static_bytes for o in options) * costs.num_blocks
     least_static += sum(costs.end_layer(c, dp).static_bytes for c in ends)
@@ -130,9 +146,9 @@ def _lower_bound(costs, req, tp, pp, b, m, schedule, v) -> float:
         return math.inf
     total = costs.num_blocks * min(o.time_s for o in options)
     total += sum(c.fwd_s + c.bwd_s for c in ends)
-    alpha, beta = ilp.schedule_weights(schedule, pp, m, v)
-    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, tp, pp, dp, b)
-    boundaries = 2 * (pp * v - 1) * p2p  # Σ_s of the p2p terms; the busiest rank has ≥ 1/pp
+    alpha, beta = ilp.schedule_weights(c.schedule, pp, m, c.v)
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    boundaries = 2 * (pp * c.v - 1) * p2p  # Σ_s of the p2p terms; the busiest rank has ≥ 1/pp
     grads = costs.num_blocks * min(o.grad_bytes for o in options) / pp
     sync = sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
     return alpha * (total + boundaries) + beta * (total + boundaries) / pp + sync
@@ -153,13 +169,13 @@ def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
 
 def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: float):
     """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option."""
-    blocks = block_costs(costs, req, c.tp, c.micro_batch)
+    blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp)
     options = [costs.block_option(cost, c.dp) for cost in blocks]
     keep = _prune_dominated(options)
     options, blocks = [options[i] for i in keep], [blocks[i] for i in keep]
     embed, head = (costs.end_layer(cost, c.dp)
-                   for cost in costs.end_costs(c.micro_batch, req.cluster, padded=True))
-    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c.tp, c.pp, c.dp, c.micro_batch)
+                   for cost in costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp))
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
     problem = ilp.StageProblem(costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v,
@@ -168,17 +184,20 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     return problem, blocks
 
 
-def _comm_terms(costs, req, tp, pp, dp, micro_batch) -> tuple[float, float, float]:
+def _comm_terms(costs, req, c: Candidate) -> tuple[float, float, float]:
     """(p2p seconds per stage boundary and micro-batch, forward + backward; exposed data-parallel
     all-reduce latency; exposed seconds per gradient byte). Ranks are laid out tp innermost, then
-    dp, then pp: a pipeline neighbour is tp·dp ranks away, a dp peer tp ranks away."""
-    if pp > 1:
-        boundary = costs.boundary_bytes(micro_batch)
-        p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * dp)
+    cp, dp, pp: a pipeline neighbour is tp·cp·dp ranks away; gradients are averaged over the
+    dp·cp ranks that hold the same weights, tp ranks apart."""
+    tp, cp, dp = c.tp, c.cp, c.dp
+    if c.pp > 1:
+        boundary = costs.boundary_bytes(c.micro_batch) / cp
+        p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
     else:
         p2p = 0.0
-    alpha = collective_time(req.cluster, "all_reduce", 0.0, dp, stride=tp)
-    slope = (collective_time(req.cluster, "all_reduce", 2.0**30, dp, stride=tp) - alpha) / 2**30
+    group = dp * cp
+    alpha = collective_time(req.cluster, "all_reduce", 0.0, group, stride=tp)
+    slope = (collective_time(req.cluster, "all_reduce", 2.0**30, group, stride=tp) - alpha) / 2**30
     exposed = 1.0 - req.cluster.dp_overlap
     return p2p, alpha * exposed, slope * exposed
 
@@ -188,9 +207,14 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     check_fix(req.fix)
     found: list[Plan] = []
     for cand in candidates(costs, req):
-        if len(found) >= req.top_k and cand.lower_bound >= found[-1].predicted.iteration_s:
+        full = len(found) >= req.top_k
+        if full and cand.lower_bound >= found[-1].predicted.iteration_s:
             break
         problem, blocks = build_problem(costs, req, cand, req.memory_limit)
+        if full:  # the LP relaxation is a far tighter bound (it sees memory) at a tiny cost
+            bound = ilp.solve(problem, relax=True, time_limit_s=req.time_limit_s)
+            if bound.objective >= found[-1].predicted.iteration_s:
+                continue
         solution = ilp.solve(problem, time_limit_s=req.time_limit_s)
         if solution.status == "infeasible":
             continue
@@ -202,7 +226,7 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
 def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:
     """Alternatives differ in mesh or schedule: a plan only replaces a slower one of its kind."""
     def kind(p: Plan):
-        return p.dp, p.tp, p.pp, p.schedule, p.virtual_stages
+        return p.dp, p.tp, p.pp, p.cp, p.schedule, p.virtual_stages
     same = [p for p in found if kind(p) == kind(plan)]
     if same and same[0].predicted.iteration_s <= plan.predicted.iteration_s:
         return
@@ -216,7 +240,7 @@ def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate |
     seen = set()
     unlimited = replace(req, memory_limit=math.inf)
     for cand in sorted(candidates(costs, unlimited), key=lambda c: c.micro_batch):
-        kind = (cand.dp, cand.tp, cand.pp, cand.schedule, cand.v)
+        kind = (cand.dp, cand.tp, cand.pp, cand.cp, cand.schedule, cand.v)
         if kind in seen:  # a larger micro-batch only adds activation memory
             continue
         seen.add(kind)
@@ -247,7 +271,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 req.memory_limit, tuple(stages), _predict(costs, req, cand, problem, blocks,
                                                           solution.counts),
                 costs.notes(), f"{solution.status}, gap {solution.gap:.2%}, "
-                               f"{solution.seconds:.2f} s", cand.v)
+                               f"{solution.seconds:.2f} s", cand.v, cand.cp)
 
 
 def _stage_plan(costs, problem, s, counts, names, strategies, dp) -> StagePlan:
