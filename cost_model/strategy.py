@@ -36,14 +36,14 @@ class Strategy:
 
 
 def strategy_space(tp: int, runnable_only: bool = True) -> list[Strategy]:
-    """Strategies to consider for a block at tensor-parallel size tp.
+    """Strategies to consider for a block at tensor-parallel size tp: with or without tp, sequence
+    parallel with tp, and each recomputation.
 
-    runnable_only keeps the strategies the rewrite passes can build today: without it the planner
-    also prices sequence parallel and recomputation.
+    runnable_only keeps the strategies the rewrite passes can build; they build all of these
+    (passes.program applies tp, sp, sel and full per layer), so it no longer narrows the space.
     """
+    del runnable_only  # every strategy here is runnable
     tps = [False, True] if tp > 1 else [False]
-    if runnable_only:
-        return [Strategy(tp=t) for t in tps]
     space = []
     for t in tps:
         for sp in ([False, True] if t else [False]):

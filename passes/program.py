@@ -1,22 +1,53 @@
-"""From a captured graph and a layout to the programs one rank runs: tensor-parallel rewrite of the
-chosen layers for this rank's tp index, then the pipeline split, keeping this rank's stages."""
+"""From a captured graph and a layout to the programs one rank runs.
+
+`rewrite` applies the rewrite passes for this rank's tensor-parallel index, always in this order,
+each reading what the previous ones left in the graph:
+
+  1. vocab_parallel     "embed"/"head" layers with tp: vocabulary-sharded embedding and loss
+  2. tensor_parallel    block layers with tp: column/row-parallel linears, tp_copy / tp_all_reduce
+  3. sequence_parallel  layers with sp: those collectives become sequence all-gather /
+                        reduce-scatter, and resharding nodes go where an SP layer meets a non-SP one
+  4. recompute          layers with full / sel: the layer, or its attention core, checkpointed
+                        (last, so a checkpointed region holds the collectives of 1-3 and runs them
+                        again when it recomputes)
+
+Every pass tags the nodes it inserts with their layer (node.meta["fxpar_layer"]); shapes are
+propagated once, after the last pass, so node.meta["val"] holds local shapes and the pipeline split
+that follows places every node by its layer and records the local shapes crossing stages.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.fx as fx
+
 from passes.capture import Captured
-from passes.pipeline_split import StageProgram, split_stages, stage_assignment
+from passes.pipeline_split import StageProgram, split_stages
+from passes.recompute import recompute
+from passes.sequence_parallel import sequence_parallel
+from passes.sharding import LAYER, localize_shapes, tag_layers
 from passes.tensor_parallel import tensor_parallel
+from passes.vocab_parallel import vocab_parallel
 
 
 @dataclass(frozen=True)
 class Layout:
     """Plain description of the rewrite: each layer's strategy text (cost_model.strategy form,
-    e.g. "tp+sp+sel"; layers not listed are "none"), and contiguous layer counts per stage."""
+    e.g. "tp+sp+sel"; layers not listed are "none"), contiguous layer counts per stage, and whether
+    a vocabulary that tp does not divide may be padded."""
 
     tp: int
     strategies: tuple[tuple[str, str], ...]   # (layer name, strategy text)
     stage_sizes: tuple[int, ...]              # in layer order; len = number of stages
+    pad_vocab: bool = False
+
+    def __post_init__(self):
+        for layer, text in self.strategies:
+            parts = set(text.split("+"))
+            if "sp" in parts and "tp" not in parts:
+                raise ValueError(f"layer {layer}: sequence parallel (sp) requires tp, got {text!r}")
+            if {"sel", "full"} <= parts:
+                raise ValueError(f"layer {layer}: choose one of sel and full, got {text!r}")
 
     @property
     def num_stages(self) -> int:
@@ -27,21 +58,43 @@ class Layout:
         return frozenset(layer for layer, text in self.strategies if part in text.split("+"))
 
 
+def rewrite(captured: Captured, layout: Layout, tp_rank: int) -> fx.GraphModule:
+    """Apply the rewrite passes of `layout` to captured.gm for tp index `tp_rank`; in place."""
+    gm = captured.gm
+    layers = {layer.name: layer.nodes for layer in captured.layers}
+    tag_layers(gm, layers)
+    ends = {layer.name for layer in captured.layers if layer.kind != "block"}
+    tp_layers = layout.layers_with("tp")
+    vocab_parallel(gm, {name: layers[name] for name in sorted(tp_layers & ends)}, layout.tp,
+                   tp_rank, pad=layout.pad_vocab, localize=False)
+    tensor_parallel(gm, {name: layers[name] for name in sorted(tp_layers - ends)}, layout.tp,
+                    tp_rank, localize=False)
+    sequence_parallel(gm, layers, layout.layers_with("sp") & tp_layers, layout.tp, localize=False)
+    recompute(gm, layers, full=layout.layers_with("full"), selective=layout.layers_with("sel"))
+    if layout.tp > 1 and tp_layers:  # one shape propagation for all of them
+        localize_shapes(gm)
+    return gm
+
+
 def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
                   stages: tuple[int, ...]) -> dict[int, StageProgram]:
     """The stage programs for `stages` on the rank with tensor-parallel index `tp_rank`."""
-    gm = captured.gm
-    layer_nodes = {layer.name: layer.nodes for layer in captured.layers}
-    tensor_parallel(gm, {name: layer_nodes[name] for name in sorted(layout.layers_with("tp"))},
-                    layout.tp, tp_rank)
-    # The rewrite added collective and bias nodes: they belong to the layer of the node they follow.
-    node_stage = stage_assignment(layer_nodes, [l.name for l in captured.layers],
-                                  list(layout.stage_sizes))
-    previous = None
+    gm = rewrite(captured, layout, tp_rank)
+    order = [layer.name for layer in captured.layers]
+    if sum(layout.stage_sizes) != len(order) or min(layout.stage_sizes) < 1:
+        raise ValueError(f"stage sizes {layout.stage_sizes} do not cover {len(order)} layers")
+    stage_of_layer, first = {}, 0
+    for stage, size in enumerate(layout.stage_sizes):
+        stage_of_layer.update(dict.fromkeys(order[first:first + size], stage))
+        first += size
+    node_stage, previous = {}, None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.name not in node_stage:
+        layer = node.meta.get(LAYER)
+        if layer in stage_of_layer:
+            node_stage[node.name] = stage_of_layer[layer]
+        else:  # untagged: with the node it reads, else the one before it
             source = next(iter(node.all_input_nodes), previous)
             node_stage[node.name] = node_stage[source.name]
         previous = node

@@ -1,18 +1,31 @@
 """Tensor-parallel rewrite (Megatron pairing) of the linear layers of chosen layers.
 
-Within a layer, walking nodes in order, every tensor is either replicated or sharded on its last
-(feature / head) dimension. A linear whose input is replicated becomes column-parallel (its output
-rows are split, so its output is sharded); a linear whose input is sharded becomes row-parallel
-(its input columns are split, its output is a partial sum). Any other op with a sharded input gives
+Within a layer, walking nodes in order, every tensor is either replicated or sharded on its
+feature / head dimension. A linear whose input is replicated becomes column-parallel (its output
+features are split, so its output is sharded); a linear whose input is sharded becomes row-parallel
+(its input features are split, its output is a partial sum). Any other op with a sharded input gives
 a sharded output — heads never mix in attention, and the MLP activation is elementwise.
+
+Linears are recognised in every form `passes.sharding.linear_site` knows (modules, F.linear,
+addmm / Conv1D, matmul by a weight, torch.export's aten ops); weights read by get_attr are replaced
+by their shard in place.
+
+Grouped-query attention whose kv heads do not divide by tp keeps the k and v projections whole on
+every rank and selects, per rank, the kv heads its own query heads read (a narrow, or an
+index_select repeating them when the grouping is uneven); the gradients of those replicated
+weights, partial on each rank, are summed by tp_grad_sum.
+
 Collectives inserted, as named call nodes:
   tp_copy(x)        before each column-parallel linear (identity forward, all-reduce backward)
   tp_all_reduce(y)  after each row-parallel linear, before its bias is added
+  tp_grad_sum(w)    on the weights of replicated k/v projections (uneven GQA only)
 so each attention and MLP pair costs one all-reduce forward and one backward.
+
+Inserted nodes are tagged with their layer; afterwards node.meta["val"] holds local shapes
+(`passes.sharding.localize_shapes`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -20,30 +33,16 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_views,
+                             before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
+                             linear_site, localize_shapes, nodes_by_layer, replace_param,
+                             shard_param, shard_specs, tag_layers)
 from runtime import collectives
 
-
-class ShardingError(ValueError):
-    """A split that does not divide; names the layer, the dimension and the divisor."""
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a parameter was cut: dimension, shard count, this rank's index, and interleaved chunks."""
-
-    dim: int
-    parts: int
-    index: int
-    chunks: int = 1
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        pieces = full.unflatten(self.dim, (self.chunks, -1))
-        shard = pieces.chunk(self.parts, dim=self.dim + 1)[self.index]
-        return shard.flatten(self.dim, self.dim + 1).clone()
-
-    def join(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        pieces = [s.unflatten(self.dim, (self.chunks, -1)) for s in shards]
-        return torch.cat(pieces, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
+aten = torch.ops.aten
+# ShardingError, ShardSpec and shard_specs are imported from here by the planner and the runtime.
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardSpec", "ShardingError",
+           "make_column", "shard_specs", "tensor_parallel"]
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -51,11 +50,10 @@ class ColumnParallelLinear(nn.Linear):
 
     def __init__(self, full: nn.Linear, spec: ShardSpec):
         nn.Module.__init__(self)
-        self.in_features, self.out_features = full.in_features, full.out_features // spec.parts
-        self.weight = nn.Parameter(spec.take(full.weight.detach()), full.weight.requires_grad)
-        self.bias = (nn.Parameter(spec.take(full.bias.detach()), full.bias.requires_grad)
-                     if full.bias is not None else None)
-        self.shard_specs = {"weight": spec, "bias": spec}
+        self.in_features = full.in_features
+        self.out_features = (full.out_features + spec.pad) // spec.parts
+        self.weight = shard_param(full.weight, spec)
+        self.bias = shard_param(full.bias, spec) if full.bias is not None else None
 
 
 class RowParallelLinear(nn.Linear):
@@ -64,9 +62,8 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, full: nn.Linear, spec: ShardSpec):
         nn.Module.__init__(self)
         self.in_features, self.out_features = full.in_features // spec.parts, full.out_features
-        self.weight = nn.Parameter(spec.take(full.weight.detach()), full.weight.requires_grad)
+        self.weight = shard_param(full.weight, spec)
         self.bias = full.bias
-        self.shard_specs = {"weight": spec}
 
     # A Linear computing x @ weight.T without its bias: cost rules price it as a linear.
     fxpar_linear = True
@@ -76,89 +73,183 @@ class RowParallelLinear(nn.Linear):
 
 
 def tensor_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: int, rank: int,
-                    group: str = "tp") -> fx.GraphModule:
-    """Shard the linears of `layers` (layer name -> its node names) over `tp` ranks; in place."""
+                    group: str = "tp", params: Mapping[str, torch.Tensor] | None = None,
+                    localize: bool = True) -> fx.GraphModule:
+    """Shard the linears of `layers` (layer name -> its node names) over `tp` ranks; in place.
+
+    `params` gives the values of weights that are graph inputs (placeholders of a lifted export
+    graph): they become parameters of gm and are sharded like the others. `localize=False` leaves
+    node.meta["val"] (and literal view sizes) to a later `localize_shapes`, for a caller that
+    applies several rewrites and propagates shapes once.
+    """
+    tag_layers(gm, layers)
     if tp == 1:
         return gm
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for layer, names in layers.items():
-        _shard_layer(gm, layer, [nodes[n] for n in names if n in nodes], tp, rank, group)
+    lift_params(gm, params or {})
+    for layer, nodes in nodes_by_layer(gm, set(layers)).items():
+        _shard_layer(gm, layer, nodes, tp, rank, group)
     gm.graph.lint()
     gm.recompile()
+    if localize:
+        localize_shapes(gm)
     return gm
 
 
 def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group: str) -> None:
+    replicated = _grouped_kv(gm, layer, nodes, tp, rank)
     sharded: set[fx.Node] = set()
-    entered: dict[fx.Node, fx.Node] = {}
+    selected: set[fx.Node] = set()  # kv heads taken from a replicated projection: already local
+    entries: dict[fx.Node, fx.Node] = {}
     for node in nodes:
-        module = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(module, nn.Linear):
-            (source,) = node.all_input_nodes
-            if source in sharded:
-                _make_row(gm, node, module, layer, tp, rank, group)
+        site = linear_site(gm, node)
+        if site is not None and site.x in sharded:
+            _make_row(gm, site, layer, tp, rank, group)
+        elif site is not None:
+            value, reader = before_views(site.x, node)
+            if value not in entries:  # one region entry per value (q, k, v share it)
+                entries[value] = call_after(gm, value, collectives.tp_copy, (group, layer), layer,
+                                            replace=False)
+                for user in list(value.users):  # size reads inside the region see the entry
+                    if not isinstance(user.meta.get("val"), torch.Tensor) and user.users:
+                        user.replace_input_with(value, entries[value])
+            reader.replace_input_with(value, entries[value])
+            site = linear_site(gm, node)
+            if node in replicated:
+                taken = _make_replicated(gm, site, layer, replicated[node], group)
+                sharded.add(taken)
+                selected.add(taken)
             else:
-                _make_column(gm, node, module, layer, tp, rank)
-                if source not in entered.values():  # one region entry per value (q, k, v share it)
-                    entered[source] = _insert_after(gm, source, collectives.tp_copy, group, layer)
+                make_column(gm, site, layer, tp, rank)
                 sharded.add(node)
         elif any(arg in sharded for arg in node.all_input_nodes):
-            _check_heads(node, layer, tp)
+            if all(arg in selected for arg in node.all_input_nodes if arg in sharded):
+                selected.add(node)
+            else:
+                _check_heads(node, layer, tp)
             sharded.add(node)
 
 
-def _chunks(node: fx.Node) -> int:
-    """A fused projection whose output is split into k equal parts (QKV) is sharded per part."""
-    users = list(node.users)
-    if len(users) == 1 and users[0].target in ("chunk", torch.chunk):
-        return int(users[0].args[1])
-    return 1
+def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int = 0) -> None:
+    """Split the output features of a linear over tp ranks (after `pad` zero rows, for vocab)."""
+    cut = chunk_user(site.node)
+    chunks = cut[1] if cut else 1
+    width = site.features(gm, site.out_dim)
+    if (width + pad) % (chunks * tp):
+        parts = f" in {chunks} parts" if chunks > 1 else ""
+        raise ShardingError(f"layer {layer}: {site.name} has {width} output features (dim "
+                            f"{site.out_dim} of its weight){parts}, not divisible by tp={tp}")
+    spec = ShardSpec(site.out_dim, tp, rank, chunks, pad)
+    if site.module is not None:
+        gm.add_submodule(site.node.target, ColumnParallelLinear(site.module, spec))
+    else:
+        replace_param(gm, site.weight, shard_param(get_param(gm, site.weight), spec))
+        if site.bias is not None:
+            bias = ShardSpec(0, tp, rank, chunks, pad)
+            replace_param(gm, site.bias, shard_param(get_param(gm, site.bias), bias))
+    if cut and cut[2] is not None:  # split(size): each part shrinks with the shard
+        cut[0].update_arg(1, cut[2] // tp)
 
 
-def _make_column(gm, node, module: nn.Linear, layer: str, tp: int, rank: int) -> None:
-    chunks = _chunks(node)
-    if module.out_features % (chunks * tp):
-        raise ShardingError(f"layer {layer}: {node.target}.out_features={module.out_features} "
-                            f"(in {chunks} parts) is not divisible by tp={tp}")
-    gm.add_submodule(node.target, ColumnParallelLinear(module, ShardSpec(0, tp, rank, chunks)))
-
-
-def _make_row(gm, node, module: nn.Linear, layer: str, tp: int, rank: int, group: str) -> None:
-    if module.in_features % tp:
-        raise ShardingError(f"layer {layer}: {node.target}.in_features={module.in_features} "
-                            f"is not divisible by tp={tp}")
-    gm.add_submodule(node.target, RowParallelLinear(module, ShardSpec(1, tp, rank)))
-    reduced = _insert_after(gm, node, collectives.tp_all_reduce, group, layer)
-    if module.bias is not None:
+def _make_row(gm, site: LinearSite, layer: str, tp: int, rank: int, group: str) -> None:
+    in_dim = 1 - site.out_dim
+    width = site.features(gm, in_dim)
+    if width % tp:
+        raise ShardingError(f"layer {layer}: {site.name} has {width} input features (dim {in_dim} "
+                            f"of its weight), not divisible by tp={tp}")
+    spec, node = ShardSpec(in_dim, tp, rank), site.node
+    if site.module is not None:
+        gm.add_submodule(node.target, RowParallelLinear(site.module, spec))
+    else:
+        replace_param(gm, site.weight, shard_param(get_param(gm, site.weight), spec))
+        site.drop_bias()
+    reduced = call_after(gm, after_views(node), collectives.tp_all_reduce, (group, layer), layer)
+    if site.bias is not None:
         with gm.graph.inserting_after(reduced):
-            bias = gm.graph.get_attr(f"{node.target}.bias")
-        with gm.graph.inserting_after(bias):
-            added = gm.graph.call_function(torch.add, (reduced, bias))
-        reduced.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
+            bias = gm.graph.get_attr(site.bias)
+        bias.meta[LAYER] = layer
+        call_after(gm, bias, torch.add, (bias,), layer, value=reduced)
 
 
-def _insert_after(gm, node: fx.Node, fn, group: str, layer: str) -> fx.Node:
-    with gm.graph.inserting_after(node):
-        new = gm.graph.call_function(fn, (node, group, layer))
-    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-    new.meta = dict(node.meta)
-    return new
+def _make_replicated(gm, site: LinearSite, layer: str, select, group: str) -> fx.Node:
+    """A k/v projection kept whole: its weights' gradients summed, then this rank's heads taken."""
+    node, graph = site.node, gm.graph
+    with graph.inserting_before(node):
+        params = [graph.get_attr(p) for p in (site.weight, site.bias) if p is not None]
+        summed = [graph.call_function(collectives.tp_grad_sum, (p, group, layer)) for p in params]
+        if site.out_dim == 1:  # [in, out] weight: x @ W (+ b)
+            linear = graph.call_function(torch.matmul, (site.x, summed[0]))
+            if len(summed) > 1:
+                linear = graph.call_function(torch.add, (linear, summed[1]))
+        else:
+            linear = graph.call_function(F.linear, (site.x, *summed))
+    for new in (*params, *summed, linear, *linear.all_input_nodes):
+        new.meta.setdefault(LAYER, layer)
+    linear.meta["val"] = node.meta.get("val")
+    node.replace_all_uses_with(linear)
+    graph.erase_node(node)
+    if isinstance(select, torch.Tensor):
+        name = f"{linear.name}_heads"
+        gm.register_buffer(name, select.to(get_param(gm, site.weight).device), persistent=False)
+        with graph.inserting_after(linear):
+            index = graph.get_attr(name)
+        index.meta[LAYER] = layer
+        return call_after(gm, index, torch.index_select, (-1, index), layer, value=linear)
+    return call_after(gm, linear, torch.narrow, (-1, *select), layer)
+
+
+def _grouped_kv(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int) -> dict:
+    """k/v projections whose heads do not divide by tp -> what this rank takes of their output:
+    (start, length) of the last dimension, or a tensor of indices."""
+    mine, result = set(nodes), {}
+    for node in filter(is_sdpa, nodes):
+        q, k, v = node.args[:3]
+        q_heads, kv_heads = q.meta["val"].shape[-3], k.meta["val"].shape[-3]
+        if q_heads % tp:
+            raise ShardingError(f"layer {layer}: {q_heads} query heads (dim 1 of {q.name}) are not "
+                                f"divisible by tp={tp}")
+        if kv_heads % tp == 0:
+            continue
+        q_sites = _sources(gm, q, mine)
+        for value in (k, v):
+            sites = _sources(gm, value, mine)
+            if not sites or sites & q_sites:
+                raise ShardingError(f"layer {layer}: {kv_heads} kv heads (dim 1 of {value.name}) "
+                                    f"are not divisible by tp={tp}, and their projection is fused "
+                                    f"with the queries'")
+            take = _kv_selection(q_heads, kv_heads, value.meta["val"].shape[-1], tp, rank)
+            result.update(dict.fromkeys(sites, take))
+    return result
+
+
+def _kv_selection(q_heads: int, kv_heads: int, head_dim: int, tp: int, rank: int):
+    local, group = q_heads // tp, q_heads // kv_heads
+    needed = [(rank * local + i) // group for i in range(local)]
+    if local % group == 0 or group % local == 0:  # each kv head taken serves equally many q heads
+        return needed[0] * head_dim, len(set(needed)) * head_dim
+    # Uneven: one kv head per query head (repeated), so the grouping ratio becomes 1.
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in needed])
+
+
+def _sources(gm, value: fx.Node, within: set[fx.Node]) -> set[fx.Node]:
+    """The linears of the layer that `value` is computed from."""
+    found, seen, stack = set(), set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in within:
+            continue
+        seen.add(node)
+        if linear_site(gm, node) is not None:
+            found.add(node)
+        else:
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 def _check_heads(node: fx.Node, layer: str, tp: int) -> None:
     """Splitting features into heads must not cut a head: the local width must hold whole heads."""
-    if node.target == "unflatten" and node.args[1] == -1:
-        head_dim = node.args[2][1]
-        source = node.args[0].meta.get("val")
-        if source is not None and (source.shape[-1] // tp) % head_dim:
-            raise ShardingError(f"layer {layer}: {source.shape[-1] // head_dim} heads of "
-                                f"{node.name} are not divisible by tp={tp}")
-
-
-def shard_specs(gm: nn.Module) -> dict[str, ShardSpec]:
-    """Parameter name -> how it was sharded, for every sharded parameter of a rewritten module."""
-    specs = {}
-    for name, module in gm.named_modules():
-        for param, spec in getattr(module, "shard_specs", {}).items():
-            specs[f"{name}.{param}" if name else param] = spec
-    return specs
+    if node.target not in ("unflatten", aten.unflatten.int) or node.args[1] != -1:
+        return
+    sizes, source = node.args[2], node.args[0].meta.get("val")
+    if sizes[0] == -1 and source is not None and (source.shape[-1] // tp) % sizes[1]:
+        raise ShardingError(f"layer {layer}: {source.shape[-1] // sizes[1]} heads (dim -1 of "
+                            f"{node.args[0].name}, {sizes[1]} wide) are not divisible by tp={tp}")

@@ -3,9 +3,28 @@
 A graph refers to a process group by a short name ("tp", "dp", ...) rather than holding a
 ProcessGroup object, so the same graph text prints readably and runs on every rank; the runtime
 binds names to this rank's groups with `bind_groups`. Each function carries `_fxpar_collective`
-(the kind priced by the cost model) and records the bytes it sends in `TRAFFIC`, per layer tag.
+(the kind priced by the cost model; a "_backward" suffix when it communicates only in backward) and
+records the bytes it sends in `TRAFFIC`, per layer tag, with `cost_model.comm.bytes_on_wire`
+semantics, so a measured count can be compared with the cost model exactly.
 
-Outside a process group, or on fake/meta tensors (shape propagation, pricing), they are identities.
+Communication repeated to save memory (a checkpointed region run again in backward, the all-gather
+a sequence-parallel linear redoes instead of keeping its gathered input) is counted apart, in
+`RECOMPUTE_TRAFFIC`: the cost model prices each collective once.
+
+Tensor-parallel (Megatron f / g):
+  tp_copy        identity forward, all-reduce of the gradient backward (enter a TP region)
+  tp_all_reduce  all-reduce forward, identity backward (leave it: sum row-parallel partials)
+  tp_grad_sum    as tp_copy, for a replicated weight whose gradient each rank holds only in part
+Sequence-parallel (along `dim`, the sequence dimension of [batch, seq, hidden]):
+  sp_all_gather      all-gather forward, reduce-scatter backward (enter a TP region)
+  sp_reduce_scatter  reduce-scatter forward, all-gather backward (leave it)
+  sp_scatter         keep this rank's slice forward, all-gather backward (replicated -> sharded)
+  sp_gather          all-gather forward, keep this rank's slice backward (sharded -> replicated)
+  sp_gather_linear   sp_all_gather fused with the column-parallel linears reading its output; it
+                     keeps only the local slice for backward and gathers it again there
+
+Outside a process group, or on fake/meta tensors (shape propagation, pricing), they compute shapes
+only: the TP ones are identities, the SP ones change dimension `dim` by the factor `parts`.
 """
 from __future__ import annotations
 
@@ -13,10 +32,18 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from cost_model.comm import bytes_on_wire
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 # (kind, layer tag) -> bytes this rank sent; read by tests and the cost-model validation.
-TRAFFIC: dict[tuple[str, str], int] = defaultdict(int)
+TRAFFIC: dict[tuple[str, str], float] = defaultdict(float)
+RECOMPUTE_TRAFFIC: dict[tuple[str, str], float] = defaultdict(float)
+_recomputing = [False]
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 only has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def bind_groups(**groups: dist.ProcessGroup | None) -> None:
@@ -32,18 +59,78 @@ def group_size(name: str) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+class recomputing:
+    """Count the collectives run inside as repeated communication (RECOMPUTE_TRAFFIC).
+    Re-enterable: a checkpoint re-enters its recompute context once per backward pass (twice when
+    input and weight gradients are computed apart)."""
+
+    def __enter__(self):
+        self.previous, _recomputing[0] = _recomputing[0], True
+
+    def __exit__(self, *exc):
+        _recomputing[0] = self.previous
+
+
+def _count(kind: str, tag: str, nbytes: int, n: int) -> None:
+    table = RECOMPUTE_TRAFFIC if _recomputing[0] else TRAFFIC
+    table[(kind, tag)] += bytes_on_wire(kind, nbytes, n)
+
+
+def _fake(x: torch.Tensor) -> bool:
+    return x.is_meta or type(x).__name__ == "FakeTensor"
+
+
 def _active(x: torch.Tensor, name: str) -> bool:
-    if x.is_meta or type(x).__name__ == "FakeTensor" or not dist.is_initialized():
+    if _fake(x) or not dist.is_initialized():
         return False
     return group_size(name) > 1
 
 
-def _all_reduce(x: torch.Tensor, name: str, tag: str) -> torch.Tensor:
+def _check_parts(x: torch.Tensor, name: str, parts: int) -> bool:
+    """Whether to communicate; a real tensor that needs a group it does not have is an error."""
+    if _fake(x) or parts == 1:
+        return False
+    if not dist.is_initialized() or group_size(name) != parts:
+        raise RuntimeError(f"collective over {parts} ranks of group '{name}' but the bound group "
+                           f"has {group_size(name)} (runtime.collectives.bind_groups)")
+    return True
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def all_reduce(x: torch.Tensor, name: str, tag: str, op: str = "sum") -> torch.Tensor:
+    """A counted all-reduce of a copy of x (no autograd): op is "sum" or "max"."""
     n = group_size(name)
-    TRAFFIC[("all_reduce", tag)] += 2 * (n - 1) * x.numel() * x.element_size() // n
+    _count("all_reduce", tag, _nbytes(x), n)
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_GROUPS[name])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                    group=_GROUPS[name])
     return out
+
+
+def _gather(x: torch.Tensor, name: str, tag: str, dim: int) -> torch.Tensor:
+    n = group_size(name)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the pieces one after another on dim 0
+    _all_gather_single(out, x, group=_GROUPS[name])
+    _count("all_gather", tag, _nbytes(out), n)
+    return out.unflatten(0, (n, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _reduce_scatter(x: torch.Tensor, name: str, tag: str, dim: int) -> torch.Tensor:
+    n = group_size(name)
+    stacked = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
+    out = x.new_empty(stacked.shape[1:])
+    _reduce_scatter_single(out, stacked.flatten(0, 1), group=_GROUPS[name])
+    _count("reduce_scatter", tag, _nbytes(x), n)
+    return out
+
+
+def _take(x: torch.Tensor, name: str, dim: int) -> torch.Tensor:
+    index = dist.get_rank(_GROUPS[name])
+    return x.chunk(group_size(name), dim)[index].clone(memory_format=torch.contiguous_format)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -56,7 +143,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.name, ctx.tag), None, None
+        return all_reduce(grad, ctx.name, ctx.tag), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -64,7 +151,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, name, tag):
-        return _all_reduce(x, name, tag)
+        return all_reduce(x, name, tag)
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,5 +168,102 @@ def tp_all_reduce(x: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
     return _ReduceFromRegion.apply(x, group, tag) if _active(x, group) else x
 
 
+def tp_grad_sum(w: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
+    """A replicated weight used differently on each rank: sum its gradient over the group."""
+    return _CopyToRegion.apply(w, group, tag) if _active(w, group) else w
+
+
+class _Resequence(torch.autograd.Function):
+    """One of four sequence moves forward, its adjoint backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, name, tag, dim, forward, backward):
+        ctx.args = name, tag, dim, backward
+        return _move(forward, x, name, tag, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        name, tag, dim, backward = ctx.args
+        return _move(backward, grad, name, tag, dim), None, None, None, None, None
+
+
+def _move(kind: str, x, name, tag, dim):
+    if kind == "gather":
+        return _gather(x, name, tag, dim)
+    if kind == "reduce_scatter":
+        return _reduce_scatter(x, name, tag, dim)
+    return _take(x, name, dim)
+
+
+def _resequence(x, group, tag, parts, dim, forward, backward):
+    if _check_parts(x, group, parts):
+        return _Resequence.apply(x, group, tag, dim, forward, backward)
+    if forward == "gather":
+        return torch.cat([x] * parts, dim)
+    return x.narrow(dim, 0, x.shape[dim] // parts)
+
+
+def sp_all_gather(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
+    """Enter a TP region from sequence shards: gather forward, reduce-scatter the gradient."""
+    return _resequence(x, group, tag, parts, dim, "gather", "reduce_scatter")
+
+
+def sp_reduce_scatter(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
+    """Leave a TP region onto sequence shards: sum the partials and keep this rank's slice."""
+    return _resequence(x, group, tag, parts, dim, "reduce_scatter", "gather")
+
+
+def sp_scatter(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
+    """A replicated value onto sequence shards (no communication forward)."""
+    return _resequence(x, group, tag, parts, dim, "take", "gather")
+
+
+def sp_gather(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
+    """Sequence shards to a replicated value (no communication backward)."""
+    return _resequence(x, group, tag, parts, dim, "gather", "take")
+
+
+class _GatherLinear(torch.autograd.Function):
+    """all-gather(x) followed by linears; saves the local x only and gathers it again backward."""
+
+    @staticmethod
+    def forward(ctx, x, name, tag, dim, count, *params):
+        weights, biases = params[:count], params[count:]
+        full = _gather(x, name, tag, dim)
+        ctx.args = name, tag, dim, count, tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name, tag, dim, count, has_bias = ctx.args
+        x, *weights = ctx.saved_tensors
+        with recomputing():
+            full = _gather(x, name, tag, dim).flatten(0, -2)
+        grad_full, grad_w, grad_b = None, [], []
+        for g, w, bias in zip(grads, weights, has_bias):
+            part = g.matmul(w)
+            grad_full = part if grad_full is None else grad_full + part
+            flat = g.flatten(0, -2)
+            grad_w.append(flat.t().mm(full))
+            grad_b.append(flat.sum(0) if bias else None)
+        grad_x = _reduce_scatter(grad_full, name, tag, dim)
+        return (grad_x, None, None, None, None, *grad_w, *grad_b)
+
+
+def sp_gather_linear(x, weights: tuple, biases: tuple, group: str, tag: str = "", parts: int = 1,
+                     dim: int = 1) -> tuple:
+    """(F.linear(sp_all_gather(x), w, b) for each weight and bias), keeping only x for backward."""
+    if _check_parts(x, group, parts):
+        return _GatherLinear.apply(x, group, tag, dim, len(weights), *weights, *biases)
+    full = torch.cat([x] * parts, dim) if parts > 1 else x
+    return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+
 tp_copy._fxpar_collective = "all_reduce_backward"
 tp_all_reduce._fxpar_collective = "all_reduce"
+tp_grad_sum._fxpar_collective = "all_reduce_backward"
+sp_all_gather._fxpar_collective = "all_gather"
+sp_reduce_scatter._fxpar_collective = "reduce_scatter"
+sp_scatter._fxpar_collective = "all_gather_backward"
+sp_gather._fxpar_collective = "all_gather"

@@ -1,18 +1,54 @@
 """One training iteration on this rank: micro-batches through the pipeline schedule, data-parallel
-gradient all-reduce, optimizer step, and the loss made known to every rank."""
+gradient all-reduce overlapped with the rest of the backward, optional loss scaling and gradient
+clipping, the optimizer step, and the loss made known to every rank."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from passes.pipeline_split import StageProgram
-from runtime.executor import StageExecutor
+from passes.tensor_parallel import shard_specs
+from runtime.executor import StageExecutor, wait_or_explain
+from runtime.memory import SavedActivations
 from runtime.mesh import RankGroups
 from runtime.schedule import Schedule
+from runtime.simulator import Timeline
 
-_BUCKET_BYTES = 25 * 2**20
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """max_norm: clip the global gradient norm (of the whole model, across tp, pp and dp) to this.
+    precision: "fp32", or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer;
+    fp16 adds a dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on
+    all ranks and the scale halves; it doubles after `growth_interval` good steps).
+    bucket_bytes: size of the data-parallel all-reduce buckets.
+    track_memory: measure saved-activation bytes per stage (runtime.memory; slows the forward).
+    recv_ahead: receives posted ahead of need (runtime.executor.StageExecutor)."""
+
+    max_norm: float | None = None
+    precision: str = "fp32"
+    bucket_bytes: int = 25 * 2**20
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    track_memory: bool = False
+    recv_ahead: int = 2
+
+    def __post_init__(self):
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
+        if self.bucket_bytes < 1 or self.init_scale <= 0 or self.growth_interval < 1:
+            raise ValueError("bucket_bytes, init_scale and growth_interval must be positive")
+        if self.recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be >= 0, got {self.recv_ahead}")
 
 
 def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp_index: int,
@@ -26,54 +62,211 @@ def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp
     return [dict(zip(names, parts)) for parts in zip(*(t.chunk(microbatches) for t in local))]
 
 
+class _Bucket:
+    """Parameters whose gradients are views into one flat tensor, all-reduced in one call."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                device=params[0].device)
+        self.views = [v.view_as(p) for v, p in
+                      zip(self.flat.split([p.numel() for p in params]), params)]
+
+    def zero(self) -> None:
+        """Zero the gradients and (re)attach the views, should anything have replaced them."""
+        self.flat.zero_()
+        for p, view in zip(self.params, self.views):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+
+class _GradSync:
+    """Data-parallel gradient sum, bucketed per stage and started as soon as the stage's backward
+    is complete, so it overlaps the backward of later micro-batches on other stages and ranks."""
+
+    def __init__(self, params: dict[int, list], group, bucket_bytes: int, rank: int):
+        self.group, self.rank = group, rank
+        self.buckets = {stage: self._split(ps, bucket_bytes) for stage, ps in params.items()}
+        self._pending: list[tuple] = []
+
+    @staticmethod
+    def _split(params: list, limit: int) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in reversed(params):  # roughly the order backward finishes them
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > limit or p.dtype != current[0].dtype):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        return buckets + ([_Bucket(current)] if current else [])
+
+    def zero(self) -> None:
+        for buckets in self.buckets.values():
+            for bucket in buckets:
+                bucket.zero()
+
+    def start(self, stage: int) -> None:
+        for bucket in self.buckets[stage]:
+            work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            self._pending.append((work, f"rank {self.rank} waiting for the data-parallel "
+                                        f"gradient all-reduce of stage {stage}"))
+
+    def wait(self) -> None:
+        for work, what in self._pending:
+            wait_or_explain([work], what)
+        self._pending.clear()
+
+
+@dataclass
+class _LossScale:
+    """Dynamic loss scale for fp16; every rank updates it from the same all-reduced flag."""
+
+    scale: float
+    growth_interval: int
+    good_steps: int = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale, self.good_steps = self.scale / 2, 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+
 class PipelineTrainer:
+    """`step(*global_batch)` trains one iteration and returns the loss (the same on every rank).
+    After a step: `grad_norm` (before clipping; None unless max_norm or fp16), `skipped` (fp16
+    overflow), `loss_scale`, `timeline()` and, with track_memory, `memory`."""
+
     def __init__(self, programs: dict[int, StageProgram], schedule: Schedule, groups: RankGroups,
                  input_names: Sequence[str],
-                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]):
-        self.programs = programs
-        self.schedule = schedule
-        self.groups = groups
+                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                 options: TrainOptions = TrainOptions()):
+        self.programs, self.schedule, self.groups = programs, schedule, groups
         self.input_names = tuple(input_names)
+        self.options = options
         self.params = [p for prog in programs.values() for p in prog.gm.parameters()
                        if p.requires_grad]
         self.optimizer = optimizer(self.params)
+        self.memory = (SavedActivations(prog.gm for prog in programs.values())
+                       if options.track_memory else None)
         stage_rank = lambda stage: groups.stage_rank(schedule.stage_to_rank(stage))  # noqa: E731
-        self.executor = StageExecutor(programs, schedule, groups.rank, stage_rank)
+        self.executor = StageExecutor(programs, schedule, groups.rank, stage_rank,
+                                      autocast_dtype=_PRECISIONS[options.precision],
+                                      memory=self.memory, recv_ahead=options.recv_ahead)
         self.last_rank = stage_rank(schedule.num_stages - 1)
+        self.sync = (_GradSync(self.executor.params, groups.dp, options.bucket_bytes, groups.rank)
+                     if groups.dp is not None else None)
+        self.scaler = (_LossScale(options.init_scale, options.growth_interval)
+                       if options.precision == "fp16" else None)
+        self._sharded = self._sharded_params()
+        self.grad_norm: float | None = None
+        self.skipped = False
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
 
     def step(self, *batch: torch.Tensor) -> float:
         mesh = self.groups.mesh
         micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
                             self.schedule.num_microbatches)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.executor.run(micro)
-        self._sync_gradients()
-        self.optimizer.step()
-        return self._share_loss(loss)
+        if self.sync is not None:
+            self.sync.zero()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        pending_loss = self._await_loss()
+        # The data-parallel mean is folded into the loss, so the all-reduce is a plain sum.
+        multiplier = self.loss_scale / (len(micro) * mesh.dp)
+        loss = self.executor.run(micro, multiplier,
+                                 self.sync.start if self.sync is not None else None)
+        if self.sync is not None:
+            self.sync.wait()
+        self.skipped = self._unscale_and_clip()
+        if not self.skipped:
+            self.optimizer.step()
+        return self._share_loss(loss, pending_loss)
 
-    def _sync_gradients(self) -> None:
-        """Average gradients over data-parallel replicas, a bucket of flat tensors at a time."""
-        if self.groups.dp is None:
-            return
-        grads = [p.grad for p in self.params if p.grad is not None]
-        bucket: list[torch.Tensor] = []
-        for grad in grads + [None]:
-            if grad is not None:
-                bucket.append(grad)
-            full = sum(g.numel() * g.element_size() for g in bucket) >= _BUCKET_BYTES
-            if bucket and (grad is None or full):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                dist.all_reduce(flat, group=self.groups.dp)
-                flat /= self.groups.mesh.dp
-                for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                    g.copy_(part.view_as(g))
-                bucket = []
+    def timeline(self) -> Timeline:
+        """This rank's measured compute actions of the last step (rank = pipeline index)."""
+        return self.executor.timeline()
 
-    def _share_loss(self, loss: torch.Tensor | None) -> float:
-        value = torch.zeros(()) if loss is None else loss.detach().clone().float()
-        if self.groups.dp is not None and loss is not None:
+    # -- loss scale and gradient clipping ---------------------------------------------------------
+    def _sharded_params(self) -> set[int]:
+        """ids of tensor-parallel shards: their squares are summed across tp; the other
+        parameters are replicated across tp and counted on tp index 0 only."""
+        named = {name: p for prog in self.programs.values() for name, p in
+                 prog.gm.named_parameters()}
+        return {id(named[name]) for prog in self.programs.values()
+                for name in shard_specs(prog.gm) if name in named}
+
+    def _unscale_and_clip(self) -> bool:
+        """Returns True when the step must be skipped (fp16 overflow on any rank)."""
+        self.grad_norm = None
+        if self.options.max_norm is None and self.scaler is None:
+            return False
+        used_scale = self.loss_scale  # the scale this step's backward ran with
+        with_grad = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        norm_sq, found_inf = self._global_norm_sq(with_grad)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+            if found_inf:
+                return True
+        self.grad_norm = math.sqrt(norm_sq) / used_scale
+        # Unscaling and clipping in one pass; clip as torch.nn.utils.clip_grad_norm_ does.
+        coef = 1.0 / used_scale
+        if self.options.max_norm is not None:
+            coef *= min(1.0, self.options.max_norm / (self.grad_norm + 1e-6))
+        if coef != 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return False
+
+    def _global_norm_sq(self, params: list[torch.nn.Parameter]) -> tuple[float, bool]:
+        """Sum of squares of the whole model's gradient, and whether any rank saw inf/nan; one
+        all-reduce over all ranks. Each value is counted once: dp replicas only on dp index 0,
+        replicated (non-sharded) parameters only on tp index 0."""
+        sharded = [p.grad for p in params if id(p) in self._sharded]
+        replicated = [p.grad for p in params if id(p) not in self._sharded]
+        local = [_sq(sharded), _sq(replicated)]
+        counted = local[0] + (local[1] if self.groups.tp_index == 0 else 0.0)
+        values = torch.tensor([counted if self.groups.dp_index == 0 else 0.0,
+                               0.0 if math.isfinite(local[0] + local[1]) else 1.0],
+                              dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(values, async_op=True)
+            wait_or_explain([work], f"rank {self.groups.rank} waiting for the gradient-norm "
+                                    f"all-reduce")
+        return float(values[0]), bool(values[1] > 0)
+
+    def _await_loss(self):
+        """Ranks without the last stage post their side of the loss broadcast as the step
+        starts, so no rank waits at the end of the step for the one that finishes last."""
+        if self.groups.pp is None or self.groups.rank == self.last_rank:
+            return None
+        value = torch.zeros(())
+        work = dist.broadcast(value, src=self.last_rank, group=self.groups.pp, async_op=True)
+        return value, work
+
+    def _share_loss(self, loss: torch.Tensor | None, pending) -> float:
+        if pending is not None:
+            value, work = pending
+            wait_or_explain([work], f"rank {self.groups.rank} waiting for the loss from rank "
+                                    f"{self.last_rank}")
+            return float(value)
+        value = loss.detach().clone().float()
+        if self.groups.dp is not None:
             dist.all_reduce(value, group=self.groups.dp)
             value /= self.groups.mesh.dp
         if self.groups.pp is not None:
             dist.broadcast(value, src=self.last_rank, group=self.groups.pp)
         return float(value)
+
+
+def _sq(grads: list[torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.get_total_norm(grads, foreach=False).double() ** 2)

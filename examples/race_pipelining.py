@@ -1,0 +1,154 @@
+"""Race this pipeline runtime against torch.distributed.pipelining on the same stages.
+
+The same GPT is captured once and cut into the same stage GraphModules; one copy runs under our
+executor (runtime.trainer.PipelineTrainer), another inside torch's PipelineStage with
+ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, on the same gloo ranks with the same
+micro-batches and the same optimizer. Rounds alternate (ours, torch, ours, torch, ...); each
+round times several full training steps (pipeline + optimizer step) on the slowest rank, and each
+pair of rounds gives one ratio of median step times, ours / torch (below 1: ours is faster).
+
+    python examples/race_pipelining.py [--pairs 5] [--steps 5] [--microbatches 8] [--trace out]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tabulate import tabulate
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+
+from passes.capture import capture
+from passes.program import Layout, rank_programs
+from planner.models import build_model, example_batch, get_config
+from planner.train import make_optimizer
+from runtime.generators import make_schedule
+from runtime.launch import run_local
+from runtime.measure import (balanced_stage_sizes, build_pipeline_trainer, export_timelines,
+                             gather_timeline, mesh_groups, simulate_like, timed)
+from runtime.mesh import Mesh
+
+# Big enough that a stage's forward takes milliseconds, small enough for a laptop's CPU.
+CONFIG = get_config("gpt-tiny").with_(layers=6, hidden=128, heads=4, vocab=512, seq=64,
+                                      global_batch=32, name="gpt-race")
+P = 4
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                   "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+class _TorchStage(nn.Module):
+    """A stage GraphModule as torch.distributed.pipelining calls it: received activations (or the
+    tokens on the first stage) positionally, the batch's other inputs as keyword arguments
+    (torch hands every local stage the same keywords; each takes the ones it reads)."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.gm = program.gm
+        self.data_inputs = program.data_inputs
+
+    def forward(self, *args, **kwargs):
+        return self.gm(*args, *(kwargs[n] for n in self.data_inputs if n in kwargs))
+
+
+def _loss_is_the_output(output, _target):
+    return output  # the last stage's graph already computes the loss
+
+
+class _TorchRunner:
+    def __init__(self, captured, name: str, m: int, v: int):
+        rank = dist.get_rank()
+        stages = tuple(range(rank, P * v, P))
+        layout = Layout(1, (), balanced_stage_sizes(len(captured.layers), P * v))
+        programs = rank_programs(captured, layout, 0, stages)
+        self.modules = [_TorchStage(programs[s]) for s in stages]
+        pipeline = [PipelineStage(mod, s, P * v, torch.device("cpu"))
+                    for mod, s in zip(self.modules, stages)]
+        build = TORCH_SCHEDULES[name]
+        self.schedule = build(pipeline if v > 1 else pipeline[0], m, loss_fn=_loss_is_the_output)
+        self.first, self.last = 0 in stages, P * v - 1 in stages
+        self.optimizer = make_optimizer([p for mod in self.modules for p in mod.parameters()])
+
+    def step(self, tokens, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        args = (tokens,) if self.first else ()
+        extra = {"targets": targets} if self.last else {}
+        target = torch.zeros(tokens.shape[0]) if self.last else None
+        self.schedule.step(*args, target=target, return_outputs=False, **extra)
+        self.optimizer.step()
+
+
+def race(names: tuple[str, ...], m: int, pairs: int, steps: int):
+    """Runs on every rank; per schedule: per pair {runtime: [(wall s, CPU s) per step]} (wall: the
+    slowest rank; CPU: all ranks together), and our measured timeline of the last step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    batch = example_batch(CONFIG, CONFIG.global_batch)
+    micro = CONFIG.global_batch // m
+    captured = capture(build_model(CONFIG), tuple(x[:micro] for x in batch))
+    groups = mesh_groups(Mesh(P, 1, 1))
+    results = {}
+    for name in names:
+        v = 2 if name == "interleaved-1f1b" else 1
+        ours = build_pipeline_trainer(copy.deepcopy(captured), make_schedule(name, P, m, v),
+                                      groups, make_optimizer)
+        theirs = _TorchRunner(copy.deepcopy(captured), name, m, v)
+        runners = {"ours": lambda: ours.step(*batch), "torch": lambda: theirs.step(*batch)}
+        for run in runners.values():  # warm up both: allocator, autograd, first-step set-up
+            for _ in range(2):
+                run()
+        rounds = []
+        for _ in range(pairs):  # A B A B ...: slow drifts of the machine hit both alike
+            rounds.append({who: [timed(run) for _ in range(steps)] for who, run in runners.items()})
+        results[name] = (rounds, gather_timeline(ours))  # our last step, every pipeline rank
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b")
+    parser.add_argument("--trace", metavar="DIR", default="out",
+                        help="write our measured and the simulated timeline of each schedule "
+                             "here (Chrome trace .json and .png); '' to skip")
+    args = parser.parse_args()
+    names = tuple(args.schedules.split(","))
+    print(f"{CONFIG.name}: {CONFIG.layers} blocks, hidden {CONFIG.hidden}, seq {CONFIG.seq}, "
+          f"batch {CONFIG.global_batch}; p={P} gloo ranks, m={args.microbatches}, fp32\n")
+    results = run_local(race, P, (names, args.microbatches, args.pairs, args.steps),
+                        timeout_s=600)[0]
+    rows, summary = [], []
+    for name, (rounds, timeline) in results.items():
+        if args.trace:
+            schedule = make_schedule(name, P, args.microbatches, 2 if "interleaved" in name else 1)
+            os.makedirs(args.trace, exist_ok=True)
+            export_timelines(timeline, simulate_like(schedule, timeline),
+                             os.path.join(args.trace, f"race-{name}"))
+        medians = [{who: [statistics.median(x) for x in zip(*steps)] for who, steps in r.items()}
+                   for r in rounds]
+        ratios = [r["ours"][0] / r["torch"][0] for r in medians]
+        cpu_ratios = [r["ours"][1] / r["torch"][1] for r in medians]
+        for i, r in enumerate(medians):
+            rows.append([name, i + 1, f"{r['ours'][0] * 1e3:.1f}", f"{r['torch'][0] * 1e3:.1f}",
+                         f"{ratios[i]:.3f}", f"{r['ours'][1] * 1e3:.1f}",
+                         f"{r['torch'][1] * 1e3:.1f}", f"{cpu_ratios[i]:.3f}"])
+        # The fastest step of each runtime: what either can do when the machine leaves it alone.
+        best = {who: min(wall for r in rounds for wall, _ in r[who]) for who in ("ours", "torch")}
+        summary.append([name, f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}",
+                        f"{max(ratios):.3f}", f"{statistics.median(cpu_ratios):.3f}",
+                        f"{best['ours'] / best['torch']:.3f}"])
+    print(tabulate(rows, headers=["schedule", "pair", "ours ms", "torch ms", "ours / torch",
+                                  "ours CPU ms", "torch CPU ms", "CPU ratio"]))
+    print("\nms: median step time in the round, wall clock of the slowest rank; CPU: all ranks' "
+          "processes together\n")
+    print(tabulate(summary, headers=["schedule", "median ratio", "min", "max",
+                                     "median CPU ratio", "fastest-step ratio"]))
+
+if __name__ == "__main__":
+    main()

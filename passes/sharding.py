@@ -1,0 +1,336 @@
+"""What the rewrite passes share: how parameters are cut (ShardSpec), the forms a linear takes in a
+graph (LinearSite), the layer tag every node carries, and local shapes after a rewrite.
+
+Linears are recognised in the forms symbolic_trace and torch.export produce: nn.Linear modules,
+F.linear / aten.linear, addmm / aten.addmm (GPT-2's Conv1D, weight [in, out]) and mm / matmul by a
+weight parameter read by get_attr. Weights that are graph inputs (a lifted export graph) are made
+parameters first (`lift_params`) when their values are given.
+
+Every node a rewrite inserts carries its layer in node.meta["fxpar_layer"] (`call_after` does it),
+so later rewrites and the pipeline split place it. `localize_shapes` propagates fake shapes after
+rewriting, rewriting literal sizes of views and expands that still name a full (unsharded) size
+- the concrete shapes of export graphs, or GPT-2's `x.size()[:-1] + (nf,)`.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+aten = torch.ops.aten
+LAYER = "fxpar_layer"
+
+
+class ShardingError(ValueError):
+    """A split that does not divide; names the layer, the dimension and the divisor."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter was cut: dimension, shard count, this rank's index, interleaved chunks, and
+    zero rows appended before cutting (vocabulary padding; `join` drops them again)."""
+
+    dim: int
+    parts: int
+    index: int
+    chunks: int = 1
+    pad: int = 0
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            shape = list(full.shape)
+            shape[self.dim] = self.pad
+            full = torch.cat([full, full.new_zeros(shape)], self.dim)
+        pieces = full.unflatten(self.dim, (self.chunks, -1))
+        shard = pieces.chunk(self.parts, dim=self.dim + 1)[self.index]
+        return shard.flatten(self.dim, self.dim + 1).clone()
+
+    def join(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        pieces = [s.unflatten(self.dim, (self.chunks, -1)) for s in shards]
+        full = torch.cat(pieces, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
+        return full.narrow(self.dim, 0, full.shape[self.dim] - self.pad)
+
+
+def shard_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
+    """A new parameter holding this rank's shard; the spec travels with it (`shard_specs`)."""
+    param = nn.Parameter(spec.take(full.detach()), full.requires_grad)
+    param.fxpar_shard = spec
+    return param
+
+
+def shard_specs(gm: nn.Module) -> dict[str, ShardSpec]:
+    """Parameter name -> how it was sharded, for every sharded parameter of a rewritten module."""
+    return {name: p.fxpar_shard for name, p in gm.named_parameters() if hasattr(p, "fxpar_shard")}
+
+
+def _owner(gm: nn.Module, path: str) -> tuple[nn.Module, str]:
+    prefix, _, name = path.rpartition(".")
+    return (gm.get_submodule(prefix) if prefix else gm), name
+
+
+def get_param(gm: nn.Module, path: str) -> torch.Tensor:
+    owner, name = _owner(gm, path)
+    return getattr(owner, name)
+
+
+def replace_param(gm: nn.Module, path: str, value: nn.Parameter) -> None:
+    owner, name = _owner(gm, path)
+    setattr(owner, name, value)
+
+
+# ---------------------------------------------------------------- layers and inserted nodes
+
+
+def tag_layers(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> None:
+    """Record each listed node's layer in its meta (inserted nodes are tagged when inserted)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for layer, names in layers.items():
+        for name in names:
+            if name in nodes:
+                nodes[name].meta.setdefault(LAYER, layer)
+
+
+def nodes_by_layer(gm: fx.GraphModule, chosen) -> dict[str, list[fx.Node]]:
+    result: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.meta.get(LAYER) in chosen:
+            result.setdefault(node.meta[LAYER], []).append(node)
+    return result
+
+
+def call_after(gm, anchor: fx.Node, fn, extra: tuple, layer: str, value: fx.Node | None = None,
+               replace: bool = True) -> fx.Node:
+    """Insert fn(value, *extra) after anchor (value defaults to anchor), tagged with `layer`; with
+    `replace`, every other use of value reads the new node instead."""
+    value = anchor if value is None else value
+    with gm.graph.inserting_after(anchor):
+        new = gm.graph.call_function(fn, (value, *extra))
+    if replace:
+        value.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    new.meta = {**value.meta, LAYER: layer}
+    return new
+
+
+# ---------------------------------------------------------------- linear forms
+
+_LINEAR = {F.linear, aten.linear.default}
+_ADDMM = {torch.addmm, aten.addmm.default}
+_MM = {torch.mm, torch.matmul, operator.matmul, aten.mm.default, aten.matmul.default}
+_SDPA = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+_CHUNK = {"chunk", torch.chunk, aten.chunk.default}
+_SPLIT = {"split", torch.split, aten.split.Tensor}
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _SDPA
+
+
+@dataclass(frozen=True)
+class LinearSite:
+    """A linear in one of its graph forms: y = x W (+ b), W [out, in] (out_dim 0) or [in, out]."""
+
+    node: fx.Node
+    x: fx.Node
+    module: nn.Linear | None
+    weight: str                 # parameter path
+    bias: str | None
+    out_dim: int
+
+    @property
+    def name(self) -> str:
+        return str(self.node.target) if self.module is not None else self.weight
+
+    def features(self, gm, dim: int) -> int:
+        return get_param(gm, self.weight).shape[dim]
+
+    def drop_bias(self) -> None:
+        """Compute x W only (the row-parallel bias is added after the reduction)."""
+        node = self.node
+        if node.target in _ADDMM:
+            old = node.args[0]
+            node.target = aten.mm.default if node.target is aten.addmm.default else torch.mm
+            node.args = (self.x, node.args[2])
+        else:
+            old = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            node.args = node.args[:2]
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+        if isinstance(old, fx.Node) and not old.users:
+            node.graph.erase_node(old)
+
+
+def _param_path(gm, arg) -> str | None:
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        if isinstance(get_param(gm, arg.target), nn.Parameter):
+            return arg.target
+    return None
+
+
+def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, nn.Linear):
+            bias = f"{node.target}.bias" if module.bias is not None else None
+            return LinearSite(node, node.args[0], module, f"{node.target}.weight", bias, 0)
+        return None
+    if node.op != "call_function" or node.kwargs.get("alpha", 1) != 1:
+        return None
+    args = node.args
+    if node.target in _LINEAR and len(args) >= 2:
+        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        form = (args[0], args[1], bias, 0)
+    elif node.target in _ADDMM and len(args) == 3 and node.kwargs.get("beta", 1) == 1:
+        form = (args[1], args[2], args[0], 1)
+    elif node.target in _MM and len(args) == 2:
+        form = (args[0], args[1], None, 1)
+    else:
+        return None
+    x, weight, bias, out_dim = form
+    weight_path = _param_path(gm, weight)
+    if weight_path is None or get_param(gm, weight_path).dim() != 2:
+        return None
+    bias_path = _param_path(gm, bias)
+    if bias is not None and bias_path is None:
+        return None
+    return LinearSite(node, x, None, weight_path, bias_path, out_dim)
+
+
+def chunk_user(node: fx.Node):
+    """(user, parts, split size or None) when the output is cut into equal parts (fused QKV),
+    possibly after views that keep the last dimension (Conv1D's reshape back to [b, s, out])."""
+    node = after_views(node)
+    users = list(node.users)
+    if len(users) != 1 or len(users[0].args) < 2 or not isinstance(users[0].args[1], int):
+        return None
+    user, count = users[0], users[0].args[1]
+    if user.target in _CHUNK:
+        return user, count, None
+    width = node.meta["val"].shape[-1]
+    if user.target in _SPLIT and width % count == 0:
+        return user, width // count, count
+    return None
+
+
+def lift_params(gm: fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:
+    """Placeholders named in `params` become parameters of gm read by get_attr nodes."""
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.name in params:
+            name = f"lifted_{node.name}"
+            gm.register_parameter(name, nn.Parameter(params[node.name].detach().clone()))
+            with gm.graph.inserting_before(node):
+                attr = gm.graph.get_attr(name)
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            gm.graph.erase_node(node)
+
+
+# ---------------------------------------------------------------- local shapes
+
+_VIEWS = {"view", "reshape", torch.reshape, aten.view.default, aten.reshape.default,
+          aten._unsafe_view.default}
+_EXPANDS = {"expand", aten.expand.default}
+_RESHAPES = _VIEWS | {"flatten", torch.flatten, aten.flatten.using_ints}
+
+
+def localize_shapes(gm: fx.GraphModule) -> None:
+    """Propagate fake shapes from the placeholders' recorded values through the rewritten graph,
+    rewriting the literal sizes of views and expands that still name a full (unsharded) size."""
+    full = {n: n.meta.get("val") for n in gm.graph.nodes}
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    inputs = [torch.zeros(v.shape, dtype=v.dtype, device=device) if isinstance(v, torch.Tensor)
+              else v for n in gm.graph.nodes if n.op == "placeholder" for v in [n.meta.get("val")]]
+    _Localize(gm, full).propagate(*inputs)
+    gm.recompile()
+
+
+class _Localize(FakeTensorProp):
+    def __init__(self, gm, full):
+        super().__init__(gm, FakeTensorMode(allow_non_fake_inputs=True))
+        self.full = full
+
+    def run_node(self, n: fx.Node):
+        if n.target in _VIEWS or n.target in _EXPANDS:
+            self._fix_sizes(n)
+        try:
+            return super().run_node(n)
+        except ShardingError:
+            raise
+        except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({n.target}) does not "
+                                f"run on the sharded shapes: {str(err).splitlines()[0]}") from err
+
+    def _fix_sizes(self, n: fx.Node) -> None:
+        source, rest = n.args[0], n.args[1:]
+        local, full_in, full_out = self.env.get(source), self.full.get(source), self.full.get(n)
+        if not all(isinstance(t, torch.Tensor) for t in (local, full_in, full_out)):
+            return
+        computed = len(rest) == 1 and isinstance(rest[0], fx.Node)
+        sizes = self.env.get(rest[0]) if computed else rest[0] if len(rest) == 1 else rest
+        if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
+            return  # sizes read from tensors at run time are local already
+        new = _local_sizes(n, tuple(full_in.shape), tuple(local.shape), tuple(full_out.shape),
+                           list(sizes), n.target in _EXPANDS)
+        if new == list(sizes):
+            return
+        if computed:
+            self._fix_computed(n, rest[0], list(sizes), new)
+        else:
+            n.args = (source, type(rest[0])(new)) if len(rest) == 1 else (source, *new)
+
+    def _fix_computed(self, n: fx.Node, sizes: fx.Node, old: list, new: list) -> None:
+        """Sizes built as `x.size()[:-1] + (constant,)` (GPT-2's Conv1D): fix the constant."""
+        j = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+        tail = sizes.args[1] if sizes.target is operator.add and len(sizes.args) == 2 else None
+        if not isinstance(tail, tuple) or j < len(old) - len(tail):
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: {n.name} reshapes to a size computed "
+                                f"by {sizes.name} whose dim {j} ({old[j]}) is not the local one")
+        fixed = list(tail)
+        fixed[j - (len(old) - len(tail))] = new[j]
+        sizes.update_arg(1, tuple(fixed))
+        self.env[sizes] = tuple(new)
+
+
+def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool) -> list[int]:
+    cut = [d for d in range(len(full_in)) if full_in[d] != local_in[d]]
+    if len(cut) != 1 or full_in[cut[0]] % local_in[cut[0]]:
+        return sizes
+    d = cut[0]
+    factor = full_in[d] // local_in[d]
+    if expand:
+        j = d + len(full_out) - len(full_in)
+    else:  # the output dimension holding the first element of the cut input dimension
+        before, prefix, j = math.prod(full_in[:d]), 1, None
+        for i, size in enumerate(full_out):
+            if size > 1 and prefix <= before < prefix * size:
+                j = i
+                break
+            prefix *= size
+    if j is None or sizes[j] == -1:
+        return sizes
+    if sizes[j] % factor:
+        raise ShardingError(f"layer {n.meta.get(LAYER)}: size {sizes[j]} (dim {j} of {n.name}) "
+                            f"is not divisible by {factor}")
+    sizes[j] //= factor
+    return sizes
+
+
+def before_views(x: fx.Node, reader: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(value, its reader): x, or what x re-views when it is used only for this linear - so a
+    region starts on [batch, seq, hidden] rather than Conv1D's flattened [batch * seq, hidden]."""
+    while x.target in _RESHAPES and len(x.users) == 1 and x.args[0].meta.get("val") is not None:
+        x, reader = x.args[0], x
+    return x, reader
+
+
+def after_views(node: fx.Node) -> fx.Node:
+    """The last of the views that only re-shape node's output (Conv1D's view back to 3-d)."""
+    while len(node.users) == 1 and next(iter(node.users)).target in _RESHAPES:
+        node = next(iter(node.users))
+    return node
