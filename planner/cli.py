@@ -22,6 +22,7 @@ EXAMPLES = {
     "bench": "examples:\n  fxpar bench --model gpt-tiny --gpus 4 --cluster cpu-gloo\n"
              "  fxpar bench --model gpt2-small --gpus 8 --cluster profile.json --top-k 5\n",
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
+           "  fxpar run --model llama2-7b --gpus 64 --cluster h100-sxm-dgx --torchrun job/\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
 }
 
@@ -160,8 +161,31 @@ def cmd_run(args) -> int:
     best = _plans(args)[0]
     print(best)
     print()
+    if args.torchrun:
+        print(torchrun_command(best, _config(args), args.steps, args.torchrun))
+        return 0
     compare_with_reference(_config(args), best, steps=args.steps)
     return 0
+
+
+def torchrun_command(plan, config, steps: int, folder: str) -> str:
+    """Write the plan and model config to `folder` and return the command each node runs."""
+    import dataclasses
+    import os
+
+    from cost_model.cluster import get_cluster
+    os.makedirs(folder, exist_ok=True)
+    plan_path, model_path = os.path.join(folder, "plan.json"), os.path.join(folder, "model.json")
+    with open(plan_path, "w") as f:
+        f.write(plan.dumps())
+    with open(model_path, "w") as f:
+        json.dump(dataclasses.asdict(config), f)
+    per_node = min(plan.gpus, get_cluster(plan.cluster).gpus_per_node)
+    nodes = -(-plan.gpus // per_node)
+    return (f"# on each of the {nodes} node(s), with the same files at the same paths:\n"
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint $MASTER_HOST:29500 -m planner.bench --worker {plan_path} "
+            f"{model_path} {steps} 0 {os.path.join(folder, 'result.json')}")
 
 
 def cmd_bench(args) -> int:
@@ -202,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES["run"], formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(r)
     r.add_argument("--steps", type=_positive_int, default=3)
+    r.add_argument("--torchrun", metavar="FOLDER",
+                   help="for a cluster: write the plan to FOLDER and print the torchrun command "
+                        "that trains it, instead of training on local gloo ranks")
     r.set_defaults(func=cmd_run, cluster="cpu-gloo")
     b = sub.add_parser("bench", help="run the top plans on the devices here, predicted vs "
                        "measured", epilog=EXAMPLES["bench"],
