@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo test test-all test-fast setup clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The runtime-schedule and rewrite-pass suites run on 8 ranks for tens of minutes on a 2-core
+# machine; `make test-all` includes them.
+SLOW := --ignore=tests/dist/test_runtime.py --ignore=tests/dist/test_passes.py
+
 test: $(STAMP)
+	$(PY) -m pytest -q tests $(SLOW)
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
