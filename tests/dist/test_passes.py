@@ -216,6 +216,7 @@ def test_padded_vocabulary_matches_one_process(pool8):
 # ---------------------------------------------------------------- counters
 
 COUNTED = dict(layers=2)  # per-layer numbers: two blocks say as much as eight
+MEASURED = ("tp", "tp+sp", "tp+sp+full", "tp+sel")
 _MEASURED: dict = {}
 
 
@@ -249,7 +250,7 @@ def _measure(model: str, dp: int, tp: int, blocks: tuple[str, ...], mb: int):
 def _measured(pool, model: str, tp: int = 4, mb: int = 2):
     """Both strategies measured in one call of the pool, once per model."""
     if model not in _MEASURED:
-        _MEASURED[model] = pool.run(_measure, model, 8 // tp, tp, ("tp", "tp+sp"), mb)[0]
+        _MEASURED[model] = pool.run(_measure, model, 8 // tp, tp, MEASURED, mb)[0]
     return _MEASURED[model]
 
 
@@ -264,7 +265,9 @@ def test_counted_traffic_equals_cost_model(pool8, model):
     config = get_config(model, **COUNTED)
     captured = capture(build_model(config), tuple(x[:mb] for x in example_batch(config, mb)))
     profile = profile_layer(captured, captured.blocks[0], tp)
-    for text, (sent, repeated, _, summed) in _measured(pool8, model, tp, mb).items():
+    measured = _measured(pool8, model, tp, mb)
+    for text in ("tp", "tp+sp"):
+        sent, repeated, _, summed = measured[text]
         expected = dict(price(profile, Strategy.parse(text), mb, cluster, tp).comm_bytes)
         for layer in (b.name for b in captured.blocks):
             want = dict(expected)
@@ -275,6 +278,12 @@ def test_counted_traffic_equals_cost_model(pool8, model):
             # tp+sp gathers the input of each column-parallel block again in backward
             again = {"all_gather": expected["all_gather"] / 2} if "sp" in text else {}
             assert _layer_traffic(repeated, layer) == again, (text, layer)
+    # Recomputation sends what its strategy without recomputation sends, and the recomputed
+    # forward's collectives once more, counted apart.
+    assert measured["tp+sp+full"][0] == measured["tp+sp"][0]
+    assert measured["tp+sel"][0] == measured["tp"][0]
+    assert set(measured["tp+sp+full"][1]) == {("all_gather", b.name) for b in captured.blocks} | {
+        ("reduce_scatter", b.name) for b in captured.blocks}
 
 
 @pytest.mark.dist
@@ -287,10 +296,14 @@ def test_sequence_parallel_saves_a_tp_share(pool8, model):
     tag_layers(captured.gm, {layer.name: layer.nodes for layer in captured.layers})
     full = instrument.saved_bytes(captured.gm, *batch)[1]
     measured = _measured(pool8, model, tp, mb)
-    plain_tp, sharded = measured["tp"][2], measured["tp+sp"][2]
+    saved = {text: measured[text][2] for text in MEASURED}
     print(f"\n{model}: saved-for-backward bytes per block on one rank (micro-batch {mb}, "
-          f"tp={tp}, fp32)\n  layer      one process        tp     tp+sp   tp+sp / (one/tp)")
+          f"tp={tp}, fp32)\n  layer      one process" + "".join(f"{t:>12}" for t in MEASURED)
+          + "   tp+sp / (one process / tp)")
     for name in (b.name for b in captured.blocks):
-        print(f"  {name:<10} {full[name]:>11} {plain_tp[name]:>9} {sharded[name]:>9}   "
-              f"{sharded[name] / (full[name] / tp):.3f}")
-        assert sharded[name] <= full[name] / tp * 1.1, name
+        print(f"  {name:<10} {full[name]:>11}" + "".join(f"{saved[t][name]:>12}" for t in MEASURED)
+              + f"   {saved['tp+sp'][name] / (full[name] / tp):.3f}")
+        assert saved["tp+sp"][name] <= full[name] / tp * 1.1, name
+        # full recompute keeps the block's input only: its sequence shard [mb, seq / tp, hidden]
+        assert saved["tp+sp+full"][name] == mb * config.seq // tp * config.hidden * 4
+        assert saved["tp+sel"][name] < saved["tp"][name]
