@@ -6,6 +6,8 @@ ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, on the same gloo ranks w
 micro-batches and the same optimizer. Rounds alternate (ours, torch, ours, torch, ...); each
 round times several full training steps (pipeline + optimizer step) on the slowest rank, and each
 pair of rounds gives one ratio of median step times, ours / torch (below 1: ours is faster).
+Torch's schedules run with return_outputs=False, their cheapest mode; our step also hands the
+loss to every rank, which theirs does not.
 
     python examples/race_pipelining.py [--pairs 5] [--steps 5] [--microbatches 8] [--trace out]
 """
