@@ -13,25 +13,41 @@ times and bytes for a micro-batch size and a strategy:
                output, dropout mask and dropout output, 5as²b); full recompute keeps only the
                layer input.
   compute      Σ roofline(op) forward and backward; recompute adds the recomputed forward.
-  comm         the collectives the rewrite inserted, priced by alpha-beta ring models.
-Everything is linear in the micro-batch size, so profiles are taken once at the captured batch.
+  comm         the collectives the rewrite inserted, priced by alpha-beta ring models: those of
+               the tensor-parallel rewrite, and for tp+sp those of the real sequence-parallel
+               rewrite (the gradient sums of replicated norm weights, the re-gather of each
+               column-parallel block's input in backward). Recomputation runs the forward
+               collectives of its region again in backward (`_rerun_modes`); repeated bytes
+               are reported apart from the bytes sent once.
+The ends ("embed", "head") under tp are profiled vocabulary-parallel, padded when tp does not
+divide the vocabulary, as passes.program rewrites them.
+Everything but a parameter's gradient sum is linear in the micro-batch size, so profiles are
+taken once at the captured batch.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from cost_model import op_rules
+from cost_model import op_graph
 from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
 from cost_model.compute import compute_time
-from cost_model.ops import node_cost, saved_node_name
+from cost_model.ops import UnknownOpError, node_cost, saved_node_name
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
+from passes.context_parallel import ContextParallelError, find_attentions
 from passes.pipeline_split import split_stages
+from passes.recompute import attention_cores
+from passes.sequence_parallel import sequence_parallel, with_params
+from passes.sharding import LAYER, ShardingError, localize_shapes
 from passes.tensor_parallel import tensor_parallel
+from passes.vocab_parallel import vocab_parallel, vocab_parallel_cross_entropy
+from runtime import collectives as C
 
 
 @dataclass(frozen=True)
@@ -47,9 +63,14 @@ class OpRecord:
 
 @dataclass(frozen=True)
 class Collective:
+    """One communication a collective node makes in one pass."""
+
     kind: str                      # "all_reduce", ...
     phase: str                     # "fwd" | "bwd"
     nbytes: float                  # full tensor size at the captured batch
+    per_sample: bool = True        # False for a parameter's gradient sum: batch-independent
+    repeated: bool = False         # communication redone to save memory (sp re-gather)
+    rerun: frozenset = frozenset()  # recompute modes ("full", "selective") that run it again
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,10 @@ class LayerProfile:
     params: int                    # parameters held per device
     collectives: tuple[Collective, ...] = field(default=())
     kv_bytes: float = 0.0          # keys + values entering fused attention (what a CP ring moves)
+    kv_grad_bytes: float = 0.0     # their fp32 gradient accumulators (the backward ring's load)
+    # Under tp+sp, from the sequence-parallel rewrite; None when it does not apply (tp == 1, an
+    # end layer, or a ShardingError) and Megatron's swap of each all-reduce is priced instead.
+    sp_collectives: tuple[Collective, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +108,10 @@ class LayerCost:
     model_flops: float             # forward + backward without recompute
     act_bytes: float               # kept for backward, per micro-batch
     params: int
-    comm_bytes: tuple[tuple[str, float], ...]   # (kind, bytes sent per rank)
+    comm_bytes: tuple[tuple[str, float], ...]   # (kind, bytes sent per rank), once per pass
+    # (kind, bytes sent per rank) again to save memory: recomputed forward collectives and the
+    # sequence-parallel re-gather in backward (runtime.instrument counts them apart too)
+    repeated_bytes: tuple[tuple[str, float], ...] = ()
 
 
 def _extract(captured: Captured, layer: Layer) -> fx.GraphModule:
@@ -107,19 +135,69 @@ def _fake_inputs(sub: fx.GraphModule) -> list[torch.Tensor]:
 
 
 def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile:
+    """The layer as one rank runs it at tensor-parallel size tp (raises ShardingError when the
+    rewrite does not divide it)."""
     sub = _extract(captured, layer)
     inputs = _fake_inputs(sub)
-    replicated_names = None
+    replicated_names, sp = None, None
     if tp > 1:
         base_saved = _saved(sub)
-        tensor_parallel(sub, {layer.name: [n.name for n in sub.graph.nodes]}, tp, 0)
+        _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
         propagate_shapes(sub, inputs)
         # A tensor the rewrite did not shrink is held whole on every rank: sequence parallel is
         # what shards it.
         replicated_names = {k for k, v in _saved(sub).items() if base_saved.get(k) == v}
+        sp = _sp_collectives(captured, layer, tp) if layer.kind == "block" else None
     else:
         propagate_shapes(sub, inputs)
-    return _profile(sub, layer, tp, replicated_names, captured.batch, captured.seq)
+    profile = _profile(sub, layer, tp, replicated_names, captured.batch, captured.seq)
+    return dataclasses.replace(profile, sp_collectives=sp)
+
+
+def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
+    """The rewrite passes.program applies at tp: the ends vocabulary-parallel (padded when tp
+    does not divide the vocabulary: the planner prices the padding it will ask for), the
+    blocks column/row-parallel."""
+    if layer.kind == "block":
+        tensor_parallel(sub, layers, tp, 0, localize=localize)
+    else:
+        vocab_parallel(sub, layers, tp, 0, pad=True, localize=localize)
+
+
+_OUTSIDE = "<outside>"  # tag of the stand-ins for the neighbouring layers
+
+
+def _sp_collectives(captured: Captured, layer: Layer, tp: int) -> tuple[Collective, ...] | None:
+    """The layer's collectives under tp+sp, read off the real sequence-parallel rewrite of a
+    fresh copy. Its inputs come through stand-ins for a layer that is not sequence parallel (as
+    the first block's come from the embedding), so the rewrite shards them there; that
+    resharding, like the gather before the output, belongs to the neighbour, as at run time."""
+    sub = _extract(captured, layer)
+    layers = {layer.name: _stand_in_neighbours(sub)}
+    try:
+        tensor_parallel(sub, layers, tp, 0, localize=False)
+        sequence_parallel(sub, layers, {layer.name}, tp, localize=False)
+    except ShardingError:
+        return None
+    localize_shapes(sub)
+    return _collectives(sub, layer.name)
+
+
+def _stand_in_neighbours(sub: fx.GraphModule) -> list[str]:
+    """Route each floating input through a node tagged _OUTSIDE and tag the output _OUTSIDE;
+    returns the names of the layer's own nodes."""
+    graph = sub.graph
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        val = ph.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and ph.users:
+            with graph.inserting_after(ph):
+                stand_in = graph.call_function(torch.clone, (ph,))
+            ph.replace_all_uses_with(stand_in, delete_user_cb=lambda user: user is not stand_in)
+            stand_in.meta = {**ph.meta, LAYER: _OUTSIDE}
+    next(n for n in graph.nodes if n.op == "output").meta[LAYER] = _OUTSIDE
+    graph.lint()
+    sub.recompile()
+    return [n.name for n in graph.nodes if n.meta.get(LAYER) != _OUTSIDE]
 
 
 def _identity_forward(node: fx.Node) -> bool:
@@ -138,7 +216,7 @@ def _canonical(name: str, nodes: dict[str, fx.Node], modules) -> str:
     if node is None or not _identity_forward(node):
         return name
     while _identity_forward(node):
-        node = op_rules.alias_root(node.args[0], modules)
+        node = op_graph.alias_root(node.args[0], modules)
     return node.name + suffix
 
 
@@ -168,7 +246,7 @@ def _core_nodes(sub: fx.GraphModule, seq: int) -> set[str]:
         cost_class = node_cost(node, modules).op_class
         args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if cost_class == "matmul":
-            if len(args) >= 2 and all(op_rules.kind(a) == "activation" for a in args[:2]):
+            if len(args) >= 2 and all(op_graph.kind(a) == "activation" for a in args[:2]):
                 core.add(node.name)
         elif any(a.name in core and a.meta["val"].shape == val.shape for a in args):
             core.add(node.name)
@@ -184,19 +262,13 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     modules = dict(sub.named_modules())
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     core = _core_nodes(sub, seq)
-    ops, collectives, kv_bytes = [], [], 0.0
+    ops = []
     for node in sub.graph.nodes:
-        kind = getattr(node.target, "_fxpar_collective", None)
-        if kind:
-            nbytes = _bytes(node.meta.get("val"))
-            phase = "bwd" if kind.endswith("_backward") else "fwd"
-            collectives.append(Collective(kind.removesuffix("_backward"), phase, nbytes))
+        if node.target in _MOVES:
             continue
         cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
                             cost.bwd_bytes, cost.matmul_flops, node.name in core))
-        if cost.op_class == "attention":
-            kv_bytes += sum(_bytes(arg.meta.get("val")) for arg in node.args[1:3])
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
@@ -208,7 +280,87 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
                         if p.meta["val"].dtype.is_floating_point),
         output_bytes=_bytes(fx.node.map_arg(out.args[0], lambda n: n.meta.get("val"))),
         params=sum(p.numel() for p in sub.parameters()),
-        collectives=tuple(collectives), kv_bytes=kv_bytes)
+        collectives=_collectives(sub, layer.name), **_ring_load(sub, layer))
+
+
+# What each collective of runtime.collectives sends: (forward kind, backward kind), None where
+# that pass does not communicate. The functions' `_fxpar_collective` names one pass only.
+_MOVES = {
+    C.tp_copy: (None, "all_reduce"),
+    C.tp_all_reduce: ("all_reduce", None),
+    C.tp_grad_sum: (None, "all_reduce"),
+    C.sp_all_gather: ("all_gather", "reduce_scatter"),
+    C.sp_reduce_scatter: ("reduce_scatter", "all_gather"),
+    C.sp_scatter: (None, "all_gather"),
+    C.sp_gather: ("all_gather", None),
+    C.sp_gather_linear: ("all_gather", "reduce_scatter"),  # + the re-gather in backward
+}
+
+
+def _collectives(gm: fx.GraphModule, tag: str) -> tuple[Collective, ...]:
+    """Every communication of the nodes of layer `tag`, in graph order."""
+    nodes = [n for n in gm.graph.nodes if n.meta.get(LAYER) == tag]
+    reruns = _rerun_modes(gm, nodes)
+    found: list[Collective] = []
+    for node in nodes:
+        if node.target is vocab_parallel_cross_entropy:
+            found += _loss_collectives(node)
+        if node.target not in _MOVES:
+            if hasattr(node.target, "_fxpar_collective"):
+                raise ValueError(f"{node.name}: collective {node.target.__name__} has no price")
+            continue
+        (fwd, bwd), nbytes = _MOVES[node.target], _moved_bytes(node)
+        # A replicated parameter's gradient sum moves the parameter, whatever the batch.
+        per_sample = op_graph.kind(node.args[0]) == "activation"
+        if fwd:
+            found.append(Collective(fwd, "fwd", nbytes, per_sample, rerun=reruns[node]))
+        if bwd:
+            found.append(Collective(bwd, "bwd", nbytes, per_sample))
+        if node.target is C.sp_gather_linear:  # keeps the local slice, gathers it again
+            found.append(Collective("all_gather", "bwd", nbytes, per_sample, repeated=True))
+    return tuple(found)
+
+
+def _moved_bytes(node: fx.Node) -> float:
+    """The full buffer a ring moves: the larger of input and output (a gather grows its input,
+    a reduce-scatter shrinks it); the fused gather-linear's is its input times the parts."""
+    if node.target is C.sp_gather_linear:
+        return _bytes(node.args[0].meta.get("val")) * node.args[5]
+    return max(_bytes(node.args[0].meta.get("val")), _bytes(node.meta.get("val")))
+
+
+def _loss_collectives(node: fx.Node) -> list[Collective]:
+    """vocab_parallel_cross_entropy all-reduces three fp32 values per row in forward (the row
+    maximum, the sum of exponentials, the target's logit) and nothing in backward."""
+    rows = node.args[1].meta["val"].numel()
+    return [Collective("all_reduce", "fwd", 4.0 * rows)] * 3
+
+
+def _rerun_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, frozenset]:
+    """Per node, the recompute modes that run it again in backward, regions as passes.recompute
+    cuts them: the whole layer (full), each attention core (selective)."""
+    modules = dict(gm.named_modules())
+    body = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    modes: dict[fx.Node, set] = defaultdict(set)
+    for region, mode in [(body, "full")] + [(c, "selective") for c in attention_cores(gm, nodes)]:
+        # Non-reentrant checkpointing stops recomputing once the region's last saved tensor is
+        # back (torch's early stop): what comes after the last node that saves is not rerun.
+        last = max((i for i, n in enumerate(region) if _saves(n, modules)), default=-1)
+        for n in region[:last + 1]:
+            modes[n].add(mode)
+    return defaultdict(frozenset, {n: frozenset(m) for n, m in modes.items()})
+
+
+def _saves(node: fx.Node, modules) -> bool:
+    """Whether autograd keeps a tensor for the node's backward."""
+    if node.target in (C.sp_gather_linear, with_params):  # local input and weights; module's own
+        return True
+    if node.target in _MOVES:
+        return False
+    try:
+        return bool(node_cost(node, modules).saved)
+    except UnknownOpError:
+        return True  # unknown: assume it keeps something, so the collectives before it rerun
 
 
 def _bytes(val) -> float:
@@ -232,31 +384,50 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
     recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops)
-    comm_s, comm_bytes = _comm(profile, strategy, scale, cluster, tp)
+    fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
     if cp > 1:
-        ring_s, ring_bytes = _ring(profile, scale, cluster, tp, cp)
-        comm_s += ring_s
+        ring_fwd, ring_bwd, ring_bytes = _ring(profile, scale, cluster, tp, cp)
+        fwd_comm, bwd_comm = fwd_comm + ring_fwd, bwd_comm + ring_bwd
         comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring_bytes),)))
+        if strategy.recompute != "none":  # recomputing the attention runs its forward ring again
+            bwd_comm += ring_fwd
+            repeated = tuple(sorted(repeated + (("p2p", (cp - 1) * profile.kv_bytes * scale),)))
     return LayerCost(profile.layer, strategy, micro_batch,
-                     fwd_s=fwd + comm_s / 2, bwd_s=bwd + recompute_s + comm_s / 2, comm_s=comm_s,
+                     fwd_s=fwd + fwd_comm, bwd_s=bwd + recompute_s + bwd_comm,
+                     comm_s=fwd_comm + bwd_comm,
                      flops=model_flops + recompute_flops, model_flops=model_flops,
                      act_bytes=_activations(profile, strategy, tp) * scale,
-                     params=profile.params, comm_bytes=comm_bytes)
+                     params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated)
+
+
+def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:
+    """kv_bytes and kv_grad_bytes: the keys and values ring attention would pass around (as
+    passes.context_parallel finds them: fused or written out, GQA blocks unrepeated), and their
+    fp32 gradient accumulators. Zero when the layer cannot run context-parallel."""
+    try:
+        found = find_attentions(sub, {layer.name: [n.name for n in sub.graph.nodes]})
+    except ContextParallelError:
+        return {"kv_bytes": 0.0, "kv_grad_bytes": 0.0}
+    kv = [x.meta["val"] for a, _ in found for x in (a.k, a.v)]
+    return {"kv_bytes": float(sum(_bytes(t) for t in kv)),
+            "kv_grad_bytes": float(sum(t.numel() * 4 for t in kv))}
 
 
 def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int):
-    """Exposed seconds and bytes sent of ring attention per micro-batch: forward passes this
-    rank's key/value block cp − 1 times; backward passes it again and carries fp32 dK/dV
-    accumulators cp hops home. Each transfer overlaps the attention computed on the block in hand,
-    so only what the transfers exceed the attention time is exposed."""
-    kv = profile.kv_bytes * scale
-    sent = (cp - 1) * kv + (cp - 1) * kv + cp * 2 * kv
+    """Exposed forward and backward seconds and bytes sent of ring attention per micro-batch:
+    forward passes this rank's key/value block cp − 1 times; backward passes it again and carries
+    fp32 dK/dV accumulators cp hops home. Each transfer overlaps the attention computed on the
+    block in hand, so only what the transfers exceed the attention time is exposed."""
+    kv, acc = profile.kv_bytes * scale, profile.kv_grad_bytes * scale
+    sent = (cp - 1) * kv + (cp - 1) * kv + cp * acc
     hop = lambda nbytes: collective_time(cluster, "p2p", nbytes, 2, stride=tp)  # noqa: E731
-    transfer = 2 * (cp - 1) * hop(kv) + cp * hop(2 * kv)
-    attention = sum(compute_time(cluster, (op.fwd_flops + op.bwd_flops) * scale,
-                                 (op.fwd_bytes + op.bwd_bytes) * scale, op.op_class)
-                    for op in profile.ops if op.op_class == "attention")
-    return max(0.0, transfer - attention), sent
+    attention = [op for op in profile.ops if op.op_class == "attention"]
+    fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
+              for op in attention)
+    bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
+              for op in attention)
+    return (max(0.0, (cp - 1) * hop(kv) - fwd),
+            max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd), sent)
 
 
 def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops):
@@ -280,16 +451,31 @@ def _activations(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
     return saved
 
 
-def _comm(profile, strategy, scale, cluster, tp) -> tuple[float, tuple[tuple[str, float], ...]]:
-    """Sequence parallel swaps each all-reduce for an all-gather plus a reduce-scatter: the same
-    ring volume, twice the latency terms."""
+def _comm(profile, strategy, scale, cluster, tp):
+    """(forward seconds, backward seconds, bytes sent once by kind, bytes repeated by kind).
+    A collective its recompute mode reruns is sent again in backward."""
     if not strategy.tp or tp == 1:
-        return 0.0, ()
-    total, sent = 0.0, {}
-    for c in profile.collectives:
-        nbytes = c.nbytes * scale
-        kinds = ["all_gather", "reduce_scatter"] if strategy.sp else [c.kind]
-        for kind in kinds:
-            total += collective_time(cluster, kind, nbytes, tp)
-            sent[kind] = sent.get(kind, 0.0) + bytes_on_wire(kind, nbytes, tp)
-    return total, tuple(sorted(sent.items()))
+        return 0.0, 0.0, (), ()
+    seconds = {"fwd": 0.0, "bwd": 0.0}
+    sent: dict[str, float] = defaultdict(float)
+    again: dict[str, float] = defaultdict(float)
+    for c in _events(profile, strategy):
+        nbytes = c.nbytes * scale if c.per_sample else c.nbytes
+        one, wire = collective_time(cluster, c.kind, nbytes, tp), bytes_on_wire(c.kind, nbytes, tp)
+        seconds[c.phase] += one
+        (again if c.repeated else sent)[c.kind] += wire
+        if strategy.recompute in c.rerun:
+            seconds["bwd"] += one
+            again[c.kind] += wire
+    return seconds["fwd"], seconds["bwd"], tuple(sorted(sent.items())), tuple(sorted(again.items()))
+
+
+def _events(profile: LayerProfile, strategy: Strategy) -> tuple[Collective, ...]:
+    """The collectives of the strategy's rewrite. Without a sequence-parallel profile, Megatron's
+    swap of each tensor-parallel all-reduce for an all-gather plus a reduce-scatter."""
+    if not strategy.sp:
+        return profile.collectives
+    if profile.sp_collectives is not None:
+        return profile.sp_collectives
+    return tuple(dataclasses.replace(c, kind=kind) for c in profile.collectives
+                 for kind in ("all_gather", "reduce_scatter"))

@@ -7,7 +7,9 @@ training IR or after ``run_decompositions()``).  Shapes come from
 ``node.meta["val"]`` as filled by FakeTensorProp or export.
 
 The rules and their conventions (Narayanan et al. 2021 FLOPs, Korthikanti et al.
-2022 saved activations) live in ``cost_model.op_rules``; this module maps nodes
+2022 saved activations) live in ``cost_model.op_rules`` (matmuls, attention,
+norms, embedding, loss) and ``cost_model.op_tables`` (pointwise ops, views,
+casts), over the graph facts of ``cost_model.op_graph``; this module maps nodes
 to rules and refuses to guess: an op without a rule raises UnknownOpError rather
 than being priced as free.
 """
@@ -20,12 +22,14 @@ import torch
 from torch import nn
 from torch.fx import Node
 
+from cost_model import op_graph as g
 from cost_model import op_rules as r
-from cost_model.op_rules import ZERO, OpCost, saved_node_name
+from cost_model import op_tables as t
+from cost_model.op_graph import ZERO, OpCost, saved_node_name
 
 __all__ = ["OpCost", "UnknownOpError", "node_cost", "saved_node_name"]
 
-Rule = Callable[[r.Call], "OpCost | None"]
+Rule = Callable[[g.Call], "OpCost | None"]
 
 
 class UnknownOpError(ValueError):
@@ -43,10 +47,10 @@ _RULES: dict[str, Rule] = {
     "embedding": r.embedding,
     "cross_entropy": r.cross_entropy,
     "nll_loss": r.nll_loss,
-    **dict.fromkeys(r.POINTWISE, r.pointwise),
-    **dict.fromkeys(r.ALWAYS_VIEWS | r.VIEWS_IF_CONTIGUOUS | r.COPIES, r.view),
-    "getitem": r.view,
-    **dict.fromkeys(r.CASTS, r.cast),
+    **dict.fromkeys(t.POINTWISE, t.pointwise),
+    **dict.fromkeys(g.ALWAYS_VIEWS | g.VIEWS_IF_CONTIGUOUS | t.COPIES, t.view),
+    "getitem": t.view,
+    **dict.fromkeys(g.CASTS, t.cast),
 }
 
 # torch.nn leaf modules -> (rule name, rule).
@@ -56,15 +60,22 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
     nn.LayerNorm: ("layer_norm", r.norm),
     nn.RMSNorm: ("rms_norm", r.norm),
     nn.Dropout: ("dropout", r.dropout),
-    nn.GELU: ("gelu", r.pointwise),
-    nn.SiLU: ("silu", r.pointwise),
-    nn.ReLU: ("relu", r.pointwise),
-    nn.Tanh: ("tanh", r.pointwise),
-    nn.Sigmoid: ("sigmoid", r.pointwise),
-    nn.Softmax: ("softmax", r.pointwise),
-    nn.LogSoftmax: ("log_softmax", r.pointwise),
+    nn.GELU: ("gelu", t.pointwise),
+    nn.SiLU: ("silu", t.pointwise),
+    nn.ReLU: ("relu", t.pointwise),
+    nn.Tanh: ("tanh", t.pointwise),
+    nn.Sigmoid: ("sigmoid", t.pointwise),
+    nn.Softmax: ("softmax", t.pointwise),
+    nn.LogSoftmax: ("log_softmax", t.pointwise),
     nn.CrossEntropyLoss: ("cross_entropy", r.cross_entropy),
-    nn.Identity: ("identity", r.view),
+    nn.Identity: ("identity", t.view),
+}
+
+# Functions the rewrite passes insert, by qualified name (importing the passes here would tie the
+# bottom of the cost model to them) -> (rule name, rule). The vocabulary-parallel loss is a
+# cross-entropy over this rank's logits slice; its all-reduces are priced by layer_cost.
+_PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
+    "passes.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
 }
 
 # Tensor attributes that are views (x.T, x.mT); other attributes are metadata.
@@ -81,7 +92,7 @@ def node_cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:
         if _returns_no_tensor(node):
             return ZERO
         raise ValueError(f"node {node.name!r} has no meta['val']; run FakeTensorProp first")
-    if not r.tensors_in(node.meta["val"]):
+    if not g.tensors_in(node.meta["val"]):
         return ZERO  # shape arithmetic, size(): no tensor is produced
     module = modules.get(str(node.target)) if node.op == "call_module" else None
     resolved = _resolve(node, modules, module)
@@ -96,28 +107,33 @@ def node_cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:
 def _index_arithmetic(node: Node) -> bool:
     """Integer/boolean work with no floating input or output (mask and position building, as in
     transformers' mask utilities): nothing to differentiate, so nothing saved and no backward."""
-    outputs = r.tensors_in(node.meta.get("val"))
-    inputs = [t for a in r.tensor_args(node) for t in r.tensors_in(r.value(a))]
-    return bool(outputs) and not any(r.is_float(t) for t in outputs + inputs)
+    outputs = g.tensors_in(node.meta.get("val"))
+    inputs = [x for a in g.tensor_args(node) for x in g.tensors_in(g.value(a))]
+    return bool(outputs) and not any(g.is_float(x) for x in outputs + inputs)
 
 
 def _index_cost(node: Node) -> OpCost:
     """Memory-bound: read the inputs, write the outputs."""
-    moved = sum(r.total_bytes(r.value(a)) for a in r.unique(r.tensor_args(node)))
-    moved += r.total_bytes(node.meta.get("val"))
+    moved = sum(g.total_bytes(g.value(a)) for a in g.unique(g.tensor_args(node)))
+    moved += g.total_bytes(node.meta.get("val"))
     return OpCost("elementwise", 0.0, 0.0, moved, 0.0, ())
 
 
 def _resolve(node: Node, modules: Mapping[str, nn.Module],
-             module: nn.Module | None) -> tuple[r.Call, Rule] | None:
+             module: nn.Module | None) -> tuple[g.Call, Rule] | None:
     if module is not None:
         entry = _module_rule(module)
-        return (r.Call(node, entry[0], modules, module), entry[1]) if entry else None
-    name = r.op_name(node)
+        return (g.Call(node, entry[0], modules, module), entry[1]) if entry else None
+    target = node.target
+    qualified = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
+    if node.op == "call_function" and qualified in _PASS_FUNCTIONS:
+        name, rule = _PASS_FUNCTIONS[qualified]
+        return g.Call(node, name, modules), rule
+    name = g.op_name(node)
     if name == "getattr":  # x.T, x.mT are views; other tensor attributes are not ops
-        return (r.Call(node, name, modules), r.view) if node.args[1] in _VIEW_ATTRS else None
+        return (g.Call(node, name, modules), t.view) if node.args[1] in _VIEW_ATTRS else None
     rule = _RULES.get(name)
-    return (r.Call(node, name, modules), rule) if rule is not None else None
+    return (g.Call(node, name, modules), rule) if rule is not None else None
 
 
 def _returns_no_tensor(node: Node) -> bool:
@@ -145,8 +161,8 @@ def _collective(node: Node) -> OpCost:
     The size is the full buffer a ring moves: the larger of input and output
     (all_gather grows its input, reduce_scatter shrinks it).  Backward moves the
     same amount (the conjugate collective)."""
-    inputs = sum(r.total_bytes(r.value(a)) for a in r.unique(r.tensor_args(node)))
-    size = max(inputs, r.total_bytes(node.meta.get("val")))
+    inputs = sum(g.total_bytes(g.value(a)) for a in g.unique(g.tensor_args(node)))
+    size = max(inputs, g.total_bytes(node.meta.get("val")))
     return OpCost("comm", 0.0, 0.0, size, size, ())
 
 

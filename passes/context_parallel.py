@@ -63,29 +63,53 @@ class Attention:
 
 
 def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp: int, rank: int,
-                     group: str = "cp", layout: str = "zigzag") -> fx.GraphModule:
+                     group: str = "cp", layout: str = "zigzag",
+                     localize: bool = True) -> fx.GraphModule:
     """Rewrite the attention of `layers` (layer name -> its node names) as ring attention over the
-    `cp` ranks of the group named `group`, and positions for this `rank`'s tokens; in place."""
+    `cp` ranks of the group named `group`, and positions for this `rank`'s tokens; in place.
+    localize=False leaves shape propagation to the caller (passes.program does it once, after
+    every pass, from `local_inputs`)."""
     if cp == 1:
         return gm
     seq = _sequence_length(gm)
     check_sequence(seq, cp, layout)
+    for found, layer in find_attentions(gm, layers):
+        _replace(gm, found, group, layout, layer)
+    gm.graph.eliminate_dead_code()
+    _fix_positions(gm, seq, cp, rank, layout)
+    gm.graph.lint()
+    gm.recompile()
+    if localize:
+        propagate_shapes(gm, local_inputs(gm, cp))
+    return gm
+
+
+def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
+                    ) -> list[tuple[Attention, str]]:
+    """Every attention of the graph with its layer; ContextParallelError when the graph cannot run
+    with its sequence split (an attention in an unknown form or outside `layers`, labels shifted
+    inside the graph). Reads the graph only."""
+    _check_no_shift(gm, _sequence_length(gm))
     layer_of = {name: layer for layer, names in layers.items() for name in names}
-    for node in list(gm.graph.nodes):
-        found = _find_attention(gm, node)
-        if found is None:
+    found = []
+    for node in gm.graph.nodes:
+        attention = _find_attention(gm, node)
+        if attention is None:
             continue
         if node.name not in layer_of:
             raise ContextParallelError(
                 f"attention {node.name} is in no layer given to context_parallel; with the "
                 f"sequence sharded every attention must become a ring attention")
-        _replace(gm, found, group, layout, layer_of[node.name])
-    gm.graph.eliminate_dead_code()
-    _fix_positions(gm, seq, cp, rank, layout)
-    gm.graph.lint()
-    gm.recompile()
-    propagate_shapes(gm, _local_inputs(gm, seq, cp))
-    return gm
+        found.append((attention, layer_of[node.name]))
+    return found
+
+
+def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | None:
+    """None when context_parallel can rewrite this graph, else the reason it cannot."""
+    try:
+        return None if find_attentions(gm, layers) else "the graph has no attention to ring"
+    except ContextParallelError as err:
+        return str(err)
 
 
 def _sequence_length(gm: fx.GraphModule) -> int:
@@ -101,8 +125,9 @@ def _sequence_length(gm: fx.GraphModule) -> int:
     raise ContextParallelError("no [batch, seq] input: cannot tell the sequence length")
 
 
-def _local_inputs(gm: fx.GraphModule, seq: int, cp: int) -> tuple:
+def local_inputs(gm: fx.GraphModule, cp: int) -> tuple:
     """Zero inputs of the captured shapes with the sequence dimension cut to seq / cp."""
+    seq = _sequence_length(gm)
     inputs = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -112,6 +137,25 @@ def _local_inputs(gm: fx.GraphModule, seq: int, cp: int) -> tuple:
                 shape[1] = seq // cp
             inputs.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
     return tuple(inputs)
+
+
+def _check_no_shift(gm: fx.GraphModule, seq: int) -> None:
+    """A model that shifts its labels inside the graph (logits[:, :-1] against labels[:, 1:], as
+    Hugging Face causal LMs do) pairs each token with its neighbour, which under a split sequence
+    may live on another rank: refuse rather than train on wrong pairs."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq - 1):
+            continue
+        source = next((a for a in node.all_input_nodes
+                       if isinstance(a.meta.get("val"), torch.Tensor)
+                       and a.meta["val"].dim() >= 2 and a.meta["val"].shape[1] == seq), None)
+        if source is not None:
+            raise ContextParallelError(
+                f"node {node.name} shifts the sequence ({source.name} has {seq} positions, "
+                f"{node.name} {seq - 1}): under context parallelism the shift would cross rank "
+                f"boundaries. Pass next-token labels as an input and take the loss position by "
+                f"position, or plan with cp=1")
 
 
 # ---------------------------------------------------------------- attention
@@ -160,7 +204,7 @@ def _math(gm: fx.GraphModule, softmax: fx.Node) -> Attention | None:
     (out,) = probs.users
     if not (_is_call(out, _MATMUL) and out.args[0] is probs):
         _fail(softmax, "the attention probabilities must be multiplied by v")
-    return Attention(out, q, _unrepeat(key_t.args[0]), _unrepeat(out.args[1]), causal, scale)
+    return Attention(out, q, unrepeated(key_t.args[0]), unrepeated(out.args[1]), causal, scale)
 
 
 def _scaled(softmax: fx.Node, scores: fx.Node) -> tuple[fx.Node, float]:
@@ -185,7 +229,7 @@ def _skip_dropout(gm: fx.GraphModule, softmax: fx.Node) -> fx.Node:
     return softmax
 
 
-def _unrepeat(node: fx.Node) -> fx.Node:
+def unrepeated(node: fx.Node) -> fx.Node:
     """x.repeat_interleave(n, dim=1) (grouped K/V repeated to the query heads) -> x."""
     if _is_method(node, "repeat_interleave"):
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)

@@ -7,8 +7,10 @@ each reading what the previous ones left in the graph:
   2. tensor_parallel    block layers with tp: column/row-parallel linears, tp_copy / tp_all_reduce
   3. sequence_parallel  layers with sp: those collectives become sequence all-gather /
                         reduce-scatter, and resharding nodes go where an SP layer meets a non-SP one
-  4. recompute          layers with full / sel: the layer, or its attention core, checkpointed
-                        (last, so a checkpointed region holds the collectives of 1-3 and runs them
+  4. context_parallel   cp > 1: every attention becomes ring attention over the cp group and
+                        position tables are read at this rank's global token positions
+  5. recompute          layers with full / sel: the layer, or its attention core, checkpointed
+                        (last, so a checkpointed region holds the collectives of 1-4 and runs them
                         again when it recomputes)
 
 Every pass tags the nodes it inserts with their layer (node.meta["fxpar_layer"]); shapes are
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from passes.capture import Captured
+from passes.context_parallel import context_parallel, local_inputs
 from passes.pipeline_split import StageProgram, split_stages
 from passes.recompute import recompute
 from passes.sequence_parallel import sequence_parallel
@@ -33,13 +36,15 @@ from passes.vocab_parallel import vocab_parallel
 @dataclass(frozen=True)
 class Layout:
     """Plain description of the rewrite: each layer's strategy text (cost_model.strategy form,
-    e.g. "tp+sp+sel"; layers not listed are "none"), contiguous layer counts per stage, and whether
-    a vocabulary that tp does not divide may be padded."""
+    e.g. "tp+sp+sel"; layers not listed are "none"), contiguous layer counts per stage, whether
+    a vocabulary that tp does not divide may be padded, and the context-parallel size (every
+    layer's sequence is split cp ways; cp is a property of the mesh, not of one layer)."""
 
     tp: int
     strategies: tuple[tuple[str, str], ...]   # (layer name, strategy text)
     stage_sizes: tuple[int, ...]              # in layer order; len = number of stages
     pad_vocab: bool = False
+    cp: int = 1
 
     def __post_init__(self):
         for layer, text in self.strategies:
@@ -58,8 +63,9 @@ class Layout:
         return frozenset(layer for layer, text in self.strategies if part in text.split("+"))
 
 
-def rewrite(captured: Captured, layout: Layout, tp_rank: int) -> fx.GraphModule:
-    """Apply the rewrite passes of `layout` to captured.gm for tp index `tp_rank`; in place."""
+def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0) -> fx.GraphModule:
+    """Apply the rewrite passes of `layout` to captured.gm for tp index `tp_rank` and cp index
+    `cp_rank`; in place."""
     gm = captured.gm
     layers = {layer.name: layer.nodes for layer in captured.layers}
     tag_layers(gm, layers)
@@ -70,16 +76,18 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int) -> fx.GraphModule:
     tensor_parallel(gm, {name: layers[name] for name in sorted(tp_layers - ends)}, layout.tp,
                     tp_rank, localize=False)
     sequence_parallel(gm, layers, layout.layers_with("sp") & tp_layers, layout.tp, localize=False)
+    context_parallel(gm, layers, layout.cp, cp_rank, localize=False)
     recompute(gm, layers, full=layout.layers_with("full"), selective=layout.layers_with("sel"))
-    if layout.tp > 1 and tp_layers:  # one shape propagation for all of them
-        localize_shapes(gm)
+    if (layout.tp > 1 and tp_layers) or layout.cp > 1:  # one shape propagation for all of them
+        localize_shapes(gm, local_inputs(gm, layout.cp))
     return gm
 
 
 def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
-                  stages: tuple[int, ...]) -> dict[int, StageProgram]:
-    """The stage programs for `stages` on the rank with tensor-parallel index `tp_rank`."""
-    gm = rewrite(captured, layout, tp_rank)
+                  stages: tuple[int, ...], cp_rank: int = 0) -> dict[int, StageProgram]:
+    """The stage programs for `stages` on the rank with tensor-parallel index `tp_rank` and
+    context-parallel index `cp_rank`."""
+    gm = rewrite(captured, layout, tp_rank, cp_rank)
     order = [layer.name for layer in captured.layers]
     if sum(layout.stage_sizes) != len(order) or min(layout.stage_sizes) < 1:
         raise ValueError(f"stage sizes {layout.stage_sizes} do not cover {len(order)} layers")

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from passes.sharding import LAYER, is_sdpa, nodes_by_layer, tag_layers
+from runtime.ring_attention import ring_attention
 from runtime import collectives, instrument
 
 
@@ -73,7 +74,7 @@ def attention_cores(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[list[fx.No
     mine, order = set(nodes), {n: i for i, n in enumerate(nodes)}
     cores = []
     for node in nodes:
-        if is_sdpa(node):
+        if is_sdpa(node) or node.target is ring_attention:
             cores.append([node])
         elif _is_softmax(gm, node) and _square(node):
             region, stack = {node}, list(node.all_input_nodes)

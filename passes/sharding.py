@@ -239,13 +239,16 @@ _EXPANDS = {"expand", aten.expand.default}
 _RESHAPES = _VIEWS | {"flatten", torch.flatten, aten.flatten.using_ints}
 
 
-def localize_shapes(gm: fx.GraphModule) -> None:
-    """Propagate fake shapes from the placeholders' recorded values through the rewritten graph,
-    rewriting the literal sizes of views and expands that still name a full (unsharded) size."""
+def localize_shapes(gm: fx.GraphModule, inputs: tuple | None = None) -> None:
+    """Propagate fake shapes through the rewritten graph from `inputs` (default: the placeholders'
+    recorded values; context parallelism passes its shorter sequences), rewriting the literal
+    sizes of views and expands that still name a full (unsharded) size."""
     full = {n: n.meta.get("val") for n in gm.graph.nodes}
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    if inputs is None:
+        inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [torch.zeros(v.shape, dtype=v.dtype, device=device) if isinstance(v, torch.Tensor)
-              else v for n in gm.graph.nodes if n.op == "placeholder" for v in [n.meta.get("val")]]
+              else v for v in inputs]
     _Localize(gm, full).propagate(*inputs)
     gm.recompile()
 
@@ -275,50 +278,57 @@ class _Localize(FakeTensorProp):
         sizes = self.env.get(rest[0]) if computed else rest[0] if len(rest) == 1 else rest
         if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
             return  # sizes read from tensors at run time are local already
+        # Computed sizes (GPT-2's Conv1D: `x.size()[:-1] + (nf,)`) are read at run time, hence
+        # local, except their constant tail.
+        tail = _constant_tail(rest[0]) if computed else tuple(sizes)
+        literal = range(len(sizes) - len(tail), len(sizes))
         new = _local_sizes(n, tuple(full_in.shape), tuple(local.shape), tuple(full_out.shape),
-                           list(sizes), n.target in _EXPANDS)
+                           list(sizes), n.target in _EXPANDS, literal)
         if new == list(sizes):
             return
         if computed:
-            self._fix_computed(n, rest[0], list(sizes), new)
+            rest[0].update_arg(1, tuple(new[literal.start:]))
+            self.env[rest[0]] = tuple(new)
         else:
             n.args = (source, type(rest[0])(new)) if len(rest) == 1 else (source, *new)
 
-    def _fix_computed(self, n: fx.Node, sizes: fx.Node, old: list, new: list) -> None:
-        """Sizes built as `x.size()[:-1] + (constant,)` (GPT-2's Conv1D): fix the constant."""
-        j = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
-        tail = sizes.args[1] if sizes.target is operator.add and len(sizes.args) == 2 else None
-        if not isinstance(tail, tuple) or j < len(old) - len(tail):
-            raise ShardingError(f"layer {n.meta.get(LAYER)}: {n.name} reshapes to a size computed "
-                                f"by {sizes.name} whose dim {j} ({old[j]}) is not the local one")
-        fixed = list(tail)
-        fixed[j - (len(old) - len(tail))] = new[j]
-        sizes.update_arg(1, tuple(fixed))
-        self.env[sizes] = tuple(new)
+
+def _constant_tail(sizes: fx.Node) -> tuple:
+    """The constant part of sizes built as `x.size()[...] + (constants,)`; () otherwise."""
+    if sizes.target is operator.add and len(sizes.args) == 2 and isinstance(sizes.args[1], tuple):
+        return sizes.args[1]
+    return ()
 
 
-def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool) -> list[int]:
-    cut = [d for d in range(len(full_in)) if full_in[d] != local_in[d]]
-    if len(cut) != 1 or full_in[cut[0]] % local_in[cut[0]]:
-        return sizes
-    d = cut[0]
-    factor = full_in[d] // local_in[d]
-    if expand:
-        j = d + len(full_out) - len(full_in)
-    else:  # the output dimension holding the first element of the cut input dimension
-        before, prefix, j = math.prod(full_in[:d]), 1, None
-        for i, size in enumerate(full_out):
-            if size > 1 and prefix <= before < prefix * size:
-                j = i
-                break
-            prefix *= size
-    if j is None or sizes[j] == -1:
-        return sizes
-    if sizes[j] % factor:
-        raise ShardingError(f"layer {n.meta.get(LAYER)}: size {sizes[j]} (dim {j} of {n.name}) "
-                            f"is not divisible by {factor}")
-    sizes[j] //= factor
+def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: range) -> list[int]:
+    """`sizes` with each output dimension that holds a cut input dimension divided by its cut
+    (tensor parallel cuts heads or features, context parallel the sequence, both at once); only
+    the `literal` indices of sizes are full-size constants, the others are local already."""
+    for d in range(len(full_in)):
+        if full_in[d] == local_in[d] or full_in[d] % local_in[d]:
+            continue
+        factor = full_in[d] // local_in[d]
+        j = _output_dim(full_in, full_out, d, expand)
+        if j is None or j not in literal or sizes[j] == -1:
+            continue
+        if sizes[j] % factor:
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: size {sizes[j]} (dim {j} of "
+                                f"{n.name}) is not divisible by {factor}")
+        sizes[j] //= factor
     return sizes
+
+
+def _output_dim(full_in, full_out, d: int, expand: bool) -> int | None:
+    """The output dimension holding input dimension d: the same one counted from the end for an
+    expand, the one holding the first element of d for a view."""
+    if expand:
+        return d + len(full_out) - len(full_in)
+    before, prefix = math.prod(full_in[:d]), 1
+    for i, size in enumerate(full_out):
+        if size > 1 and prefix <= before < prefix * size:
+            return i
+        prefix *= size
+    return None
 
 
 def before_views(x: fx.Node, reader: fx.Node) -> tuple[fx.Node, fx.Node]:

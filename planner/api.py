@@ -55,6 +55,10 @@ def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
     need, where = smallest_memory(costs, req)
     if where is None:
         why = costs.tp_errors.get(req.fix.get("tp"), "")
+        cp = req.fix.get("cp", 1)
+        if cp > 1 and not costs.supports_cp(cp, req.seq):
+            why = costs.cp_error or (f"sequence length {req.seq} is not divisible by 2·cp = "
+                                     f"{2 * cp} (zig-zag context parallel)")
         return PlanningError(f"no configuration of {req.gpus} GPUs fits the model and global "
                              f"batch {req.global_batch} (constraints: {req.fix or 'none'})"
                              + (f": {why}" if why else ""))
@@ -119,6 +123,10 @@ class ParallelModel:
         """Every parameter, unsharded, on every rank (for checkpoints and comparisons)."""
         return gather_full_state(self.shard())
 
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Every gradient of the last step (averaged over replicas), unsharded, on every rank."""
+        return gather_full_state(self.shard(), grads=True)
+
 
 def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> PipelineTrainer:
     if model is None or not isinstance(model, torch.nn.Module):
@@ -127,13 +135,8 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     if world != plan.gpus:
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
-    if plan.cp > 1:
-        raise ValueError(f"this plan uses context parallelism (cp={plan.cp}), which the runtime "
-                         f"builds only through passes.context_parallel so far; plan with cp=1 "
-                         f"(the default search space) to train it")
-    mesh = Mesh(plan.pp, plan.dp, plan.tp)
-    groups = build_groups(mesh)
-    collectives.bind_groups(tp=groups.tp)
+    groups = build_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
+    collectives.bind_groups(tp=groups.tp, cp=groups.cp)
     micro = tuple(x[: plan.micro_batch] for x in example_inputs)
     captured = capture(model, micro)
     layout = plan.layout()
@@ -142,18 +145,19 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
                          f"{len(captured.layers)}")
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     programs = rank_programs(captured, layout, groups.tp_index,
-                             schedule.stages_of(groups.pp_index))
+                             schedule.stages_of(groups.pp_index), groups.cp_index)
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer)
 
 
-def gather_full_state(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
-    """Unshard tensor-parallel parameters and collect every stage's parameters on every rank."""
+def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Unshard tensor-parallel parameters (or, with grads=True, their gradients) and collect every
+    stage's on every rank."""
     groups = trainer.groups
     mine = {}
     for program in trainer.programs.values():
         specs = shard_specs(program.gm)
         for name, param in program.gm.named_parameters():
-            value = param.detach().clone()
+            value = (param.grad if grads else param).detach().clone()
             if name in specs and groups.tp is not None:
                 shards = [torch.empty_like(value) for _ in range(groups.mesh.tp)]
                 dist.all_gather(shards, value.contiguous(), group=groups.tp)

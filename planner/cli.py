@@ -29,7 +29,7 @@ EXAMPLES = {
 
 def _fix(text: str) -> dict:
     """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}"""
-    numbers, words = {"tp", "pp", "dp", "mb", "v"}, {"strategy", "recompute", "schedule"}
+    numbers, words = {"tp", "pp", "dp", "cp", "mb", "v"}, {"strategy", "recompute", "schedule"}
     result: dict = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -62,7 +62,8 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--global-batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (what-if)")
-    p.add_argument("--fix", type=_fix, default={}, help="fix part of the plan, e.g. tp=8,pp=8,mb=1")
+    p.add_argument("--fix", type=_fix, default={},
+                   help="fix part of the plan, e.g. tp=8,pp=8,mb=1 or cp=2,schedule=1f1b")
     p.add_argument("--zero1", action="store_true",
                    help="price optimizer states sharded over data parallel (ZeRO stage 1)")
     p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (gpt2, llama) at "

@@ -2,13 +2,14 @@
 cost model (per layer, per strategy) and the ILP's plain numbers."""
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from cost_model.cluster import Cluster
 from cost_model.layer_cost import LayerCost, LayerProfile, price, profile_layer
 from cost_model.memory import TrainingMemory
 from cost_model.strategy import Strategy
 from passes.capture import Captured
+from passes.context_parallel import why_not
 from passes.tensor_parallel import ShardingError
 from planner import ilp
 
@@ -47,6 +48,8 @@ class ModelCosts:
         self._profiles: dict[int, LayerProfile] = {1: profile_layer(captured, self.block)}
         self.tp_errors: dict[int, str] = {}
         self._price = lru_cache(maxsize=None)(self._price_uncached)
+        # The search asks for the same (micro-batch, cp) pricing once per mesh and schedule.
+        self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
 
     def has(self, kind: str) -> bool:
         return kind in self.ends
@@ -69,19 +72,60 @@ class ModelCosts:
                      cluster, tp, cp)
 
     def supports_cp(self, cp: int, seq: int) -> bool:
-        """Context parallel needs fused attention to ring and a sequence that splits into 2·cp
-        zig-zag chunks."""
-        return cp == 1 or (self._profiles[1].kv_bytes > 0 and seq % (2 * cp) == 0)
+        """Context parallel needs attention the rewrite turns into a ring (`cp_error` says why
+        not) and a sequence that splits into 2·cp zig-zag chunks."""
+        return cp == 1 or (self.cp_error is None and seq % (2 * cp) == 0)
 
-    def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1):
-        """LayerCosts of embed and head (None for a missing one when padded)."""
-        costs = [price(self.ends[k], Strategy(), micro_batch, cluster, 1, cp) if k in self.ends
-                 else None for k in ("embed", "head")]
-        return costs if padded else [c for c in costs if c is not None]
+    @cached_property
+    def cp_error(self) -> str | None:
+        """Why passes.context_parallel cannot rewrite this model, or None when it can."""
+        if self._profiles[1].kv_bytes <= 0:
+            return "no attention keys/values to pass around a ring"
+        return why_not(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
 
-    def vocab_parallel(self, tp: int) -> bool:
-        """Embed and head stay replicated until the vocab-parallel rewrite is priced."""
-        return False
+    def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1,
+                  tp: int = 1):
+        """LayerCosts of embed and head (None for a missing one when padded): vocabulary-parallel
+        over tp ranks when `vocab_parallel` chooses it, else replicated."""
+        costs = (self._vocab_ends(micro_batch, cluster, cp, tp)
+                 if self.vocab_parallel(tp, micro_batch, cluster, cp)
+                 else self._ends_priced(micro_batch, cluster, cp))
+        return list(costs) if padded else [c for c in costs if c is not None]
+
+    def _end_costs_uncached(self, micro_batch, cluster, cp) -> tuple:
+        return tuple(price(self.ends[k], Strategy(), micro_batch, cluster, 1, cp)
+                     if k in self.ends else None for k in ("embed", "head"))
+
+    def vocab_parallel(self, tp: int, micro_batch: int | None = None,
+                       cluster: Cluster | None = None, cp: int = 1) -> bool:
+        """Whether embed and head run vocabulary-parallel at tp: when the rewrite applies and,
+        priced for the micro-batch on the cluster, the two together are no slower. They never
+        need more memory (weights, gradients, optimizer states and logits shrink by tp; the
+        embedding keeps a one-byte mask per token more), but on tiny layers over slow links the
+        added all-reduces cost more than the vocabulary work saved. Without a micro-batch and a
+        cluster to price them the ends stay replicated."""
+        if tp == 1 or cluster is None or micro_batch is None:
+            return False
+        if any(self._end_profile(k, tp) is None for k in self.ends):
+            return False
+        def total(costs):
+            return sum(c.fwd_s + c.bwd_s for c in costs if c is not None)
+        return total(self._vocab_ends(micro_batch, cluster, cp, tp)) <= total(
+            self._ends_priced(micro_batch, cluster, cp))
+
+    @lru_cache(maxsize=None)  # noqa: B019 - lives as long as the ModelCosts, like _price
+    def _end_profile(self, kind: str, tp: int) -> LayerProfile | None:
+        """The end layer rewritten vocabulary-parallel (padded) for tp, or None if it cannot be."""
+        layer = next(l for l in self.captured.layers if l.kind == kind)
+        try:
+            return profile_layer(self.captured, layer, tp)
+        except ShardingError:
+            return None
+
+    @lru_cache(maxsize=None)  # noqa: B019
+    def _vocab_ends(self, micro_batch: int, cluster: Cluster, cp: int, tp: int) -> tuple:
+        return tuple(price(self._end_profile(k, tp), Strategy(tp=True), micro_batch, cluster, tp,
+                           cp) if k in self.ends else None for k in ("embed", "head"))
 
     def static_per_param(self, dp: int = 1) -> tuple[float, float]:
         """(weight + gradient bytes, optimizer bytes) per parameter on one rank of a dp group."""

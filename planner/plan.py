@@ -59,9 +59,13 @@ class Plan:
     cp: int = 1                        # context-parallel ranks sharing a sequence
 
     def layout(self) -> Layout:
-        strategies = tuple((layer, s) for st in self.stages
+        # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
+        # is priced with padding allowed (a no-op when tp divides the vocabulary).
+        strategies = tuple((layer, "tp" if s == "vocab-tp" else s) for st in self.stages
                            for layer, s in zip(st.layers, st.strategies) if s != "none")
-        return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages))
+        vocab = any(s == "vocab-tp" for st in self.stages for s in st.strategies)
+        return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages),
+                      pad_vocab=vocab, cp=self.cp)
 
     def to_json(self) -> dict:
         data = asdict(self)

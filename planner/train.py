@@ -27,6 +27,7 @@ def make_optimizer(params):
 class RunResult:
     losses: tuple[float, ...]
     state: dict            # full (unsharded) parameters after the last step
+    grads: tuple[dict, ...] = ()   # full gradients of each step
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,16 @@ def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0) -> Ru
     torch.manual_seed(seed)
     model, batch = build(config)
     opt = make_optimizer(list(model.parameters()))
-    losses = []
+    losses, grads = [], []
     for _ in range(steps):
         opt.zero_grad()
         loss = model(*batch)
         loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
         losses.append(loss.item())
-    return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()})
+    return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()},
+                     tuple(grads))
 
 
 def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
@@ -75,8 +78,11 @@ def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
     torch.manual_seed(seed)
     model, batch = build(config)
     pm = ParallelModel(model, Plan.from_json(plan_json), [], batch, make_optimizer)
-    losses = tuple(pm.train_step(*batch) for _ in range(steps))
-    return RunResult(losses, pm.full_state_dict())
+    losses, grads = [], []
+    for _ in range(steps):
+        losses.append(pm.train_step(*batch))
+        grads.append(pm.full_grad_dict())
+    return RunResult(tuple(losses), pm.full_state_dict(), tuple(grads))
 
 
 def run_parallel(config: ModelConfig | HFSpec, plan: Plan, steps: int, pool: RankPool | None = None):
@@ -90,7 +96,8 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
     """Print per-step losses side by side; return the largest relative difference."""
     config = copy.copy(config)
     print(f"training {steps} steps on {plan.gpus} gloo CPU processes "
-          f"(dp={plan.dp} tp={plan.tp} pp={plan.pp}) and in one process ...", flush=True)
+          f"(dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}) and in one process ...",
+          flush=True)
     parallel = run_parallel(config, plan, steps)
     ref = reference_run(config, steps)
     rows, worst = [], 0.0
@@ -104,3 +111,22 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
                  for k, v in ref.state.items())
     print(f"largest relative parameter difference after {steps} steps: {params:.2e}")
     return max(worst, params)
+
+
+def assert_same_run(parallel: RunResult, reference: RunResult, rtol: float = 1e-5,
+                    atol: float = 1e-6) -> None:
+    """Raise AssertionError unless the per-step losses (relative), the gradients of every step
+    (when both runs recorded them) and the final parameters agree; names what differs."""
+    close = torch.testing.assert_close
+    close(torch.tensor(parallel.losses), torch.tensor(reference.losses), rtol=rtol, atol=0)
+    if parallel.state.keys() != reference.state.keys():
+        differ = sorted(parallel.state.keys() ^ reference.state.keys())
+        raise AssertionError(f"parameter names differ: {differ}")
+    steps = zip(parallel.grads, reference.grads) if parallel.grads and reference.grads else ()
+    for step, (got, want) in enumerate(steps, 1):
+        for name, value in want.items():
+            close(got[name], value, rtol=rtol, atol=atol,
+                  msg=lambda m, name=name, step=step: f"step {step} gradient of {name}: {m}")
+    for name, value in reference.state.items():
+        close(parallel.state[name], value, rtol=rtol, atol=atol,
+              msg=lambda m, name=name: f"final {name}: {m}")

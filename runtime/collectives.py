@@ -71,7 +71,9 @@ class recomputing:
         _recomputing[0] = self.previous
 
 
-def _count(kind: str, tag: str, nbytes: int, n: int) -> None:
+def count_traffic(kind: str, tag: str, nbytes: int, n: int) -> None:
+    """Add what one rank puts on the wire for this collective to the layer's counter (the
+    recompute counter inside a recomputation)."""
     table = RECOMPUTE_TRAFFIC if _recomputing[0] else TRAFFIC
     table[(kind, tag)] += bytes_on_wire(kind, nbytes, n)
 
@@ -103,7 +105,7 @@ def _nbytes(x: torch.Tensor) -> int:
 def all_reduce(x: torch.Tensor, name: str, tag: str, op: str = "sum") -> torch.Tensor:
     """A counted all-reduce of a copy of x (no autograd): op is "sum" or "max"."""
     n = group_size(name)
-    _count("all_reduce", tag, _nbytes(x), n)
+    count_traffic("all_reduce", tag, _nbytes(x), n)
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                     group=_GROUPS[name])
@@ -115,7 +117,7 @@ def _gather(x: torch.Tensor, name: str, tag: str, dim: int) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the pieces one after another on dim 0
     _all_gather_single(out, x, group=_GROUPS[name])
-    _count("all_gather", tag, _nbytes(out), n)
+    count_traffic("all_gather", tag, _nbytes(out), n)
     return out.unflatten(0, (n, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
 
@@ -124,7 +126,7 @@ def _reduce_scatter(x: torch.Tensor, name: str, tag: str, dim: int) -> torch.Ten
     stacked = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(stacked.shape[1:])
     _reduce_scatter_single(out, stacked.flatten(0, 1), group=_GROUPS[name])
-    _count("reduce_scatter", tag, _nbytes(x), n)
+    count_traffic("reduce_scatter", tag, _nbytes(x), n)
     return out
 
 

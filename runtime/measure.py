@@ -31,7 +31,7 @@ def mesh_groups(mesh: Mesh) -> RankGroups:
     if mesh not in _GROUPS:
         _GROUPS[mesh] = build_groups(mesh)
     groups = _GROUPS[mesh]
-    collectives.bind_groups(tp=groups.tp)
+    collectives.bind_groups(tp=groups.tp, cp=groups.cp)
     return groups
 
 

@@ -71,7 +71,7 @@ class Ring:
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.isend, tensor, self._peer(1), self.group, message_tag),
             dist.P2POp(dist.irecv, received, self._peer(-1), self.group, message_tag)])
-        collectives.TRAFFIC[("p2p", self.tag)] += tensor.numel() * tensor.element_size()
+        collectives.count_traffic("p2p", self.tag, tensor.numel() * tensor.element_size(), 2)
         return Transfer(tuple(works), received)
 
     def blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

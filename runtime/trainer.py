@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from passes.pipeline_split import StageProgram
 from passes.tensor_parallel import shard_specs
+from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
 from runtime.memory import SavedActivations
 from runtime.mesh import RankGroups
@@ -52,13 +53,17 @@ class TrainOptions:
 
 
 def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp_index: int,
-                microbatches: int) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's share of the global batch, cut into equal micro-batches."""
+                microbatches: int, cp: int = 1, cp_index: int = 0) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the global batch, cut into equal micro-batches: rows of its
+    data-parallel index and, under context parallelism, the tokens of its cp index (the zig-zag
+    layout of runtime.cp_data, on dim 1 of every input with a sequence dimension)."""
     size = batch[0].shape[0]
     if size % (dp * microbatches):
         raise ValueError(f"global batch {size} is not divisible by dp={dp} x "
                          f"micro-batches={microbatches}")
     local = [t.chunk(dp)[dp_index] for t in batch]
+    if cp > 1:
+        local = [shard_sequence(t, cp, cp_index) if t.dim() >= 2 else t for t in local]
     return [dict(zip(names, parts)) for parts in zip(*(t.chunk(microbatches) for t in local))]
 
 
@@ -157,8 +162,9 @@ class PipelineTrainer:
                                       autocast_dtype=_PRECISIONS[options.precision],
                                       memory=self.memory, recv_ahead=options.recv_ahead)
         self.last_rank = stage_rank(schedule.num_stages - 1)
-        self.sync = (_GradSync(self.executor.params, groups.dp, options.bucket_bytes, groups.rank)
-                     if groups.dp is not None else None)
+        # Ranks holding the same weights (dp x cp) average their gradients.
+        self.sync = (_GradSync(self.executor.params, groups.replicas, options.bucket_bytes,
+                               groups.rank) if groups.replicas is not None else None)
         self.scaler = (_LossScale(options.init_scale, options.growth_interval)
                        if options.precision == "fp16" else None)
         self._sharded = self._sharded_params()
@@ -172,14 +178,14 @@ class PipelineTrainer:
     def step(self, *batch: torch.Tensor) -> float:
         mesh = self.groups.mesh
         micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
-                            self.schedule.num_microbatches)
+                            self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
         if self.sync is not None:
             self.sync.zero()
         else:
             self.optimizer.zero_grad(set_to_none=True)
         pending_loss = self._await_loss()
-        # The data-parallel mean is folded into the loss, so the all-reduce is a plain sum.
-        multiplier = self.loss_scale / (len(micro) * mesh.dp)
+        # The mean over replicas is folded into the loss, so the all-reduce is a plain sum.
+        multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
         loss = self.executor.run(micro, multiplier,
                                  self.sync.start if self.sync is not None else None)
         if self.sync is not None:
@@ -227,13 +233,14 @@ class PipelineTrainer:
 
     def _global_norm_sq(self, params: list[torch.nn.Parameter]) -> tuple[float, bool]:
         """Sum of squares of the whole model's gradient, and whether any rank saw inf/nan; one
-        all-reduce over all ranks. Each value is counted once: dp replicas only on dp index 0,
+        all-reduce over all ranks. Each value is counted once: dp x cp replicas only on index 0,
         replicated (non-sharded) parameters only on tp index 0."""
         sharded = [p.grad for p in params if id(p) in self._sharded]
         replicated = [p.grad for p in params if id(p) not in self._sharded]
         local = [_sq(sharded), _sq(replicated)]
         counted = local[0] + (local[1] if self.groups.tp_index == 0 else 0.0)
-        values = torch.tensor([counted if self.groups.dp_index == 0 else 0.0,
+        first_replica = self.groups.dp_index == 0 and self.groups.cp_index == 0
+        values = torch.tensor([counted if first_replica else 0.0,
                                0.0 if math.isfinite(local[0] + local[1]) else 1.0],
                               dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -258,9 +265,9 @@ class PipelineTrainer:
                                     f"{self.last_rank}")
             return float(value)
         value = loss.detach().clone().float()
-        if self.groups.dp is not None:
-            dist.all_reduce(value, group=self.groups.dp)
-            value /= self.groups.mesh.dp
+        if self.groups.replicas is not None:
+            dist.all_reduce(value, group=self.groups.replicas)
+            value /= self.groups.num_replicas
         if self.groups.pp is not None:
             dist.broadcast(value, src=self.last_rank, group=self.groups.pp)
         return float(value)

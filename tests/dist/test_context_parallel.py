@@ -2,9 +2,9 @@
 
 Attention: each rank holds its zig-zag share of q, k, v; the ring output and (dq, dk, dv) must equal
 F.scaled_dot_product_attention of the full sequence (then sharded the same way) within 1e-5.
-Models: capture -> context_parallel -> forward/backward on each rank's tokens, gradients averaged
-over the cp (and dp) ranks, SGD with momentum; per-step losses, gradients and final parameters must
-equal the same model trained on the whole batch in one process.
+Models: plans with cp > 1 (alone and with tp, sp, recompute, pp and dp) trained through
+autoparallelize's path (planner.train.run_parallel); per-step losses, gradients and final parameters
+must equal the same model trained on the whole batch in one process.
 """
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cost_model.cluster import get_cluster
+from cost_model.layer_cost import price, profile_layer
+from cost_model.strategy import Strategy
 from passes.capture import capture
-from passes.context_parallel import context_parallel
+from passes.program import Layout, rank_programs
+from planner.api import plan
 from planner.models import build_model, example_batch, get_config
-from runtime import collectives
+from planner.train import assert_same_run, reference_run, run_parallel
+from runtime import collectives, instrument
 from runtime.cp_data import shard_sequence
+from runtime.measure import mesh_groups
+from runtime.mesh import Mesh
 from runtime.ring_attention import ring_attention
 
 STEPS = 3
@@ -95,100 +102,61 @@ def test_ring_attention_contiguous_layout(pool4):
 
 # ---------------------------------------------------------------- whole models
 
-
-def make_optimizer(params):
-    """SGD with momentum, as the trainer's comparisons use: linear in the gradient, so fp32
-    summation-order noise stays noise."""
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-
-
-def _config(model: str, attention: str, layers: int | None):
-    return get_config(model, attention=attention, global_batch=4, layers=layers)
-
-
-def _reference(config, steps: int):
-    """One process, the whole batch: losses, gradients of every step, final parameters."""
-    torch.manual_seed(0)
-    model = build_model(config)
-    opt = make_optimizer(list(model.parameters()))
-    batch = example_batch(config, config.global_batch)
-    losses, grads = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
-
-
-def _average(tensor: torch.Tensor, groups) -> torch.Tensor:
-    """Mean over the ranks of every group in turn (cp, then dp)."""
-    for group, size in groups:
-        if size > 1:
-            dist.all_reduce(tensor, group=group)
-            tensor /= size
-    return tensor
-
-
-def _average_grads(params: list[torch.nn.Parameter], groups) -> None:
-    """All gradients as one flat tensor: one all-reduce per group instead of one per parameter."""
-    flat = _average(torch.cat([p.grad.reshape(-1) for p in params]), groups)
-    for p, part in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(part.view_as(p.grad))
-
-
-def _cp_worker(model_name: str, attention: str, layers: int | None, cp: int, steps: int):
-    """This rank's share of the batch: rows of its dp index, tokens of its cp index."""
-    config = _config(model_name, attention, layers)
-    dp = dist.get_world_size() // cp
-    cp_group, cp_rank = _my_group(cp)
-    dp_group, dp_rank = _my_group(dp, stride=cp) if dp > 1 else (None, 0)
-    torch.manual_seed(0)
-    model = build_model(config)
-    tokens, targets = (t.chunk(dp)[dp_rank] for t in example_batch(config, config.global_batch))
-    captured = capture(model, (tokens, targets))
-    blocks = {layer.name: layer.nodes for layer in captured.blocks}
-    gm = context_parallel(captured.gm, blocks, cp, cp_rank)
-    local = [shard_sequence(t, cp, cp_rank) for t in (tokens, targets)]
-    collectives.bind_groups(cp=cp_group)
-    groups = [(cp_group, cp), (dp_group, dp)]
-    opt = make_optimizer(list(gm.parameters()))
-    losses, grads = [], []
-    try:
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = gm(*local)
-            loss.backward()
-            _average_grads(list(gm.parameters()), groups)
-            grads.append({k: p.grad.clone() for k, p in gm.named_parameters()})
-            opt.step()
-            losses.append(_average(loss.detach().clone(), groups).item())
-    finally:
-        collectives.bind_groups(cp=None)
-    state = {k: p.detach().clone() for k, p in gm.named_parameters()}
-    return (losses, grads, state) if dist.get_rank() == 0 else (losses, None, None)
+# (dp, tp, pp, cp, block strategy, micro-batch size): CP alone, TP+CP, CP+PP+DP, and TP+SP with
+# selective recompute under CP and PP. Micro-batches are few: every one costs 2·(cp−1) ring hops
+# per layer, which on two cores is what a case's time is made of.
+CP_MESHES = [(1, 1, 1, 8, "none", 8), (1, 2, 1, 4, "tp", 8), (2, 1, 2, 2, "none", 2),
+             (1, 2, 2, 2, "tp+sp+sel", 4)]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("model,attention,layers,cp", [
-    ("gpt-tiny", "sdpa", None, 8), ("llama-tiny", "sdpa", None, 8),
-    # cp 4 x dp 2; two blocks keep the written-out form's s x s scores cheap on two cores
-    ("gpt-tiny", "math", 2, 4), ("llama-tiny", "math", 2, 4)])
-def test_context_parallel_training_matches_one_process(pool8, model, attention, layers, cp):
-    results = pool8.run(_cp_worker, model, attention, layers, cp, STEPS)
-    ref_losses, ref_grads, ref_state = _reference(_config(model, attention, layers), STEPS)
-    losses, grads, state = results[0]
-    for other, _, _ in results[1:]:
-        assert other == losses            # every rank reports the same global loss
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(grads, ref_grads)):
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step} grad {name}: {m}")
-    for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("dp,tp,pp,cp,strategy,mb", CP_MESHES)
+def test_context_parallel_plan_matches_one_process(pool8, model, dp, tp, pp, cp, strategy, mb):
+    config = get_config(model, global_batch=8)
+    chosen = plan(config, 8, cluster="cpu-gloo",
+                  fix={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "mb": mb, "strategy": strategy})[0]
+    assert (chosen.dp, chosen.tp, chosen.pp, chosen.cp) == (dp, tp, pp, cp)
+    assert_same_run(run_parallel(config, chosen, STEPS, pool8), reference_run(config, STEPS))
 
+
+@pytest.mark.dist
+def test_written_out_attention_under_context_parallel(pool8):
+    """softmax(q kᵀ) v written out (masked_fill causal mask) becomes ring attention too."""
+    config = get_config("gpt-tiny", attention="math", layers=2, global_batch=8)
+    chosen = plan(config, 8, cluster="cpu-gloo", fix={"dp": 2, "tp": 1, "pp": 1, "cp": 4, "mb": 4})[0]
+    assert_same_run(run_parallel(config, chosen, STEPS, pool8), reference_run(config, STEPS))
+
+
+def _ring_traffic(model: str, tp: int, cp: int, mb: int, strategy: str):
+    """Bytes each layer sends (once, and again in recomputation) over one forward and backward of
+    a tp x cp program."""
+    config = get_config(model, layers=2)
+    batch = tuple(x[:mb] for x in example_batch(config, mb))
+    groups = mesh_groups(Mesh(1, 8 // (tp * cp), tp, cp))
+    captured = capture(build_model(config), batch)
+    layout = Layout(tp, tuple((b.name, strategy) for b in captured.blocks),
+                    (len(captured.layers),), cp=cp)
+    program = rank_programs(captured, layout, groups.tp_index, (0,), groups.cp_index)[0]
+    local = [shard_sequence(x, cp, groups.cp_index) for x in batch]
+    with instrument.counting() as traffic:
+        program.gm(*local).backward()
+    return traffic
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("strategy", ["tp", "tp+sel"])
+def test_counted_ring_traffic_equals_cost_model(pool8, model, strategy):
+    """Per layer and collective kind, what a rank sends under tp=2 x cp=4 is what price() says;
+    selective recompute runs the forward ring again, counted apart."""
+    tp, cp, mb = 2, 4, 2
+    config = get_config(model, layers=2)
+    captured = capture(build_model(config), tuple(x[:mb] for x in example_batch(config, mb)))
+    profile = profile_layer(captured, captured.blocks[0], tp)
+    cost = price(profile, Strategy.parse(strategy), mb, get_cluster("cpu-gloo"), tp, cp)
+    assert dict(cost.comm_bytes)["p2p"] > 0
+    for traffic in pool8.run(_ring_traffic, model, tp, cp, mb, strategy):
+        for block in captured.blocks:
+            assert traffic.layer(block.name) == dict(cost.comm_bytes), block.name
+            assert traffic.layer(block.name, repeated=True) == dict(cost.repeated_bytes), block.name

@@ -101,3 +101,10 @@ def test_plan_explain_diff_and_simulate(tmp_path, capsys):
     assert main(["simulate", "--plan", str(b), "--out", str(tmp_path / "tl")]) == 0
     assert (tmp_path / "tl" / "timeline.png").exists()
     assert json.loads((tmp_path / "tl" / "timeline.json").read_text())
+
+
+def test_fix_context_parallel(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "cpu-gloo",
+                 "--fix", "cp=2,pp=2,dp=2,mb=2", "--json"]) == 0
+    mesh = json.loads(capsys.readouterr().out)["mesh"]
+    assert mesh == {"dp": 2, "tp": 1, "pp": 2, "cp": 2}

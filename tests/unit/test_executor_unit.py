@@ -17,7 +17,7 @@ from runtime.mesh import Mesh, RankGroups
 from runtime.trainer import TrainOptions
 
 CFG = get_config("gpt-tiny").with_(layers=2, global_batch=8)  # embed + 2 blocks + head
-SOLO = RankGroups(Mesh(1, 1, 1), 0, 0, 0, 0, None, None, None)
+SOLO = RankGroups(Mesh(1, 1, 1), 0)
 
 
 @pytest.fixture(scope="module")

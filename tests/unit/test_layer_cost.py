@@ -11,12 +11,15 @@ Recomputation in Large Transformer Models", Table 2), bytes for a 16-bit model w
   full recompute                  2sbh
 
 FLOPs of a Llama-style layer (grouped-query attention, SwiGLU, RMSNorm) are checked against a
-count by hand of every op the layer runs.
+count by hand of every op the layer runs. Communication beyond the tensor-parallel all-reduces
+(sequence-parallel gradient sums and re-gathers, recomputed collectives, vocabulary-parallel ends)
+is checked against a count by hand here and against counted traffic in tests/dist/test_passes.py.
 """
 import pytest
 import torch
 
 from cost_model.cluster import get_cluster
+from cost_model.comm import bytes_on_wire
 from cost_model.layer_cost import price, profile_layer
 from cost_model.strategy import Strategy
 from passes.capture import capture
@@ -134,3 +137,50 @@ def test_llama_tensor_parallel_shards_every_matmul():
     t = 2  # divides the two kv heads, so k and v shard too
     one, sharded = (profile_layer(captured, captured.blocks[0], tp) for tp in (1, t))
     assert sum(op.matmul_flops for op in sharded.ops) * t == sum(op.matmul_flops for op in one.ops)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def test_sequence_parallel_sums_norm_gradients_and_gathers_again(gpt_layer):
+    """tp+sp all-reduces the gradients of the replicated h-vectors (two norms' weights and biases,
+    the two biases added after a reduce-scatter) whatever the batch, and gathers each
+    column-parallel block's input again in backward (half the all-gather bytes)."""
+    cfg, t, profiles = gpt_layer
+    one, two = (price(profiles[t], Strategy(True, True), b, CLUSTER, t) for b in (1, 2))
+    sums = bytes_on_wire("all_reduce", 6 * cfg.hidden * 2, t)  # bf16
+    assert dict(one.comm_bytes)["all_reduce"] == dict(two.comm_bytes)["all_reduce"] == sums
+    assert dict(one.repeated_bytes) == {"all_gather": dict(one.comm_bytes)["all_gather"] / 2}
+    assert dict(price(profiles[t], Strategy(True), 1, CLUSTER, t).repeated_bytes) == {}
+
+
+def test_full_recompute_reruns_the_forward_collectives_up_to_its_last_saved_tensor(gpt_layer):
+    """Checkpointing stops recomputing at the last tensor saved: with dropout after the MLP that
+    is past both forward all-reduces, so both run again; selective recompute reruns none."""
+    cfg, t, profiles = gpt_layer
+    plain, full, sel = (price(profiles[t], Strategy(True, recompute=r), 1, CLUSTER, t)
+                        for r in ("none", "full", "selective"))
+    assert full.comm_bytes == plain.comm_bytes == sel.comm_bytes
+    assert dict(full.repeated_bytes) == {"all_reduce": dict(plain.comm_bytes)["all_reduce"] / 2}
+    assert sel.repeated_bytes == ()
+    assert full.comm_s > plain.comm_s == sel.comm_s
+
+
+def test_vocab_parallel_ends_shard_the_padded_vocabulary():
+    cfg = ModelConfig("gpt", 1, 64, 4, 250, 32)  # 250 = 4·62 + 2: padded to 4·63 rows
+    h, s, t = cfg.hidden, cfg.seq, 4
+    captured = _capture(cfg)
+    ends = {layer.kind: layer for layer in captured.layers if layer.kind != "block"}
+    one, four = ({k: profile_layer(captured, layer, tp) for k, layer in ends.items()}
+                 for tp in (1, t))
+    for kind in ("embed", "head"):  # the token table / the logits projection: 63 rows each
+        assert one[kind].params - four[kind].params == (250 - 63) * h
+    embed, head = (price(four[k], Strategy(tp=True), 1, CLUSTER, t) for k in ("embed", "head"))
+    # embed: the looked-up rows summed forward; head: its input's gradient summed backward, and
+    # the loss's row maximum, sum of exponentials and target logit (fp32) forward.
+    assert dict(embed.comm_bytes) == {"all_reduce": bytes_on_wire("all_reduce", s * h * 2, t)}
+    assert dict(head.comm_bytes) == {
+        "all_reduce": bytes_on_wire("all_reduce", s * h * 2, t) + 3 * bytes_on_wire(
+            "all_reduce", s * 4, t)}
+    matmul = sum(op.matmul_flops for op in four["head"].ops)
+    assert matmul == 2 * s * h * 63
