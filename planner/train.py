@@ -114,19 +114,20 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
 
 
 def assert_same_run(parallel: RunResult, reference: RunResult, rtol: float = 1e-5,
-                    atol: float = 1e-6) -> None:
+                    atol: float = 1e-6, what: str = "") -> None:
     """Raise AssertionError unless the per-step losses (relative), the gradients of every step
     (when both runs recorded them) and the final parameters agree; names what differs."""
-    close = torch.testing.assert_close
-    close(torch.tensor(parallel.losses), torch.tensor(reference.losses), rtol=rtol, atol=0)
+    close, prefix = torch.testing.assert_close, f"{what}: " if what else ""
+    close(torch.tensor(parallel.losses), torch.tensor(reference.losses), rtol=rtol, atol=0,
+          msg=lambda m: f"{prefix}losses: {m}")
     if parallel.state.keys() != reference.state.keys():
         differ = sorted(parallel.state.keys() ^ reference.state.keys())
-        raise AssertionError(f"parameter names differ: {differ}")
+        raise AssertionError(f"{prefix}parameter names differ: {differ}")
     steps = zip(parallel.grads, reference.grads) if parallel.grads and reference.grads else ()
     for step, (got, want) in enumerate(steps, 1):
         for name, value in want.items():
             close(got[name], value, rtol=rtol, atol=atol,
-                  msg=lambda m, name=name, step=step: f"step {step} gradient of {name}: {m}")
+                  msg=lambda m, n=name, i=step: f"{prefix}step {i} gradient of {n}: {m}")
     for name, value in reference.state.items():
         close(parallel.state[name], value, rtol=rtol, atol=atol,
-              msg=lambda m, name=name: f"final {name}: {m}")
+              msg=lambda m, name=name: f"{prefix}final {name}: {m}")

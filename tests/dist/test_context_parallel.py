@@ -124,7 +124,8 @@ def test_context_parallel_plan_matches_one_process(pool8, model, dp, tp, pp, cp,
 def test_written_out_attention_under_context_parallel(pool8):
     """softmax(q kᵀ) v written out (masked_fill causal mask) becomes ring attention too."""
     config = get_config("gpt-tiny", attention="math", layers=2, global_batch=8)
-    chosen = plan(config, 8, cluster="cpu-gloo", fix={"dp": 2, "tp": 1, "pp": 1, "cp": 4, "mb": 4})[0]
+    chosen = plan(config, 8, cluster="cpu-gloo",
+                  fix={"dp": 2, "tp": 1, "pp": 1, "cp": 4, "mb": 4})[0]
     assert_same_run(run_parallel(config, chosen, STEPS, pool8), reference_run(config, STEPS))
 
 

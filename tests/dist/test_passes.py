@@ -1,7 +1,8 @@
 """The rewrite passes on 8 real gloo ranks against one process.
 
-Training: 3 SGD-with-momentum steps in fp32; per-step losses and every final parameter must match
-the same model trained on the whole batch in one process (planner.train.reference_run, rtol 1e-5).
+Training: 3 SGD-with-momentum steps in fp32; per-step losses, gradients (planned runs) and every
+final parameter must match the same model trained on the whole batch in one process
+(planner.train.reference_run and assert_same_run, rtol 1e-5).
 Plans come from the planner with the block strategy fixed; embed/head are set in the plan to the
 case's strategy (the planner's own choice depends on the cluster). Models the planner does not
 build (GPT-2 style Conv1D, a graph captured by torch.export) and vocabulary padding run from a
@@ -28,7 +29,8 @@ from passes.program import Layout, rank_programs
 from passes.sharding import tag_layers
 from planner.api import gather_full_state, plan
 from planner.models import build_model, example_batch, get_config
-from planner.train import build, make_optimizer, reference_run, run_parallel
+from planner.train import (RunResult, assert_same_run, build, make_optimizer, reference_run,
+                           run_parallel)
 from runtime import collectives, instrument
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, build_groups
@@ -56,15 +58,6 @@ VARIANTS = {
 }
 
 
-def _assert_matches(losses, state, reference) -> None:
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=1e-5,
-                               atol=0)
-    assert state.keys() == reference.state.keys()
-    for name, value in reference.state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
-
-
 def _planned(config, dp, tp, pp, mb, block, ends):
     chosen = plan(config, 8, cluster="cpu-gloo",
                   fix={"dp": dp, "tp": tp, "pp": pp, "mb": mb, "strategy": block})[0]
@@ -81,7 +74,7 @@ def _planned(config, dp, tp, pp, mb, block, ends):
 def test_planned_strategy_matches_one_process(pool8, model, dp, tp, pp, mb, block, ends):
     config = get_config(model)
     parallel = run_parallel(config, _planned(config, dp, tp, pp, mb, block, ends), STEPS, pool8)
-    _assert_matches(parallel.losses, parallel.state, reference_run(config, STEPS))
+    assert_same_run(parallel, reference_run(config, STEPS))
 
 
 @pytest.mark.dist
@@ -92,7 +85,7 @@ def test_variant_matches_one_process(pool8, variant):
     tp = 4 if config.n_kv_heads != 3 else 2
     parallel = run_parallel(config, _planned(config, 8 // (2 * tp), tp, 2, 4, block, "tp"), STEPS,
                             pool8)
-    _assert_matches(parallel.losses, parallel.state, reference_run(config, STEPS))
+    assert_same_run(parallel, reference_run(config, STEPS))
 
 
 # ---------------------------------------------------------------- models outside the planner
@@ -193,14 +186,14 @@ def _train_layout(spec, dp, tp, pp, mb, block, ends, pad=False, steps=STEPS):
 def test_gpt2_style_conv1d_matches_one_process(pool8, traceable):
     spec = Gpt2Spec(traceable)
     losses, state = pool8.run(_train_layout, spec, 1, 4, 2, 2, "tp+sp", "tp")[0]
-    _assert_matches(losses, state, reference_run(spec, STEPS))
+    assert_same_run(RunResult(losses, state), reference_run(spec, STEPS))
 
 
 @pytest.mark.dist
 def test_padded_vocabulary_matches_one_process(pool8):
     config = get_config("gpt-tiny", layers=2, vocab=250)   # 250 = 4 * 62 + 2: two padding rows
     losses, state = pool8.run(_train_layout, config, 2, 4, 1, 2, "tp+sp", "tp", True)[0]
-    _assert_matches(losses, state, reference_run(config, STEPS))
+    assert_same_run(RunResult(losses, state), reference_run(config, STEPS))
 
 
 # ---------------------------------------------------------------- counters

@@ -19,7 +19,7 @@ from passes.capture import capture
 from passes.pipeline_split import StageProgram, TensorSpec
 from planner.api import gather_full_state
 from planner.models import build_model, example_batch, get_config
-from planner.train import RunResult, make_optimizer, reference_run
+from planner.train import RunResult, assert_same_run, make_optimizer, reference_run
 from runtime.generators import SCHEDULES, make_schedule
 from runtime.launch import run_local
 from runtime.measure import (build_pipeline_trainer, export_timelines, gather_memory,
@@ -105,15 +105,6 @@ def _reference(batch: int, steps: int = STEPS):
     return reference_run(CFG.with_(global_batch=batch), steps)
 
 
-def _assert_matches(losses, state, reference, what: str) -> None:
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=1e-5,
-                               atol=0, msg=lambda m: f"{what} losses: {m}")
-    assert state.keys() == reference.state.keys()
-    for name, value in reference.state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{what} {name}: {m}")
-
-
 @pytest.fixture(scope="module")
 def matrix(pool4):
     # Small buckets so the data-parallel cases all-reduce several buckets per stage.
@@ -125,7 +116,7 @@ def matrix(pool4):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_schedule_matches_one_process(matrix, case):
     losses, _, state = matrix[case]
-    _assert_matches(losses, state, _reference(case.batch), str(case))
+    assert_same_run(RunResult(losses, state), _reference(case.batch), what=str(case))
 
 
 def _clipped_reference(batch: int, max_norm: float, steps: int):
@@ -153,7 +144,8 @@ def test_clipping_matches_clip_grad_norm(pool4):
         ref_losses, ref_norms, ref_state = _clipped_reference(case.batch, 0.25, STEPS)
         assert min(ref_norms) > 0.25, "the test should clip"
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-        _assert_matches(losses, state, RunResult(tuple(ref_losses), ref_state), str(case))
+        assert_same_run(RunResult(losses, state), RunResult(tuple(ref_losses), ref_state),
+                        what=str(case))
 
 
 def _mixed(case: Case, options: TrainOptions, steps: int):
