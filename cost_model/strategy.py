@@ -35,14 +35,9 @@ class Strategy:
         return Strategy("tp" in parts, "sp" in parts, recompute)
 
 
-def strategy_space(tp: int, runnable_only: bool = True) -> list[Strategy]:
+def strategy_space(tp: int) -> list[Strategy]:
     """Strategies to consider for a block at tensor-parallel size tp: with or without tp, sequence
-    parallel with tp, and each recomputation.
-
-    runnable_only keeps the strategies the rewrite passes can build; they build all of these
-    (passes.program applies tp, sp, sel and full per layer), so it no longer narrows the space.
-    """
-    del runnable_only  # every strategy here is runnable
+    parallel with tp, and each recomputation (the rewrite passes build every one of them)."""
     tps = [False, True] if tp > 1 else [False]
     space = []
     for t in tps:

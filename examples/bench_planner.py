@@ -1,11 +1,14 @@
 """How long planning takes: presets on 8 to 1024 GPUs and synthetic models of 24 to 1000 layers.
 
-    python examples/bench_planner.py [--repeat 3] [--full-space]
+    python examples/bench_planner.py [--repeat 3] [--only gpt3-175b/1024 "1000 layers"]
 
-Prints one row per case (median wall time of --repeat runs, the plan found, ILPs solved) and how
-time grows with the number of layers.
+Prints one row per case (median wall and process-CPU time of --repeat runs, every wall time, the
+plan found, ILPs and LP relaxations solved) and how time grows with the number of layers. The
+search space is the default one, context parallelism included. CPU time is printed beside wall time because it is
+far less sensitive to other processes on a shared machine; the load average is printed too.
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -20,7 +23,8 @@ PRESET_CASES = [(m, g) for m in ("gpt2-xl", "llama2-70b", "gpt3-175b") for g in 
 SYNTHETIC_LAYERS = (24, 96, 384, 1000)
 
 
-def _timed(config, gpus, repeat, full):
+def _timed(config, gpus, repeat):
+    """(wall times, CPU times, best plan, ILPs solved per run)."""
     solves = []
     original = ilp.solve
 
@@ -29,46 +33,64 @@ def _timed(config, gpus, repeat, full):
         return original(*args, **kwargs)
 
     ilp.solve = counting
-    times, best = [], None
+    walls, cpus, best = [], [], None
     try:
         for _ in range(repeat):
             solves.clear()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             best = plan(config, gpus, cluster="a100-80g-dgx", global_batch=max(
-                config.global_batch, gpus), runnable_only=not full)[0]
-            times.append(time.perf_counter() - start)
+                config.global_batch, gpus))[0]
+            walls.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - cpu)
     finally:
         ilp.solve = original
-    return statistics.median(times), best, len(solves)
+    return walls, cpus, best, len(solves)
+
+
+def _cases(only):
+    cases = [(get_config(m), g, f"{m}/{g}") for m, g in PRESET_CASES]
+    cases += [(get_config("gpt2-xl", layers=n).with_(name=f"synthetic-{n}"), 64, f"{n} layers")
+              for n in SYNTHETIC_LAYERS]
+    return [c for c in cases if not only or c[2] in only]
+
+
+def _row(config, gpus, label, repeat):
+    load = os.getloadavg()[0]
+    try:
+        walls, cpus, best, solves = _timed(config, gpus, repeat)
+        found = (f"dp={best.dp} tp={best.tp} cp={best.cp} pp={best.pp} {best.schedule}"
+                 f"{f' v={best.virtual_stages}' if best.virtual_stages > 1 else ''}"
+                 f" mb={best.micro_batch}")
+        iteration = f"{best.predicted.iteration_s:.4g}"
+        wall, cpu = statistics.median(walls), statistics.median(cpus)
+        every = " ".join(f"{w:.2f}" for w in walls)
+    except PlanningError as err:  # e.g. 70B parameters and Adam states on 8 GPUs
+        wall = cpu = float("nan")
+        solves, iteration, every = "-", "-", "-"
+        found = "no plan fits: " + str(err).split("; ")[1].split(" (")[0]
+    return [label, gpus, f"{wall:.2f}", f"{cpu:.2f}", every, f"{load:.1f}", solves, found,
+            iteration]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--full-space", action="store_true",
-                        help="price sequence parallel and recomputation too")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help='case labels to run, e.g. gpt3-175b/1024 "1000 layers"')
     args = parser.parse_args()
     plan("gpt-tiny", 8, cluster="cpu-gloo")  # warm up imports and lazy torch initialisation
     rows = []
-    cases = [(get_config(m), g, m) for m, g in PRESET_CASES]
-    cases += [(get_config("gpt2-xl", layers=n).with_(name=f"synthetic-{n}"), 64, f"{n} layers")
-              for n in SYNTHETIC_LAYERS]
-    for config, gpus, label in cases:
-        try:
-            seconds, best, solves = _timed(config, gpus, args.repeat, args.full_space)
-            found = f"dp={best.dp} tp={best.tp} pp={best.pp} {best.schedule}"
-            iteration = f"{best.predicted.iteration_s:.4g}"
-        except PlanningError as err:  # e.g. 70B parameters and Adam states on 8 GPUs
-            seconds, solves, iteration = float("nan"), "-", "-"
-            found = "no plan fits: " + str(err).split("; ")[1].split(" (")[0]
-        rows.append([label, gpus, f"{seconds:.2f}", solves, found, iteration])
+    for config, gpus, label in _cases(args.only):
+        rows.append(_row(config, gpus, label, args.repeat))
         print(tabulate([rows[-1]], tablefmt="plain"), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "gpus", f"median s of {args.repeat}", "ILPs",
-                                  "plan", "iteration s"]))
-    synthetic = [float(r[2]) for r in rows[-len(SYNTHETIC_LAYERS):]]
-    growth = [f"{b / a:.2f}x" for a, b in zip(synthetic, synthetic[1:])]
-    print(f"\nsynthetic models on 64 GPUs: time ratio per 4x layers (24->96->384->1000): {growth}")
+    print(tabulate(rows, headers=["case", "gpus", f"median s of {args.repeat}", "median CPU s",
+                                  "each s", "load", "solves (LP+ILP)", "plan", "iteration s"]))
+    synthetic = [float(r[2]) for r in rows if r[0].endswith(" layers")]
+    if len(synthetic) == len(SYNTHETIC_LAYERS):
+        growth = [f"{b / a:.2f}x" for a, b in zip(synthetic, synthetic[1:])]
+        print(f"\nsynthetic models on 64 GPUs: time ratio per 4x layers (24->96->384->1000): "
+              f"{growth}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def default_cluster() -> str:
 def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None, *,
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
-         top_k: int = 1, runnable_only: bool = True, zero1: bool = False) -> list[Plan]:
+         top_k: int = 1, zero1: bool = False) -> list[Plan]:
     """The best plans, fastest first; raises PlanningError when none fits in memory."""
     gpus = _check_gpus(gpus)
     hw = get_cluster(cluster or default_cluster())
@@ -43,8 +43,7 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     limit = float(memory_limit) if memory_limit is not None else float(hw.mem_bytes)
     if limit <= 0:
         raise ValueError(f"memory limit must be positive, got {memory_limit!r}")
-    req = Request(gpus, hw, batch, seq, limit, name, dict(fix or {}), top_k=top_k,
-                  runnable_only=runnable_only)
+    req = Request(gpus, hw, batch, seq, limit, name, dict(fix or {}), top_k=top_k)
     plans = search(costs, req)
     if not plans:
         raise _infeasible(costs, req)

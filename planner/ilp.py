@@ -20,6 +20,7 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
   minimise    α·Σ_s T_s + β·ρ + σ                                        `_objective`
   T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1])   `_stage_time`
   ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
+  ρ         ≥ ρ*  (the least ρ at which whole blocks fit, below)         `busiest_rank_floor`
   σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H)   ∀ r    `_add_sync`
   Σ_{s,k} n[s,k] = N                                                     `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
@@ -30,12 +31,24 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
 stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
 (0, m + (p − 1)/3), whose deferred weight-gradient work fills two thirds of the bubble. The data-
 parallel all-reduce time is affine in bytes (a: latency terms, b: exposed seconds per byte), so σ is
-linear. With objective="memory" the same constraints (without the memory cap) minimise the peak
+linear.
+
+The ρ floor is a valid inequality, not a restriction: rank r spends F_r (its ends and p2p) plus
+at least min_k t_k per block it holds, so within ρ it holds at most ⌊(ρ − F_r)/min_k t_k⌋ blocks,
+and together the ranks must hold all N. The LP relaxation would otherwise spread fractional
+blocks (1.5 per rank for 96 blocks on 64 ranks, or 2.7 on a first rank that also runs the
+embedding) and bound far below any integer plan; with the floor the relaxation — and so branch
+and bound — sees the rounding. `solve` also takes a cutoff (the plan to beat) as the row
+objective ≤ cutoff, so HiGHS drops every branch that cannot beat it and answers "cutoff" when
+none can: that is how the outer search skips a hopeless configuration, usually after one LP.
+
+With objective="memory" the same constraints (without the memory cap) minimise the peak
 memory instead, which is how an infeasible request learns the smallest memory that would fit.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -103,17 +116,42 @@ def schedule_weights(name: str, p: int, m: int, v: int = 1) -> tuple[float, floa
 class Solution:
     counts: tuple[tuple[int, ...], ...]   # counts[s][k]
     objective: float
-    status: str                           # "optimal" | "feasible" (time limit) | "infeasible"
+    status: str    # "optimal" | "feasible" (stopped with a gap) | "infeasible" | "cutoff" (none
+    #                beats the cutoff) | "unsolved" (stopped before any solution)
     gap: float
     seconds: float
+    bound: float = math.nan               # proven lower bound on the optimum (nan: none known)
 
 
 def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 30.0,
-          solver: str = "highs", relax: bool = False, gap: float = 1e-4) -> Solution:
-    """Solve the ILP (or, with relax, its LP relaxation: a lower bound in milliseconds)."""
+          solver: str = "highs", relax: bool = False, gap: float = 1e-6,
+          cutoff: float = math.inf) -> Solution:
+    """Solve the ILP (or, with relax, its LP relaxation: a lower bound in milliseconds). With a
+    finite cutoff (objective "time" only) just solutions below it count: status "cutoff" says
+    there is none, whether or not the problem has a solution at all."""
     start = time.perf_counter()
     if problem.blocks < max(0, problem.stages - 2):
-        return Solution((), float("inf"), "infeasible", 0.0, 0.0)
+        return Solution((), math.inf, "infeasible", 0.0, 0.0)
+    cutoff = cutoff if objective == "time" and not relax else math.inf
+    prob, n = _build(problem, objective, relax, cutoff)
+    unit = _byte_unit(problem) if objective == "memory" else _time_unit(problem)
+    status, gap, bound = _run(prob, solver, time_limit_s, gap)
+    bound *= unit
+    if status == "infeasible" and cutoff < math.inf:
+        status, bound = "cutoff", cutoff
+    if status not in ("optimal", "feasible"):
+        return Solution((), math.inf, status, 0.0, time.perf_counter() - start, bound)
+    value = pulp.value(prob.objective) * unit
+    if relax:
+        return Solution((), value, "relaxed", 0.0, time.perf_counter() - start, value)
+    counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
+                   for s in range(problem.stages))
+    bound = value if status == "optimal" else bound
+    return Solution(counts, value, status, gap, time.perf_counter() - start, bound)
+
+
+def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = math.inf):
+    """The pulp model of the module docstring, and its n[s,k] variables."""
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     cat = "Continuous" if relax else "Integer"
     n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, cat)
@@ -126,45 +164,66 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
         sigma = _add_sync(prob, problem, n)
         _add_memory(prob, problem, mems)
         prob += _objective(problem, times, rho, sigma)
+        if cutoff < math.inf:
+            # A row, not HiGHS's objective_bound option, which 1.16 does not always honour.
+            prob += (_objective(problem, times, rho, sigma) <= cutoff / _time_unit(problem),
+                     "cutoff")
     else:
         peak = _var(prob, "peak")
         for r, mem in enumerate(mems):
             prob += peak >= mem, f"peak_{r}"
         prob += peak
-    status, gap = _run(prob, solver, time_limit_s, gap)
-    if relax and status != "infeasible":
-        return Solution((), pulp.value(prob.objective), "relaxed", 0.0,
-                        time.perf_counter() - start)
-    if status == "infeasible":
-        return Solution((), float("inf"), status, 0.0, time.perf_counter() - start)
-    counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
-                   for s in range(problem.stages))
-    value = pulp.value(prob.objective) * (_byte_unit(problem) if objective == "memory" else 1.0)
-    return Solution(counts, value, status, gap, time.perf_counter() - start)
+    return prob, n
 
 
-def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
-    """(iteration time, peak memory) of a block assignment, computed in plain Python from the
-    same terms as the ILP: a brute-force enumeration over this checks the solver."""
-    opts = problem.options
-    times = [stage_time(problem, counts, s) for s in range(problem.stages)]
+@dataclass(frozen=True)
+class Breakdown:
+    """Every term of the objective for one assignment, in plain numbers."""
+    stage_s: tuple[float, ...]    # T_s
+    rank_s: tuple[float, ...]     # Σ_{s on r} T_s
+    rank_bytes: tuple[float, ...]  # peak memory of each rank
+    sync_s: float                 # σ: the slowest rank's exposed all-reduce
+    iteration_s: float            # α·Σ_s T_s + β·ρ + σ; infinite when tp > 1 but no block uses tp
+
+    @property
+    def busiest(self) -> int:
+        return self.rank_s.index(max(self.rank_s))
+
+
+def breakdown(problem: StageProblem, counts) -> Breakdown:
+    """The objective's terms for a block assignment, computed in plain Python from the same terms
+    as the ILP: a brute-force enumeration over this checks the solver, and a plan's prediction
+    reads its parts from here."""
+    times = tuple(stage_time(problem, counts, s) for s in range(problem.stages))
     rank_times, mems, syncs = [], [], []
     for r in range(problem.ranks):
         rank_times.append(sum(times[s] for s in problem.stages_of(r)))
-        phi, mem, grads = problem.act_factor[r], 0.0, 0.0
-        for s in problem.stages_of(r):
-            ends = _ends(problem, s)
-            mem += sum(c * (o.static_bytes + phi * o.act_bytes) for c, o in zip(counts[s], opts))
-            mem += sum(e.static_bytes + phi * e.act_bytes for e in ends)
-            grads += sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
-            grads += sum(e.grad_bytes for e in ends)
+        mem, grads = _rank_load(problem, counts, r)
         mems.append(mem)
         syncs.append(_sync_time(problem, grads))
-    iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times)
+    iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times) + max(syncs)
     if problem.needs_tp and not any(counts[s][k] for s in range(problem.stages)
                                     for k in problem.tp_options()):
-        return float("inf"), max(mems)
-    return iteration + max(syncs), max(mems)
+        iteration = float("inf")
+    return Breakdown(times, tuple(rank_times), tuple(mems), max(syncs), iteration)
+
+
+def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
+    """(iteration time, peak memory) of a block assignment."""
+    parts = breakdown(problem, counts)
+    return parts.iteration_s, max(parts.rank_bytes)
+
+
+def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float]:
+    """(peak memory, gradient bytes) of rank r."""
+    phi, mem, grads, opts = problem.act_factor[r], 0.0, 0.0, problem.options
+    for s in problem.stages_of(r):
+        ends = _ends(problem, s)
+        mem += sum(c * (o.static_bytes + phi * o.act_bytes) for c, o in zip(counts[s], opts))
+        mem += sum(e.static_bytes + phi * e.act_bytes for e in ends)
+        grads += sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
+        grads += sum(e.grad_bytes for e in ends)
+    return mem, grads
 
 
 def stage_time(problem: StageProblem, counts, s: int) -> float:
@@ -195,8 +254,18 @@ def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
 
 
 def _stage_time(problem: StageProblem, n, s: int):
+    """T_s in units of _time_unit."""
     fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s)
-    return pulp.lpSum(n[s, k] * o.time_s for k, o in enumerate(problem.options)) + fixed
+    unit = _time_unit(problem)
+    return (pulp.lpSum(n[s, k] * (o.time_s / unit) for k, o in enumerate(problem.options))
+            + fixed / unit)
+
+
+def _time_unit(problem: StageProblem) -> float:
+    """Times enter the model in units of the slowest block: in seconds, a 1 ms block sits at
+    the solver's feasibility tolerance (1e-7) times 1e4, and HiGHS was seen to let a rank run
+    0.5 µs past ρ — a 2e-5 error in the objective, enough to pick a worse plan."""
+    return max([o.time_s for o in problem.options] + [1e-30])
 
 
 def _byte_unit(problem: StageProblem) -> float:
@@ -234,8 +303,48 @@ def _add_cover(prob, problem: StageProblem, n) -> None:
             prob += size[s] >= size[s + 1], f"symmetry_{s}"
 
 
+def rank_floor(problem: StageProblem) -> float:
+    """A lower bound on the slowest rank's time, ρ (see the module docstring)."""
+    return busiest_rank_floor(problem.blocks, problem.ranks, problem.stages,
+                              min(o.time_s for o in problem.options), problem.embed.time_s,
+                              problem.head.time_s, problem.p2p_s)
+
+
+def busiest_rank_floor(blocks: int, ranks: int, stages: int, least_block_s: float,
+                       embed_s: float, head_s: float, p2p_s: float) -> float:
+    """The least ρ at which p ranks can hold all N blocks, on plain numbers (the outer search
+    bounds with it before any problem exists): rank r can hold ⌊(ρ − F_r)/t_min⌋ blocks, so
+
+        ρ* = min { ρ ≥ max_r F_r :  Σ_r ⌊(ρ − F_r)/t_min⌋ ≥ N }.
+
+    Every stage crosses a boundary twice but the first and last once, so a rank's fixed time is
+    F_r = 2c·v − c·[r = 0] − c·[r = p−1] + E·[r = 0] + H·[r = p−1]: three kinds of rank (first,
+    last, middle), and ρ* is F_r + j·t_min for one of them, found by bisection on j."""
+    v = stages // ranks
+    def fixed(r: int) -> float:
+        first, last = r == 0, r == ranks - 1
+        return 2 * p2p_s * v - p2p_s * (first + last) + embed_s * first + head_s * last
+    kinds = [(fixed(0), 1)] + ([(fixed(ranks - 1), 1)] if ranks > 1 else [])
+    kinds += [(fixed(1), ranks - 2)] if ranks > 2 else []
+    start = max(f for f, _ in kinds)
+    if least_block_s <= 0:
+        return start
+    def holds(rho: float) -> int:  # the 1e-9 rounds capacity up: the bound stays a lower bound
+        return sum(n * math.floor((rho - f) / least_block_s + 1e-9) for f, n in kinds if rho >= f)
+    best = math.inf
+    for f, _ in kinds:
+        lo = max(0, math.ceil((start - f) / least_block_s - 1e-9))
+        hi = lo + blocks  # this kind alone holds N more blocks there
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(f + mid * least_block_s) >= blocks else (mid + 1, hi)
+        best = min(best, f + lo * least_block_s)
+    return max(start, best) * (1 - 1e-12)
+
+
 def _add_bottleneck(prob, problem: StageProblem, times):
     rho = _var(prob, "rho")
+    rho.lowBound = rank_floor(problem) / _time_unit(problem)
     for r in range(problem.ranks):
         prob += rho >= pulp.lpSum(times[s] for s in problem.stages_of(r)), f"bottleneck_{r}"
     return rho
@@ -251,8 +360,10 @@ def _add_sync(prob, problem: StageProblem, n):
         for s in problem.stages_of(r):
             grads += [n[s, k] * (o.grad_bytes / unit) for k, o in enumerate(problem.options)]
             grads += [e.grad_bytes / unit for e in _ends(problem, s)]
-        per_unit = problem.sync_s_per_byte * unit
-        prob += sigma >= problem.sync_alpha_s + per_unit * pulp.lpSum(grads), f"sync_{r}"
+        seconds = _time_unit(problem)
+        per_unit = problem.sync_s_per_byte * unit / seconds
+        prob += (sigma >= problem.sync_alpha_s / seconds + per_unit * pulp.lpSum(grads),
+                 f"sync_{r}")
     return sigma
 
 
@@ -266,10 +377,11 @@ def _objective(problem: StageProblem, times, rho, sigma):
 
 
 def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
-         gap: float) -> tuple[str, float]:
+         gap: float) -> tuple[str, float, float]:
     """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it).
     HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback. `gap`
-    is the relative optimality gap at which the search may stop."""
+    is the relative optimality gap at which the search may stop. Returns (status, gap, proven
+    lower bound on the objective — nan when the solver cannot say)."""
     if solver == "highs" and pulp.HiGHS().available():
         backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
     else:
@@ -277,18 +389,28 @@ def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
     with _quiet():
         prob.solve(backend)
     if prob.sol_status == pulp.LpSolutionOptimal:
-        return "optimal", 0.0
+        return "optimal", 0.0, math.nan
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "feasible", _gap(prob, backend)
-    return "infeasible", 0.0
+        return "feasible", _info(prob, backend, "mip_gap"), _dual_bound(prob, backend)
+    if prob.status == pulp.LpStatusNotSolved:  # stopped (time limit) before any solution
+        return "unsolved", math.nan, _dual_bound(prob, backend)
+    return "infeasible", 0.0, math.inf
 
 
-def _gap(prob, backend) -> float:
+def _info(prob, backend, name: str) -> float:
     model = getattr(backend, "solverModel", None) or getattr(prob, "solverModel", None)
     try:
-        return float(model.getInfo().mip_gap)
-    except Exception:  # noqa: BLE001 - a solver without the query reports an unknown gap
-        return float("nan")
+        return float(getattr(model.getInfo(), name))
+    except Exception:  # noqa: BLE001 - a solver without the query reports an unknown value
+        return math.nan
+
+
+def _dual_bound(prob, backend) -> float:
+    """HiGHS's proven lower bound, plus the constant term pulp keeps out of the solver."""
+    bound = _info(prob, backend, "mip_dual_bound")
+    if not math.isfinite(bound):
+        return math.nan
+    return bound + (prob.objective.constant if prob.objective is not None else 0.0)
 
 
 @contextlib.contextmanager

@@ -84,3 +84,63 @@ def test_too_few_blocks_for_the_stages_is_infeasible():
     problem = ilp.StageProblem(**{**problem.__dict__, "blocks": 1, "ranks": 4, "stages": 4,
                                   "act_factor": (4, 3, 2, 1)})
     assert ilp.solve(problem).status == "infeasible"
+
+
+def hard_problem() -> ilp.StageProblem:
+    """200 blocks on a 32-rank 1F1B pipeline with four strategies and memory that forces each
+    rank into its own mix: HiGHS finds plans at once but needs well over 15 s to prove one
+    optimal (the gap was still 1.5% after 15 s when this was written)."""
+    rng = random.Random(2)
+    options = tuple(ilp.BlockOption(name, rng.uniform(1, 1.6), rng.uniform(1, 3),
+                                    rng.uniform(0.2, 1.0), rng.uniform(0.5, 2))
+                    for name in ("tp", "tp+sel", "tp+full", "tp+sp"))
+    p, m, blocks = 32, 48, 200
+    embed = ilp.EndLayer(rng.uniform(0.5, 3), 2.0, 0.5, 1.0)
+    head = ilp.EndLayer(rng.uniform(0.5, 3), 2.0, 0.5, 1.0)
+    memory = blocks / p * 2.0 + 0.3 * blocks
+    return ilp.StageProblem(blocks, options, embed, head, p, p, *ilp.schedule_weights("1f1b", p, m),
+                            0.01, memory, 0.01, 1e-3, tuple(peak_inflight("1f1b", p, m)))
+
+
+def test_a_time_limit_returns_the_best_assignment_found_with_its_gap():
+    problem = hard_problem()
+    stopped = ilp.solve(problem, time_limit_s=1.0)
+    assert stopped.status == "feasible", "the time limit stopped HiGHS: not proven optimal"
+    assert 0 < stopped.gap < 1
+    # The assignment is a real one: evaluated on its own it has the reported time and fits.
+    time_s, peak = ilp.evaluate(problem, stopped.counts)
+    assert time_s == pytest.approx(stopped.objective, rel=1e-6)
+    assert peak <= problem.memory_limit * (1 + 1e-9)
+    assert sum(map(sum, stopped.counts)) == problem.blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_cutoff_keeps_exactly_the_solutions_below_it(seed):
+    problem = random_problem(random.Random(seed))
+    best = ilp.solve(problem)
+    if best.status == "infeasible":
+        return
+    above = ilp.solve(problem, cutoff=best.objective * 1.001)
+    assert above.status == "optimal"
+    assert above.objective == pytest.approx(best.objective, rel=1e-6)
+    assert ilp.solve(problem, cutoff=best.objective * 0.999).status == "cutoff"
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_busiest_rank_floor_is_a_lower_bound(seed):
+    """ρ* never exceeds the slowest rank of the optimal assignment (so it prunes nothing)."""
+    problem = random_problem(random.Random(seed))
+    best = ilp.solve(problem)
+    if best.status == "infeasible":
+        return
+    assert ilp.rank_floor(problem) <= max(ilp.breakdown(problem, best.counts).rank_s) + 1e-9
+
+
+def test_busiest_rank_floor_sees_whole_blocks():
+    # 96 blocks on 64 ranks: some rank holds 2 (not 1.5); with a 0.5 s embedding on the first
+    # rank and 0.1 s boundaries, a middle rank holding 2 blocks (2.2 s) is the best possible.
+    assert ilp.busiest_rank_floor(96, 64, 64, 1.0, 0.5, 0.5, 0.1) == pytest.approx(2.2)
+    # 96 on 32: 3 each, but the first rank pays 1.0 s of fixed time, so it holds 2 and a middle
+    # rank must hold 4 (4.2 s), or the first holds 3 (4.0 s): 4.0.
+    assert ilp.busiest_rank_floor(96, 32, 32, 1.0, 0.9, 0.2, 0.1) == pytest.approx(4.0)
+    assert ilp.busiest_rank_floor(5, 1, 1, 1.0, 0.3, 0.2, 0.1) == pytest.approx(5.5)
