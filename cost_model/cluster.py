@@ -56,9 +56,17 @@ _RULES: dict[str, tuple] = {
     "kernel_floor": _NONNEG,
     "comm_eff": _FRACTION,
     "dp_overlap": _SHARE,
+    "comm_corrections": ("corrections",),
+    "matmul_overhead": _NONNEG,
 }
 
 _DEVICES = ("cuda", "cpu")
+
+# Collective kinds the cost model prices (re-exported as comm.KINDS); each may
+# carry a measured correction in `comm_corrections`.
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+# The neutral correction: the textbook ring formula as it stands.
+NEUTRAL = (1.0, 1.0)
 
 
 def _field_problem(field: str, value: Any) -> str | None:
@@ -77,7 +85,13 @@ def _field_problem(field: str, value: Any) -> str | None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"must be an integer >= 1, got {value!r}"
         return None
-    _, lo, hi, lo_inclusive = _RULES[field]
+    if kind == "corrections":
+        return _corrections_problem(value)
+    return _number_problem(value, _RULES[field])
+
+
+def _number_problem(value: Any, rule: tuple) -> str | None:
+    _, lo, hi, lo_inclusive = rule
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"must be a number, got {type(value).__name__} {value!r}"
     if not math.isfinite(value):
@@ -109,16 +123,38 @@ class Cluster:
     kernel_floor: float  # seconds: the least time any kernel takes
     comm_eff: float  # achieved fraction of nominal link bandwidth
     dp_overlap: float  # fraction of the DP all-reduce hidden behind backward
+    # Per-kind (latency, bandwidth) multipliers of the ring formula's alpha and
+    # bw, measured by calibration because a library implements each kind its
+    # own way (see comm.py). Given as {kind: (latency, bandwidth)} and stored
+    # as sorted (kind, latency, bandwidth) triples so that a Cluster stays
+    # hashable; a kind left out is neutral (1, 1), i.e. textbook.
+    comm_corrections: Any = ()
+    # Seconds each priced matmul (a layer's forward, or its backward) takes on
+    # top of flops / (peak_flops * matmul_eff): small GEMMs reach a lower rate
+    # than large ones (CPU BLAS packing and blocking), which one efficiency
+    # cannot express. Calibration fits it with matmul_eff; 0 keeps the plain
+    # roofline, as in the presets.
+    matmul_overhead: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.comm_corrections, dict):
+            # Frozen dataclass: normalise through object.__setattr__.
+            object.__setattr__(self, "comm_corrections", _corrections_tuple(self.comm_corrections))
         for f in dataclasses.fields(self):
             problem = _field_problem(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(f"Cluster field '{f.name}' {problem}")
 
+    def comm_correction(self, kind: str) -> tuple[float, float]:
+        """(latency, bandwidth) multipliers for `kind`; (1, 1) when not measured."""
+        return next(((lat, bw) for k, lat, bw in self.comm_corrections if k == kind), NEUTRAL)
+
     def to_json(self) -> dict:
         """A plain dict that `from_json` accepts and `json.dump` can write."""
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["comm_corrections"] = {
+            kind: {"latency": lat, "bandwidth": bw} for kind, lat, bw in self.comm_corrections}
+        return data
 
     @staticmethod
     def from_json(d: dict, source: str = "<dict>") -> "Cluster":
@@ -132,6 +168,7 @@ class Cluster:
                 f"got {type(d).__name__}; {fix}"
             )
         names = [f.name for f in dataclasses.fields(Cluster)]
+        d = _with_json_corrections(d, source, fix)
         # Unknown keys are rejected so that a misspelt field cannot silently
         # fall back to nothing and leave the intended value unused.
         unknown = sorted(set(d) - set(names))
@@ -141,12 +178,59 @@ class Cluster:
                 f"{names}; remove or rename them"
             )
         for name in names:
+            if name not in d and name in _OPTIONAL:
+                continue  # profiles written before the field existed keep loading
             if name not in d:
                 raise ProfileError(f"{source}: missing field '{name}'; {fix}")
             problem = _field_problem(name, d[name])
             if problem:
                 raise ProfileError(f"{source}: field '{name}' {problem}; {fix}")
-        return Cluster(**{n: d[n] for n in names})
+        return Cluster(**{n: d[n] for n in names if n in d})
+
+
+# Fields a profile may leave out; each has a neutral default in Cluster.
+_OPTIONAL = ("comm_corrections", "matmul_overhead")
+
+
+def _corrections_tuple(mapping: dict) -> tuple:
+    """{kind: (latency, bandwidth)} -> sorted (kind, latency, bandwidth) triples."""
+    return tuple(sorted((kind, *pair) for kind, pair in mapping.items()))
+
+
+def _corrections_problem(value: Any) -> str | None:
+    """Why a comm_corrections tuple is not acceptable, or None."""
+    if not isinstance(value, tuple):
+        return f"must be a mapping of kind to (latency, bandwidth), got {value!r}"
+    for entry in value:
+        if not (isinstance(entry, tuple) and len(entry) == 3):
+            return f"entries must be (kind, latency, bandwidth), got {entry!r}"
+        kind, *factors = entry
+        if kind not in COMM_KINDS:
+            return f"has unknown kind {kind!r}; expected some of {list(COMM_KINDS)}"
+        for label, factor in zip(("latency", "bandwidth"), factors):
+            problem = _number_problem(factor, _POSITIVE)
+            if problem:
+                return f"{kind}.{label} {problem}"
+    return None
+
+
+def _with_json_corrections(d: Any, source: str, fix: str) -> Any:
+    """`d` with its JSON comm_corrections ({kind: {"latency", "bandwidth"}})
+    turned into the tuple form the dataclass validates; shape errors here name
+    the nested field, value errors are left to the common field check."""
+    if not isinstance(d, dict) or "comm_corrections" not in d:
+        return d
+    raw, where = d["comm_corrections"], f"{source}: field 'comm_corrections'"
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be an object of kind -> "
+                           f"{{latency, bandwidth}}, got {raw!r}; {fix}")
+    pairs = {}
+    for kind, entry in raw.items():
+        if not isinstance(entry, dict) or set(entry) != {"latency", "bandwidth"}:
+            raise ProfileError(f"{where}: '{kind}' must be an object with exactly the keys "
+                               f"'latency' and 'bandwidth', got {entry!r}; {fix}")
+        pairs[kind] = (entry["latency"], entry["bandwidth"])
+    return {**d, "comm_corrections": _corrections_tuple(pairs)}
 
 
 def load_profile(path: str | os.PathLike) -> Cluster:
@@ -249,8 +333,12 @@ _GPU_EFFS = dict(
 
 PRESETS: dict[str, Cluster] = {
     # This kind of machine: a 2-core x86 VM (AVX2, no AVX-512) running one
-    # gloo rank per process, each with one torch thread. Rounded from what
-    # `fxpar calibrate` measured here; run it to replace them. A "node" is
+    # gloo rank per process, each with one torch thread. Rounded from what an
+    # earlier `fxpar calibrate` measured here (median timings; today's
+    # calibration times collectives by their fastest op, which gives ~0.2 ms
+    # latency and ~1 GB/s, and prices causal attention fwd+bwd at ~25% of
+    # peak); run it for this machine's numbers. Left as they were so that
+    # plans chosen on this preset stay put. A "node" is
     # as many ranks as there are cores: larger groups time-share cores, and
     # every ring step then also waits for the scheduler, which the model
     # treats as a slower inter-node link (see calibrate._cpu_ranks_per_node).
@@ -271,6 +359,12 @@ PRESETS: dict[str, Cluster] = {
         kernel_floor=5e-6,  # a tiny eager op measured 2-7 us
         comm_eff=1.0,  # the bandwidths above are already achieved rates
         dp_overlap=0.30,  # gloo's thread competes with compute for the cores
+        # (latency, bandwidth) multipliers of the ring terms, from how gloo
+        # implements these kinds (comm.py): reduce_scatter runs a whole
+        # all-reduce (twice the ring's steps and volume), and only one side
+        # of a p2p transfer copies, so it moves at twice the ring rate. A
+        # calibrated profile measures all five kinds instead.
+        comm_corrections={"reduce_scatter": (2.0, 0.5), "p2p": (1.0, 2.0)},
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS
     # dense (624 with sparsity), 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s

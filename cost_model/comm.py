@@ -18,36 +18,44 @@ a group sit `stride` ranks apart. A group whose span fits inside one node
 uses the NVLink numbers; otherwise at least one ring hop crosses the
 network and that slowest hop sets the pace of the whole ring.
 
-A cluster with device "cpu" runs on gloo over loopback TCP, which differs
-from NCCL on two counts that `collective_terms` accounts for (the ring
-formulas above stay what `ring_volume` reports):
-- gloo's reduce_scatter_tensor is an all-reduce of a copy followed by taking
-  this rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so
-  it is priced as the all-reduce it really is;
-- the "link" is the cores copying bytes through the kernel, and receiving
-  costs as much as sending. Ring ranks do both at once, so the calibrated
-  bandwidth is a full-duplex rate; each side of a p2p transfer does only one
-  of the two, so a p2p message moves at about twice that rate (measured
-  2-4x, noisily, on a loaded 2-core host).
+Libraries do not all run the textbook ring, so each kind's two terms may
+carry a measured multiplier, `Cluster.comm_correction(kind)`:
+
+    time = steps * alpha * latency + volume / (bw * comm_eff * bandwidth)
+
+Both default to 1 (the GPU presets keep the textbook model); `fxpar
+calibrate` fits them from timings of each kind, with all_reduce as the
+reference that defines alpha and bw. On CPU (gloo over loopback TCP) they
+are far from 1 and for reasons that are known:
+- reduce_scatter_tensor is an all-reduce of a copy followed by taking this
+  rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced): about
+  twice the ring's latency and volume;
+- all_to_all posts every pairwise exchange at once rather than n-1 ring
+  steps;
+- the "link" is the cores copying bytes through the kernel. Ring ranks send
+  and receive at once, each side of a p2p transfer does one of the two, and a
+  p2p message skips the collective's hand-off to gloo's worker thread, so
+  p2p has both a far smaller latency and a larger bandwidth.
 """
 
 from __future__ import annotations
 
 import math
 
-from .cluster import Cluster
+from .cluster import COMM_KINDS, Cluster
 
 __all__ = [
     "KINDS",
     "collective_time",
     "collective_terms",
+    "link",
     "ring_steps",
     "ring_volume",
     "bytes_on_wire",
     "crosses_nodes",
 ]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+KINDS = COMM_KINDS  # defined with the Cluster fields that are keyed by it
 
 
 def _check_kind(kind: str) -> None:
@@ -114,16 +122,17 @@ def crosses_nodes(cluster: Cluster, kind: str, group_size: int, stride: int = 1)
 def collective_terms(
     cluster: Cluster, kind: str, nbytes: float, group_size: int, stride: int = 1
 ) -> tuple[int, float, bool]:
-    """(steps, per-rank volume, crosses_nodes) as `collective_time` prices
-    them; calibration fits alpha and bw against these same terms."""
+    """(ring steps, per-rank ring volume, crosses_nodes): the textbook terms,
+    before the per-kind corrections. Calibration fits against these."""
     crosses = crosses_nodes(cluster, kind, group_size, stride)
-    gloo = cluster.device == "cpu"  # see module docstring for both quirks
-    if gloo and kind == "reduce_scatter":
-        kind = "all_reduce"
-    volume = ring_volume(kind, nbytes, group_size)
-    if gloo and kind == "p2p":
-        volume /= 2
-    return ring_steps(kind, group_size), volume, crosses
+    return ring_steps(kind, group_size), ring_volume(kind, nbytes, group_size), crosses
+
+
+def link(cluster: Cluster, crosses: bool) -> tuple[float, float]:
+    """(alpha, achieved bandwidth) of the link class a ring runs over."""
+    if crosses:
+        return cluster.inter_latency, cluster.inter_bw * cluster.comm_eff
+    return cluster.intra_latency, cluster.intra_bw * cluster.comm_eff
 
 
 def collective_time(
@@ -134,8 +143,6 @@ def collective_time(
     steps, volume, crosses = collective_terms(cluster, kind, nbytes, group_size, stride)
     if steps == 0:
         return 0.0
-    if crosses:
-        alpha, bw = cluster.inter_latency, cluster.inter_bw
-    else:
-        alpha, bw = cluster.intra_latency, cluster.intra_bw
-    return steps * alpha + volume / (bw * cluster.comm_eff)
+    alpha, bw = link(cluster, crosses)
+    latency, bandwidth = cluster.comm_correction(kind)
+    return steps * alpha * latency + volume / (bw * bandwidth)

@@ -4,6 +4,9 @@
 
 A kernel is limited by whichever of arithmetic or memory traffic takes
 longer, and never runs faster than the fixed launch/dispatch overhead.
+Matmuls add `cluster.matmul_overhead` to their arithmetic term: a calibrated
+CPU profile fits it because small GEMMs run well below the large-GEMM rate
+(it is 0 in the presets, which keeps the plain roofline).
 """
 
 from __future__ import annotations
@@ -51,5 +54,7 @@ def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str) -
     # pricing their flops at matmul speed keeps odd cases finite and sane.
     eff = cluster.attention_eff if op_class == "attention" else cluster.matmul_eff
     t_math = flops / (cluster.peak_flops * eff)
+    if op_class == "matmul" and flops > 0:
+        t_math += cluster.matmul_overhead
     t_mem = nbytes / (cluster.mem_bw * cluster.bw_eff)
     return max(t_math, t_mem, cluster.kernel_floor)

@@ -5,13 +5,13 @@
 
 Layers: forward + backward of one GPT-style and one Llama-style block at a few sizes, predicted by
 `cost_model.layer_cost.price` from the block's captured graph and measured on this CPU in fp32
-with one torch thread (what a calibrated CPU "device" is). Blocks are timed by the wall clock, as
-calibration times its microbenchmarks, so that both sides see the same machine; on a shared host
-that includes the time other processes hold the core. --clock thread times this thread's CPU time
-instead, which load does not change: compare it with a profile whose compute numbers were taken the
-same way. Collectives: each kind at a few sizes, predicted and measured by
-examples/bench_collectives.py. Prints item, predicted ms, measured ms, their ratio, and the median
-|predicted / measured - 1| of each group.
+with one torch thread (what a calibrated CPU "device" is). Blocks are timed by calibration's own
+timer (`cost_model.calibrate.interleaved_medians`: one warm-up each, the median of interleaved
+rounds) with the clock it uses for compute, this thread's CPU time, which other processes sharing
+the cores do not inflate; --clock wall includes the time they hold the core. Collectives: each kind
+at a few sizes and group sizes calibration also measures, predicted and measured by
+examples/bench_collectives.py through calibration's harness. Prints item, predicted ms, measured
+ms, their ratio, and the median |predicted / measured - 1| of each group.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 # Run from a source checkout without installing the package; bench_collectives sits beside us.
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from bench_collectives import run as collective_rows  # noqa: E402
+from cost_model.calibrate import CLOCKS, COMPUTE_ROUNDS, ROUNDS, interleaved_medians  # noqa: E402
 from cost_model.cluster import get_cluster  # noqa: E402
 from cost_model.comm import KINDS  # noqa: E402
 from cost_model.layer_cost import price, profile_layer  # noqa: E402
@@ -58,14 +58,10 @@ def predict_block(cfg: ModelConfig, batch: int, cluster) -> float:
     return cost.fwd_s + cost.bwd_s
 
 
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
-
-
-def measure_block(cfg: ModelConfig, batch: int, reps: int, clock: str = "wall") -> float:
-    """Median seconds of forward + backward of a real block (fresh gradients each time, as the
-    first micro-batch of a step writes them). With one torch thread the whole step, autograd's
-    backward included, runs on this thread, so its CPU time is the step's compute time."""
-    now = CLOCKS[clock]
+def block_step(cfg: ModelConfig, batch: int):
+    """Forward + backward of a real block (fresh gradients each time, as the first micro-batch of
+    a step writes them). With one torch thread the whole step, autograd's backward included, runs
+    on this thread, so its CPU time is the step's compute time."""
     torch.manual_seed(0)
     block = (GPTBlock if cfg.arch == "gpt" else LlamaBlock)(cfg)
     x = torch.randn(batch, cfg.seq, cfg.hidden, requires_grad=True)
@@ -76,28 +72,26 @@ def measure_block(cfg: ModelConfig, batch: int, reps: int, clock: str = "wall") 
         x.grad = None
         block(x).backward(grad)
 
-    step()  # warm-up: allocations, kernel selection
-    times = []
-    for _ in range(reps):
-        t0 = now()
-        step()
-        times.append(now() - t0)
-    return statistics.median(times)
+    return step
 
 
 def layer_rows(cluster_name: str, reps: int, clock: str = "wall") -> list[dict]:
     cluster = get_cluster(cluster_name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a calibrated CPU device is one single-threaded rank
-    rows = []
     try:
-        for arch, hidden, heads, seq, batch in LAYERS:
-            cfg = layer_config(arch, hidden, heads, seq)
-            pred, meas = predict_block(cfg, batch, cluster), measure_block(cfg, batch, reps, clock)
-            rows.append(dict(item=f"{arch} block h={hidden} s={seq} b={batch}",
-                             predicted_ms=pred * 1e3, measured_ms=meas * 1e3, ratio=pred / meas))
+        configs = [(layer_config(arch, hidden, heads, seq), batch)
+                   for arch, hidden, heads, seq, batch in LAYERS]
+        # Interleaved rounds, as calibration times its compute (see interleaved_medians).
+        measured = interleaved_medians([block_step(cfg, batch) for cfg, batch in configs], "cpu",
+                                       reps, clock)
     finally:
         torch.set_num_threads(threads)
+    rows = []
+    for (cfg, batch), meas in zip(configs, measured):
+        pred = predict_block(cfg, batch, cluster)
+        rows.append(dict(item=f"{cfg.arch} block h={cfg.hidden} s={cfg.seq} b={batch}",
+                         predicted_ms=pred * 1e3, measured_ms=meas * 1e3, ratio=pred / meas))
     return rows
 
 
@@ -108,8 +102,11 @@ def median_error(rows: list[dict]) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", default="cpu-gloo", help="preset name or profile JSON path")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
+    parser.add_argument("--reps", type=int, default=COMPUTE_ROUNDS,
+                        help="timed rounds of the blocks (median), as in calibration's compute")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="timed rounds per collective (the fastest counts, as in calibration)")
     parser.add_argument("--no-collectives", action="store_true", help="time the layers only")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
                         help="time blocks by the wall clock or by this thread's CPU time")
@@ -119,7 +116,7 @@ def main(argv=None) -> int:
         dict(item=f"{r['kind']} {r['size']} n={r['n']}", predicted_ms=r["predicted_ms"],
              measured_ms=r["measured_ms"], ratio=r["ratio"])
         for r in collective_rows(args.cluster, COLLECTIVE_SIZES, args.world_sizes, KINDS,
-                                 args.reps)]
+                                 args.rounds)]
     print(tabulate(layers + collectives, headers="keys", floatfmt=".3f"))
     print(f"\nmedian |pred/meas - 1|: layers {median_error(layers):.1%} ({len(layers)})", end="")
     if collectives:

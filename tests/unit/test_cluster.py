@@ -112,6 +112,53 @@ def test_bad_field_names_file_and_field(tmp_path, field, value):
     assert field in message
 
 
+@pytest.mark.parametrize(
+    "value, detail",
+    [
+        ({"p2p": {"latency": -1.0, "bandwidth": 1.0}}, "p2p.latency"),
+        ({"p2p": {"latency": 1.0, "bandwidth": 0}}, "p2p.bandwidth"),
+        ({"p2p": {"latency": "1", "bandwidth": 1.0}}, "p2p.latency"),
+        ({"broadcast": {"latency": 1.0, "bandwidth": 1.0}}, "broadcast"),
+        ({"p2p": {"latency": 1.0}}, "p2p"),
+        ({"p2p": [1.0, 2.0]}, "p2p"),
+        ([1.0, 2.0], "comm_corrections"),
+    ],
+)
+def test_bad_comm_corrections_name_file_and_field(tmp_path, value, detail):
+    path = _write_profile(tmp_path, comm_corrections=value)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    message = str(err.value)
+    assert str(path) in message and "comm_corrections" in message and detail in message
+
+
+def test_profile_without_comm_corrections_still_loads(tmp_path):
+    # Profiles written before per-kind corrections existed are textbook.
+    path = _write_profile(tmp_path, comm_corrections=_DROP)
+    cluster = load_profile(path)
+    assert cluster == A100 and cluster.comm_correction("p2p") == (1.0, 1.0)
+
+
+def test_comm_corrections_round_trip(tmp_path):
+    cluster = dataclasses.replace(
+        A100, comm_corrections={"p2p": (0.5, 2.0), "reduce_scatter": (2.0, 0.5)})
+    assert cluster.comm_correction("p2p") == (0.5, 2.0)
+    assert cluster.comm_correction("all_reduce") == (1.0, 1.0)
+    assert hash(cluster) == hash(dataclasses.replace(cluster))  # stays usable as a cache key
+    path = tmp_path / "corrected.json"
+    save_profile(cluster, path)
+    assert json.loads(path.read_text())["comm_corrections"]["p2p"] == {
+        "latency": 0.5, "bandwidth": 2.0}
+    assert load_profile(path) == cluster
+
+
+def test_cluster_rejects_bad_corrections_directly():
+    with pytest.raises(ValueError, match="comm_corrections"):
+        dataclasses.replace(A100, comm_corrections={"p2p": (0.0, 1.0)})
+    with pytest.raises(ValueError, match="comm_corrections"):
+        dataclasses.replace(A100, comm_corrections=[("p2p", 1.0, 1.0)])
+
+
 def test_field_error_says_how_to_fix(tmp_path):
     path = _write_profile(tmp_path, bw_eff=-0.5)
     with pytest.raises(ProfileError, match="fxpar calibrate"):
@@ -170,6 +217,25 @@ def test_roofline_is_the_max_of_the_three():
         t = compute_time(A100, flops, nbytes, "matmul")
         assert t == max(flops / (A100.peak_flops * A100.matmul_eff),
                         nbytes / (A100.mem_bw * A100.bw_eff), A100.kernel_floor)
+
+
+def test_matmul_overhead_is_added_to_matmuls_only():
+    cpu = dataclasses.replace(PRESETS["cpu-gloo"], matmul_overhead=1e-4)
+    base = PRESETS["cpu-gloo"]
+    flops = 1e9
+    assert compute_time(cpu, flops, 0.0, "matmul") == pytest.approx(
+        compute_time(base, flops, 0.0, "matmul") + 1e-4)
+    for op_class in ("attention", "norm", "elementwise"):
+        assert compute_time(cpu, flops, 1e6, op_class) == compute_time(base, flops, 1e6, op_class)
+    assert compute_time(cpu, 0.0, 0.0, "matmul") == base.kernel_floor
+    assert all(c.matmul_overhead == 0.0 for c in PRESETS.values())
+
+
+def test_profile_without_matmul_overhead_still_loads(tmp_path):
+    path = _write_profile(tmp_path, matmul_overhead=_DROP)
+    assert load_profile(path).matmul_overhead == 0.0
+    with pytest.raises(ProfileError, match="matmul_overhead"):
+        load_profile(_write_profile(tmp_path, matmul_overhead=-1.0))
 
 
 def test_attention_uses_attention_eff():

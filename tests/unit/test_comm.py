@@ -89,13 +89,45 @@ def test_p2p_crosses_nodes_when_stride_reaches_a_node():
     assert inter == pytest.approx(A100.inter_latency + M / (A100.inter_bw * A100.comm_eff))
 
 
-def test_gloo_prices_its_reduce_scatter_as_all_reduce_and_p2p_one_way():
+def test_gloo_preset_prices_its_reduce_scatter_as_all_reduce_and_p2p_one_way():
     cpu = PRESETS["cpu-gloo"]
-    assert collective_time(cpu, "reduce_scatter", M, 4) == collective_time(cpu, "all_reduce", M, 4)
+    assert collective_time(cpu, "reduce_scatter", M, 4) == pytest.approx(
+        collective_time(cpu, "all_reduce", M, 4))
     assert collective_time(cpu, "p2p", M, 2) == pytest.approx(
         cpu.intra_latency + M / 2 / (cpu.intra_bw * cpu.comm_eff))
     # NCCL keeps the ring formulas.
     assert collective_time(A100, "reduce_scatter", M, 4) < collective_time(A100, "all_reduce", M, 4)
+
+
+# ---------------------------------------------------------------- per-kind corrections
+@pytest.mark.parametrize("name", ["a100-80g-dgx", "h100-sxm-dgx", "h200-sxm-dgx"])
+def test_gpu_presets_are_textbook(name):
+    cluster = PRESETS[name]
+    assert cluster.comm_corrections == ()
+    for kind in KINDS:
+        assert cluster.comm_correction(kind) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_correction_scales_each_term_of_its_kind_only(kind):
+    n, lat, bw = 4, 3.0, 0.25
+    corrected = dataclasses.replace(A100, comm_corrections={kind: (lat, bw)})
+    steps, volume = ring_steps(kind, n), ring_volume(kind, M, n)
+    expected = steps * A100.intra_latency * lat + volume / (A100.intra_bw * A100.comm_eff * bw)
+    assert collective_time(corrected, kind, M, n) == pytest.approx(expected)
+    for other in KINDS:
+        if other != kind:
+            assert collective_time(corrected, other, M, n) == collective_time(A100, other, M, n)
+
+
+def test_correction_applies_to_the_inter_node_link_too():
+    corrected = dataclasses.replace(A100, comm_corrections={"all_gather": (2.0, 0.5)})
+    n = 16
+    expected = (n - 1) * A100.inter_latency * 2.0 + (n - 1) / n * M / (
+        A100.inter_bw * A100.comm_eff * 0.5)
+    assert collective_time(corrected, "all_gather", M, n) == pytest.approx(expected)
+    # The traffic accounting stays the textbook volume.
+    assert bytes_on_wire("all_gather", M, n) == pytest.approx((n - 1) / n * M)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +189,7 @@ def test_fit_needs_data():
 def test_fit_links_recovers_both_link_classes():
     truth = dataclasses.replace(
         PRESETS["cpu-gloo"], gpus_per_node=2, intra_latency=100e-6, intra_bw=2e9,
-        inter_latency=400e-6, inter_bw=0.5e9, comm_eff=1.0)
+        inter_latency=400e-6, inter_bw=0.5e9, comm_eff=1.0, comm_corrections=())
     measurements = [
         (kind, n, size, collective_time(truth, kind, size, n))
         for n in (2, 4) for kind in KINDS for size in (4096, 2**20, 2**24)
@@ -168,3 +200,27 @@ def test_fit_links_recovers_both_link_classes():
     assert fields["inter_latency"] == pytest.approx(400e-6, rel=1e-4)
     assert fields["inter_bw"] == pytest.approx(0.5e9, rel=1e-4)
     assert fields["comm_eff"] == 1.0
+    for kind in KINDS:  # the textbook truth needs no corrections
+        assert fields["comm_corrections"][kind] == pytest.approx((1.0, 1.0), rel=1e-3)
+
+
+def test_fit_links_recovers_per_kind_corrections():
+    corrections = {"all_gather": (1.5, 0.8), "reduce_scatter": (2.0, 0.5),
+                   "all_to_all": (0.5, 0.7), "p2p": (0.3, 2.0)}
+    truth = dataclasses.replace(
+        PRESETS["cpu-gloo"], gpus_per_node=2, intra_latency=200e-6, intra_bw=1e9,
+        inter_latency=800e-6, inter_bw=0.6e9, comm_eff=1.0, comm_corrections=corrections)
+    measurements = [
+        (kind, n, size, collective_time(truth, kind, size, n))
+        for n in (2, 4) for kind in KINDS for size in (4096, 2**16, 2**20, 2**24)
+    ]
+    fields = fit_links(truth, measurements)
+    # all_reduce is the reference: the links are its alpha and bw.
+    assert fields["intra_latency"] == pytest.approx(200e-6, rel=1e-4)
+    assert fields["inter_bw"] == pytest.approx(0.6e9, rel=1e-4)
+    assert fields["comm_corrections"]["all_reduce"] == (1.0, 1.0)
+    for kind, pair in corrections.items():
+        assert fields["comm_corrections"][kind] == pytest.approx(pair, rel=1e-3)
+    fitted = dataclasses.replace(truth, **fields)
+    for kind, n, size, seconds in measurements:
+        assert collective_time(fitted, kind, size, n) == pytest.approx(seconds, rel=1e-3)
