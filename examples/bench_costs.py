@@ -6,7 +6,7 @@
 Layers: forward + backward of one GPT-style and one Llama-style block at a few sizes, predicted by
 `cost_model.layer_cost.price` from the block's captured graph and measured on this CPU in fp32
 with one torch thread (what a calibrated CPU "device" is). Blocks are timed by calibration's own
-timer (`cost_model.calibrate.interleaved_medians`: one warm-up each, the median of interleaved
+timer (`cost_model.bench_compute.interleaved_medians`: one warm-up each, the median of interleaved
 rounds) with the clock it uses for compute, this thread's CPU time, which other processes sharing
 the cores do not inflate; --clock wall includes the time they hold the core. Collectives: each kind
 at a few sizes and group sizes calibration also measures, predicted and measured by
@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from bench_collectives import run as collective_rows  # noqa: E402
-from cost_model.calibrate import CLOCKS, COMPUTE_ROUNDS, ROUNDS, interleaved_medians  # noqa: E402
+from cost_model.bench_comm import ROUNDS  # noqa: E402
+from cost_model.bench_compute import CLOCKS, COMPUTE_ROUNDS, interleaved_medians  # noqa: E402
 from cost_model.cluster import get_cluster  # noqa: E402
 from cost_model.comm import KINDS  # noqa: E402
 from cost_model.layer_cost import price, profile_layer  # noqa: E402

@@ -53,11 +53,12 @@ def plot_plan(plan: Plan, path: str) -> str:
     left.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
     left.invert_yaxis()
     left.set_xlabel("layer (embed, blocks, head)")
-    left.set_title(f"{plan.model} on {plan.gpus} GPUs: dp={plan.dp} tp={plan.tp} pp={plan.pp}, "
-                   f"{plan.schedule}")
+    cp = f" cp={plan.cp}" if plan.cp > 1 else ""
+    left.set_title(f"{plan.model} on {plan.gpus} GPUs: dp={plan.dp} tp={plan.tp} pp={plan.pp}"
+                   f"{cp}, {plan.schedule}")
     used = sorted({s for st in stages for s in st.strategies})
     left.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(u, "#ff7f0e"))
-                         for u in used], labels=used, loc="lower right", fontsize=8)
+                         for u in used], labels=used, loc="upper right", fontsize=8)
     parts = [("params+grads", "param_bytes", "#1f77b4"), ("optimizer", "optimizer_bytes",
              "#aec7e8"), ("activations", "activation_bytes", "#ff7f0e")]
     base = [0.0] * len(stages)
@@ -69,7 +70,8 @@ def plot_plan(plan: Plan, path: str) -> str:
     right.set_yticks(range(len(stages)), [""] * len(stages))
     right.invert_yaxis()
     right.set_xlabel("GiB per device")
-    right.legend(fontsize=7, loc="lower right")
+    # Below the axes: the bars fill the panel's height, and the limit line its right side.
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

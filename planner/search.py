@@ -265,6 +265,7 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
         if solution.status in ("feasible", "unsolved"):
             open_bound = min(open_bound, max(bound, _finite(solution.bound, bound)))
         if solution.status in ("optimal", "feasible"):
+            solution = ilp.polish(built[0], solution, req.time_limit_s)
             plan = make_plan(costs, req, cand, *built, solution)
             _keep_best_per_configuration(found, plan)
             del found[req.top_k:]

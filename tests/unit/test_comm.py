@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from cost_model.calibrate import fit_alpha_beta, fit_links
+from cost_model.fitting import fit_alpha_beta, fit_links
 from cost_model.cluster import PRESETS
 from cost_model.comm import (
     KINDS,

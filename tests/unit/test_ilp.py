@@ -144,3 +144,21 @@ def test_busiest_rank_floor_sees_whole_blocks():
     # rank must hold 4 (4.2 s), or the first holds 3 (4.0 s): 4.0.
     assert ilp.busiest_rank_floor(96, 32, 32, 1.0, 0.9, 0.2, 0.1) == pytest.approx(4.0)
     assert ilp.busiest_rank_floor(5, 1, 1, 1.0, 0.3, 0.2, 0.1) == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_polish_keeps_the_time_and_takes_the_least_total_stage_time(seed):
+    """Among every assignment as fast as the optimum (brute force), polish finds the one with
+    the least Σ_s T_s, so stages off the critical rank use their fastest strategy."""
+    problem = random_problem(random.Random(seed))
+    solution = ilp.solve(problem)
+    if solution.status != "optimal":
+        return
+    polished = ilp.polish(problem, solution)
+    best = solution.objective * (1 + 1e-9) + 1e-12
+    least = min(sum(ilp.breakdown(problem, c).stage_s) for c in _assignments(problem)
+                if ilp.evaluate(problem, c)[0] <= best
+                and ilp.evaluate(problem, c)[1] <= problem.memory_limit)
+    assert polished.objective <= best
+    assert ilp.evaluate(problem, polished.counts)[1] <= problem.memory_limit * (1 + 1e-9)
+    assert sum(ilp.breakdown(problem, polished.counts).stage_s) == pytest.approx(least, rel=1e-6)
