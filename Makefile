@@ -21,15 +21,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# The runtime-schedule and rewrite-pass suites run on 8 ranks for tens of minutes on a 2-core
-# machine; `make test-all` includes them.
-SLOW := --ignore=tests/dist/test_runtime.py --ignore=tests/dist/test_passes.py
-
+# Every tier: unit, planning, and the 8-rank gloo tests (about 13 minutes on two cores).
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(SLOW)
-
-test-all: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-all: test
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not dist"
