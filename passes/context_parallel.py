@@ -140,12 +140,14 @@ def local_inputs(gm: fx.GraphModule, cp: int) -> tuple:
 
 
 def _check_no_shift(gm: fx.GraphModule, seq: int) -> None:
-    """A model that shifts its labels inside the graph (logits[:, :-1] against labels[:, 1:], as
-    Hugging Face causal LMs do) pairs each token with its neighbour, which under a split sequence
-    may live on another rank: refuse rather than train on wrong pairs."""
+    """A model that shifts its labels inside the graph (logits[:, :-1] against labels[:, 1:], or
+    labels padded by one and sliced, as Hugging Face causal LMs do) pairs each token with its
+    neighbour, which under a split sequence may live on another rank: refuse rather than train on
+    wrong pairs. Seen as a node that turns a sequence of seq positions into seq ± 1."""
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq - 1):
+        if not (isinstance(val, torch.Tensor) and val.dim() >= 2
+                and val.shape[1] in (seq - 1, seq + 1)):
             continue
         source = next((a for a in node.all_input_nodes
                        if isinstance(a.meta.get("val"), torch.Tensor)
@@ -153,7 +155,7 @@ def _check_no_shift(gm: fx.GraphModule, seq: int) -> None:
         if source is not None:
             raise ContextParallelError(
                 f"node {node.name} shifts the sequence ({source.name} has {seq} positions, "
-                f"{node.name} {seq - 1}): under context parallelism the shift would cross rank "
+                f"{node.name} {val.shape[1]}): under context parallelism the shift would cross rank "
                 f"boundaries. Pass next-token labels as an input and take the loss position by "
                 f"position, or plan with cp=1")
 

@@ -186,3 +186,41 @@ def test_unrecognised_attention_names_the_sdpa_form():
     softmax = next(n.name for n in gm.graph.nodes if n.target is F.softmax)
     with pytest.raises(ContextParallelError, match="causal mask.*F.scaled_dot_product_attention"):
         context_parallel(gm, {"attn": [softmax]}, cp=2, rank=0)
+
+
+class _Causal(nn.Module):
+    def forward(self, x):
+        q = x[:, None]
+        return x + F.scaled_dot_product_attention(q, q, q, is_causal=True)[:, 0]
+
+
+class _ShiftedLM(nn.Module):
+    """Labels shifted inside the graph, as Hugging Face causal LMs do (pad by one, drop the first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([_Causal(), _Causal()])
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(self.head(x).flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+
+def test_labels_shifted_inside_the_graph_are_refused():
+    from passes.context_parallel import why_not
+    from planner.api import plan
+    from planner.costs import PlanningError
+
+    batch = (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))
+    captured = capture(_ShiftedLM(), batch)
+    layers = {layer.name: layer.nodes for layer in captured.layers}
+    assert "shifts the sequence" in why_not(captured.gm, layers)
+    with pytest.raises(ContextParallelError, match="shifts the sequence"):
+        context_parallel(captured.gm, layers, cp=2, rank=0)
+    with pytest.raises(PlanningError, match="shifts the sequence"):
+        plan(_ShiftedLM(), 4, batch, cluster="cpu-gloo", fix={"cp": 2})
+    assert plan(_ShiftedLM(), 4, batch, cluster="cpu-gloo")[0].cp == 1
