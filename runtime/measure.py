@@ -22,15 +22,10 @@ from runtime.simulator import Timeline, simulate
 from runtime.timeline import plot_gantt, to_chrome_trace
 from runtime.trainer import PipelineTrainer, TrainOptions
 
-_GROUPS: dict[Mesh, RankGroups] = {}
-
 
 def mesh_groups(mesh: Mesh) -> RankGroups:
-    """This rank's groups for `mesh`, created once per process: creating process groups is a
-    collective and costs connections, so repeated runs on one set of ranks reuse them."""
-    if mesh not in _GROUPS:
-        _GROUPS[mesh] = build_groups(mesh)
-    groups = _GROUPS[mesh]
+    """This rank's groups for `mesh`, bound for the collectives the rewritten graphs call."""
+    groups = build_groups(mesh)
     collectives.bind_groups(tp=groups.tp, cp=groups.cp)
     return groups
 

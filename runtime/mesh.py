@@ -89,8 +89,21 @@ class RankGroups:
 GROUPS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "replicas": ("dp", "cp")}
 
 
+_BUILT: dict[tuple[int, Mesh], RankGroups] = {}
+
+
 def build_groups(mesh: Mesh) -> RankGroups:
-    """Create every subgroup (all ranks must call this in the same order) and keep this rank's."""
+    """This rank's coordinates and groups of `mesh`. The first call for a mesh creates every
+    subgroup (a collective: all ranks must make the same calls in the same order); later calls in
+    the same process group return them again, since each gloo group holds sockets and threads for
+    as long as the process lives."""
+    key = (id(dist.group.WORLD), mesh)
+    if key not in _BUILT:
+        _BUILT[key] = _create_groups(mesh)
+    return _BUILT[key]
+
+
+def _create_groups(mesh: Mesh) -> RankGroups:
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.size:
         raise RuntimeError(f"world size {dist.get_world_size()} != mesh size {mesh.size} ({mesh})")

@@ -121,6 +121,16 @@ def test_context_parallel_plan_matches_one_process(pool8, model, dp, tp, pp, cp,
 
 
 @pytest.mark.dist
+def test_odd_shards_with_rotary_positions(pool8):
+    """Sequence 24 over cp=4 is zig-zag chunks of 3 tokens, and sequence parallel over tp=2 then
+    holds 3 of each rank's 6: odd sizes everywhere, rotary tables read at global positions."""
+    config = get_config("llama-tiny", layers=2, seq=24, global_batch=8)
+    chosen = plan(config, 8, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 1, "cp": 4, "mb": 4, "strategy": "tp+sp"})[0]
+    assert_same_run(run_parallel(config, chosen, STEPS, pool8), reference_run(config, STEPS))
+
+
+@pytest.mark.dist
 def test_written_out_attention_under_context_parallel(pool8):
     """softmax(q kᵀ) v written out (masked_fill causal mask) becomes ring attention too."""
     config = get_config("gpt-tiny", attention="math", layers=2, global_batch=8)
