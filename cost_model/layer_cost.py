@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -386,12 +387,12 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops)
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
     if cp > 1:
-        ring_fwd, ring_bwd, ring_bytes = _ring(profile, scale, cluster, tp, cp)
-        fwd_comm, bwd_comm = fwd_comm + ring_fwd, bwd_comm + ring_bwd
-        comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring_bytes),)))
+        ring = _ring(profile, scale, cluster, tp, cp)
+        fwd_comm, bwd_comm = fwd_comm + ring.fwd_s, bwd_comm + ring.bwd_s
+        comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring.sent),)))
         if strategy.recompute != "none":  # recomputing the attention runs its forward ring again
-            bwd_comm += ring_fwd
-            repeated = tuple(sorted(repeated + (("p2p", (cp - 1) * profile.kv_bytes * scale),)))
+            bwd_comm += ring.fwd_s
+            repeated = tuple(sorted(repeated + (("p2p", ring.fwd_sent),)))
     return LayerCost(profile.layer, strategy, micro_batch,
                      fwd_s=fwd + fwd_comm, bwd_s=bwd + recompute_s + bwd_comm,
                      comm_s=fwd_comm + bwd_comm,
@@ -413,7 +414,14 @@ def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:
             "kv_grad_bytes": float(sum(t.numel() * 4 for t in kv))}
 
 
-def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int):
+class _Ring(NamedTuple):
+    fwd_s: float       # exposed seconds
+    bwd_s: float
+    sent: float        # bytes, forward and backward
+    fwd_sent: float    # of which forward (what recomputation sends again)
+
+
+def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int) -> _Ring:
     """Exposed forward and backward seconds and bytes sent of ring attention per micro-batch:
     forward passes this rank's key/value block cp − 1 times; backward passes it again and carries
     fp32 dK/dV accumulators cp hops home. Each transfer overlaps the attention computed on the
@@ -426,8 +434,8 @@ def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: in
               for op in attention)
     bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
               for op in attention)
-    return (max(0.0, (cp - 1) * hop(kv) - fwd),
-            max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd), sent)
+    return _Ring(max(0.0, (cp - 1) * hop(kv) - fwd),
+                 max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd), sent, (cp - 1) * kv)
 
 
 def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops):

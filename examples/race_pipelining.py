@@ -32,8 +32,8 @@ from planner.train import make_optimizer
 from runtime.generators import make_schedule
 from runtime.launch import run_local
 from runtime.measure import (balanced_stage_sizes, build_pipeline_trainer, export_timelines,
-                             gather_timeline, mesh_groups, simulate_like, timed)
-from runtime.mesh import Mesh
+                             gather_timeline, simulate_like, timed)
+from runtime.mesh import Mesh, mesh_groups
 
 # Big enough that a stage's forward takes milliseconds, small enough for a laptop's CPU.
 CONFIG = get_config("gpt-tiny").with_(layers=6, hidden=128, heads=4, vocab=512, seq=64,

@@ -16,9 +16,8 @@ from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan
 from planner.costs import ModelCosts, PlanningError
 from planner.search import Request, search, smallest_memory
-from runtime import collectives
 from runtime.generators import make_schedule
-from runtime.mesh import Mesh, build_groups
+from runtime.mesh import Mesh, mesh_groups
 from runtime.trainer import PipelineTrainer
 
 
@@ -134,8 +133,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     if world != plan.gpus:
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
-    groups = build_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
-    collectives.bind_groups(tp=groups.tp, cp=groups.cp)
+    groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
     micro = tuple(x[: plan.micro_batch] for x in example_inputs)
     captured = capture(model, micro)
     layout = plan.layout()

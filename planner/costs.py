@@ -47,9 +47,12 @@ class ModelCosts:
                      if l.kind != "block"}
         self._profiles: dict[int, LayerProfile] = {1: profile_layer(captured, self.block)}
         self.tp_errors: dict[int, str] = {}
+        # The search asks for the same prices once per mesh and schedule. Per-instance caches:
+        # they go with the ModelCosts instead of keeping every instance alive.
         self._price = lru_cache(maxsize=None)(self._price_uncached)
-        # The search asks for the same (micro-batch, cp) pricing once per mesh and schedule.
         self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
+        self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
+        self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
 
     def has(self, kind: str) -> bool:
         return kind in self.ends
@@ -113,8 +116,7 @@ class ModelCosts:
         return total(self._vocab_ends(micro_batch, cluster, cp, tp)) <= total(
             self._ends_priced(micro_batch, cluster, cp))
 
-    @lru_cache(maxsize=None)  # noqa: B019 - lives as long as the ModelCosts, like _price
-    def _end_profile(self, kind: str, tp: int) -> LayerProfile | None:
+    def _end_profile_uncached(self, kind: str, tp: int) -> LayerProfile | None:
         """The end layer rewritten vocabulary-parallel (padded) for tp, or None if it cannot be."""
         layer = next(l for l in self.captured.layers if l.kind == kind)
         try:
@@ -122,8 +124,7 @@ class ModelCosts:
         except ShardingError:
             return None
 
-    @lru_cache(maxsize=None)  # noqa: B019
-    def _vocab_ends(self, micro_batch: int, cluster: Cluster, cp: int, tp: int) -> tuple:
+    def _vocab_ends_uncached(self, micro_batch: int, cluster: Cluster, cp: int, tp: int) -> tuple:
         return tuple(price(self._end_profile(k, tp), Strategy(tp=True), micro_batch, cluster, tp,
                            cp) if k in self.ends else None for k in ("embed", "head"))
 

@@ -71,8 +71,9 @@ def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0) -> Ru
 
 
 def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
-                    seed: int = 0) -> RunResult:
-    """Runs on every rank: the same model and batch as the reference, sharded by the plan."""
+                    with_grads: bool = True, seed: int = 0) -> RunResult:
+    """Runs on every rank: the same model and batch as the reference, sharded by the plan; with
+    with_grads, the unsharded gradients of every step are gathered too (for tests)."""
     from planner.api import ParallelModel
 
     torch.manual_seed(seed)
@@ -81,12 +82,14 @@ def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
     losses, grads = [], []
     for _ in range(steps):
         losses.append(pm.train_step(*batch))
-        grads.append(pm.full_grad_dict())
+        if with_grads:
+            grads.append(pm.full_grad_dict())
     return RunResult(tuple(losses), pm.full_state_dict(), tuple(grads))
 
 
-def run_parallel(config: ModelConfig | HFSpec, plan: Plan, steps: int, pool: RankPool | None = None):
-    args = (config, plan.dumps(), steps)
+def run_parallel(config: ModelConfig | HFSpec, plan: Plan, steps: int,
+                 pool: RankPool | None = None, with_grads: bool = True) -> RunResult:
+    args = (config, plan.dumps(), steps, with_grads)
     results = pool.run(parallel_worker, *args) if pool else run_local(parallel_worker, plan.gpus,
                                                                       args)
     return results[0]
@@ -98,7 +101,7 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
     print(f"training {steps} steps on {plan.gpus} gloo CPU processes "
           f"(dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}) and in one process ...",
           flush=True)
-    parallel = run_parallel(config, plan, steps)
+    parallel = run_parallel(config, plan, steps, with_grads=False)  # only losses are shown
     ref = reference_run(config, steps)
     rows, worst = [], 0.0
     for i, (a, b) in enumerate(zip(parallel.losses, ref.losses)):

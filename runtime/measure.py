@@ -15,19 +15,11 @@ import torch.distributed as dist
 
 from passes.capture import Captured
 from passes.program import Layout, rank_programs
-from runtime import collectives
-from runtime.mesh import Mesh, RankGroups, build_groups
+from runtime.mesh import RankGroups
 from runtime.schedule import Action, Schedule
 from runtime.simulator import Timeline, simulate
 from runtime.timeline import plot_gantt, to_chrome_trace
 from runtime.trainer import PipelineTrainer, TrainOptions
-
-
-def mesh_groups(mesh: Mesh) -> RankGroups:
-    """This rank's groups for `mesh`, bound for the collectives the rewritten graphs call."""
-    groups = build_groups(mesh)
-    collectives.bind_groups(tp=groups.tp, cp=groups.cp)
-    return groups
 
 
 def balanced_stage_sizes(num_layers: int, num_stages: int) -> tuple[int, ...]:

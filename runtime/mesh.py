@@ -11,6 +11,8 @@ from itertools import product
 
 import torch.distributed as dist
 
+from runtime import collectives
+
 AXES = ("pp", "dp", "cp", "tp")   # outermost first
 
 
@@ -119,3 +121,11 @@ def _create_groups(mesh: Mesh) -> RankGroups:
         mine["replicas"] = mine["dp"] if mesh.cp == 1 else mine["cp"]
     index = {f"{axis}_index": i for axis, i in mesh.coords(rank).items()}
     return RankGroups(mesh, rank, **index, **mine)
+
+
+def mesh_groups(mesh: Mesh) -> RankGroups:
+    """build_groups, with this rank's tp and cp groups bound for the collectives that rewritten
+    graphs call by group name (runtime.collectives)."""
+    groups = build_groups(mesh)
+    collectives.bind_groups(tp=groups.tp, cp=groups.cp)
+    return groups

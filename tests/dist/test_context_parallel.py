@@ -23,8 +23,7 @@ from planner.models import build_model, example_batch, get_config
 from planner.train import assert_same_run, reference_run, run_parallel
 from runtime import collectives, instrument
 from runtime.cp_data import shard_sequence
-from runtime.measure import mesh_groups
-from runtime.mesh import Mesh
+from runtime.mesh import Mesh, mesh_groups
 from runtime.ring_attention import ring_attention
 
 STEPS = 3

@@ -31,9 +31,9 @@ from planner.api import gather_full_state, plan
 from planner.models import build_model, example_batch, get_config
 from planner.train import (RunResult, assert_same_run, build, make_optimizer, reference_run,
                            run_parallel)
-from runtime import collectives, instrument
+from runtime import instrument
 from runtime.generators import make_schedule
-from runtime.mesh import Mesh, build_groups
+from runtime.mesh import Mesh, mesh_groups
 from runtime.trainer import PipelineTrainer
 
 STEPS = 3
@@ -166,8 +166,7 @@ def _train_layout(spec, dp, tp, pp, mb, block, ends, pad=False, steps=STEPS):
     """On every rank: capture, rewrite by a Layout, train; returns (losses, full parameters)."""
     torch.manual_seed(0)
     model, batch = build(spec)
-    groups = build_groups(Mesh(pp, dp, tp))
-    collectives.bind_groups(tp=groups.tp)
+    groups = mesh_groups(Mesh(pp, dp, tp))
     captured = capture(model, tuple(x[:mb] for x in batch))
     names = [layer.name for layer in captured.layers]
     per = -(-len(names) // pp)
@@ -209,8 +208,7 @@ def _measure(model: str, dp: int, tp: int, blocks: tuple[str, ...], mb: int):
     saved-for-backward bytes."""
     config = get_config(model, **COUNTED)
     batch = tuple(x[:mb] for x in example_batch(config, config.global_batch))
-    groups = build_groups(Mesh(1, dp, tp))
-    collectives.bind_groups(tp=groups.tp)
+    groups = mesh_groups(Mesh(1, dp, tp))
     results = {}
     for block in blocks:
         torch.manual_seed(0)

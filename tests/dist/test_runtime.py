@@ -23,8 +23,8 @@ from planner.train import RunResult, assert_same_run, make_optimizer, reference_
 from runtime.generators import SCHEDULES, make_schedule
 from runtime.launch import run_local
 from runtime.measure import (build_pipeline_trainer, export_timelines, gather_memory,
-                             gather_timeline, mesh_groups, simulate_like)
-from runtime.mesh import Mesh
+                             gather_timeline, simulate_like)
+from runtime.mesh import Mesh, mesh_groups
 from runtime.trainer import PipelineTrainer, TrainOptions
 
 CFG = get_config("gpt-tiny")  # embed + 8 blocks + head = 10 layers

@@ -59,6 +59,11 @@ def random_problem(rng: random.Random) -> ilp.StageProblem:
                             rng.uniform(0, .2), phi, needs_tp=rng.random() < 0.3)
 
 
+def _solved(seed: int) -> tuple[ilp.StageProblem, ilp.Solution]:
+    problem = random_problem(random.Random(seed))
+    return problem, ilp.solve(problem)
+
+
 @pytest.mark.parametrize("seed", range(80))
 def test_ilp_matches_brute_force(seed):
     problem = random_problem(random.Random(seed))
@@ -116,8 +121,7 @@ def test_a_time_limit_returns_the_best_assignment_found_with_its_gap():
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_cutoff_keeps_exactly_the_solutions_below_it(seed):
-    problem = random_problem(random.Random(seed))
-    best = ilp.solve(problem)
+    problem, best = _solved(seed)
     if best.status == "infeasible":
         return
     above = ilp.solve(problem, cutoff=best.objective * 1.001)
@@ -129,8 +133,7 @@ def test_a_cutoff_keeps_exactly_the_solutions_below_it(seed):
 @pytest.mark.parametrize("seed", range(80))
 def test_busiest_rank_floor_is_a_lower_bound(seed):
     """ρ* never exceeds the slowest rank of the optimal assignment (so it prunes nothing)."""
-    problem = random_problem(random.Random(seed))
-    best = ilp.solve(problem)
+    problem, best = _solved(seed)
     if best.status == "infeasible":
         return
     assert ilp.rank_floor(problem) <= max(ilp.breakdown(problem, best.counts).rank_s) + 1e-9
@@ -150,8 +153,7 @@ def test_busiest_rank_floor_sees_whole_blocks():
 def test_polish_keeps_the_time_and_takes_the_least_total_stage_time(seed):
     """Among every assignment as fast as the optimum (brute force), polish finds the one with
     the least Σ_s T_s, so stages off the critical rank use their fastest strategy."""
-    problem = random_problem(random.Random(seed))
-    solution = ilp.solve(problem)
+    problem, solution = _solved(seed)
     if solution.status != "optimal":
         return
     polished = ilp.polish(problem, solution)
