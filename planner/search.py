@@ -88,8 +88,8 @@ def _schedules(req: Request, pp: int, m: int, blocks: int):
 
 
 def cp_sizes(costs: ModelCosts, req: Request, rest: int) -> list[int]:
-    """Context-parallel sizes: those whose sequence splits into 2·cp zig-zag chunks (ring
-    attention needs fused attention too); the runtime builds them (passes.context_parallel)."""
+    """Context-parallel sizes: those whose sequence splits into 2·cp zig-zag chunks, for a model
+    whose attention passes.context_parallel can turn into a ring (ModelCosts.supports_cp)."""
     return [c for c in _divisors(rest) if costs.supports_cp(c, req.seq)]
 
 
