@@ -25,6 +25,7 @@ class ModelConfig:
     arch: "gpt" (learned positions, LayerNorm, GELU MLP, fused QKV) or "llama" (RMSNorm, rotary
     positions, SwiGLU MLP, grouped-query attention).  attention: "sdpa" uses the fused kernel,
     "math" writes softmax(QKᵀ)V out op by op (the form activation-memory formulas assume).
+    tie: the output head shares the token embedding's weight, as GPT-2 and many others do.
     """
 
     arch: str
@@ -39,6 +40,7 @@ class ModelConfig:
     attention: str = "sdpa"
     global_batch: int = 16
     name: str = "custom"
+    tie: bool = False          # the head reads the token embedding's weight (lm_head = wte)
 
     def __post_init__(self):
         if self.arch not in ("gpt", "llama"):
@@ -204,6 +206,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie:
+            self.lm_head.weight = self.wte.weight
         self.register_buffer("positions", torch.arange(cfg.seq), persistent=False)
 
     def forward(self, tokens, targets):
@@ -275,6 +279,8 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.hidden, eps=1e-5)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie:
+            self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens, targets):
         x = self.embed(tokens)
