@@ -44,6 +44,7 @@ class Captured:
     method: str                 # "symbolic_trace" or "export"
     batch: int = 1              # samples in the example inputs (dim 0): every shape is at this size
     seq: int = 1                # their dim 1 (tokens per sample), when they have one
+    tied: tuple[tuple[str, ...], ...] = ()  # names of one parameter used in several places
 
     def layer_of(self) -> dict[str, str]:
         return {n: layer.name for layer in self.layers for n in layer.nodes}
@@ -66,7 +67,18 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
     batch = int(first.shape[0]) if first is not None and first.dim() else 1
     seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
-    return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq)
+    return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq,
+                    tied_parameters(model))
+
+
+def tied_parameters(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of names that hold one parameter (lm_head.weight = wte.weight), first name first,
+    as named_parameters() names it. The rewrites and the pipeline split must keep each group one
+    parameter (runtime.tied), or its uses would train as copies that drift apart."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:

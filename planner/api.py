@@ -18,6 +18,7 @@ from planner.costs import ModelCosts, PlanningError
 from planner.search import Request, search, smallest_memory
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups
+from runtime.tied import canonical_names
 from runtime.trainer import PipelineTrainer
 
 
@@ -143,13 +144,15 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     programs = rank_programs(captured, layout, groups.tp_index,
                              schedule.stages_of(groups.pp_index), groups.cp_index)
-    return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer)
+    return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
+                           tied=captured.tied)
 
 
 def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:
     """Unshard tensor-parallel parameters (or, with grads=True, their gradients) and collect every
     stage's on every rank."""
     groups = trainer.groups
+    canonical = canonical_names(tuple(c.names for c in trainer.tied))
     mine = {}
     for program in trainer.programs.values():
         specs = shard_specs(program.gm)
@@ -159,7 +162,7 @@ def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str
                 shards = [torch.empty_like(value) for _ in range(groups.mesh.tp)]
                 dist.all_gather(shards, value.contiguous(), group=groups.tp)
                 value = specs[name].join(shards)
-            mine[name] = value
+            mine[canonical.get(name, name)] = value
     everything: list = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     return {k: v for part in everything for k, v in part.items()}

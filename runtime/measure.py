@@ -42,7 +42,7 @@ def build_pipeline_trainer(captured: Captured, schedule: Schedule, groups: RankG
     programs = rank_programs(captured, Layout(tp, strategies, sizes), groups.tp_index,
                              schedule.stages_of(groups.pp_index))
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
-                           options=options)
+                           options=options, tied=captured.tied)
 
 
 def gather_timeline(trainer: PipelineTrainer) -> Timeline:

@@ -16,8 +16,10 @@ from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
 from runtime.memory import SavedActivations
 from runtime.mesh import RankGroups
+from runtime.replicas import broadcast_replicas
 from runtime.schedule import Schedule
 from runtime.simulator import Timeline
+from runtime.tied import broadcast_tied, sum_tied_grads, tie
 
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,17 +145,26 @@ class _LossScale:
 class PipelineTrainer:
     """`step(*global_batch)` trains one iteration and returns the loss (the same on every rank).
     After a step: `grad_norm` (before clipping; None unless max_norm or fp16), `skipped` (fp16
-    overflow), `loss_scale`, `timeline()` and, with track_memory, `memory`."""
+    overflow), `loss_scale`, `timeline()` and, with track_memory, `memory`.
+
+    `tied`: groups of names of one parameter used in several places (Captured.tied); they stay
+    one parameter (runtime.tied). At set-up every replica takes the first replica's weights
+    (runtime.replicas), so the run does not depend on every rank having built the same model."""
 
     def __init__(self, programs: dict[int, StageProgram], schedule: Schedule, groups: RankGroups,
                  input_names: Sequence[str],
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 options: TrainOptions = TrainOptions()):
+                 options: TrainOptions = TrainOptions(), tied: tuple[tuple[str, ...], ...] = ()):
         self.programs, self.schedule, self.groups = programs, schedule, groups
         self.input_names = tuple(input_names)
         self.options = options
-        self.params = [p for prog in programs.values() for p in prog.gm.parameters()
-                       if p.requires_grad]
+        self.tied = tie(programs, tied, groups)
+        unique = {id(p): p for prog in programs.values() for p in prog.gm.parameters()}
+        self.params = [p for p in unique.values() if p.requires_grad]
+        self._sharded = self._sharded_params()
+        broadcast_replicas(list(unique.values()), self._sharded, groups)
+        broadcast_tied(self.tied)
+        self._not_in_norm = {id(c.param) for c in self.tied if not c.counts_in_norm}
         self.optimizer = optimizer(self.params)
         self.memory = (SavedActivations(prog.gm for prog in programs.values())
                        if options.track_memory else None)
@@ -167,7 +178,6 @@ class PipelineTrainer:
                                groups.rank) if groups.replicas is not None else None)
         self.scaler = (_LossScale(options.init_scale, options.growth_interval)
                        if options.precision == "fp16" else None)
-        self._sharded = self._sharded_params()
         self.grad_norm: float | None = None
         self.skipped = False
 
@@ -190,6 +200,7 @@ class PipelineTrainer:
                                  self.sync.start if self.sync is not None else None)
         if self.sync is not None:
             self.sync.wait()
+        sum_tied_grads(self.tied)
         self.skipped = self._unscale_and_clip()
         if not self.skipped:
             self.optimizer.step()
@@ -235,8 +246,9 @@ class PipelineTrainer:
         """Sum of squares of the whole model's gradient, and whether any rank saw inf/nan; one
         all-reduce over all ranks. Each value is counted once: dp x cp replicas only on index 0,
         replicated (non-sharded) parameters only on tp index 0."""
-        sharded = [p.grad for p in params if id(p) in self._sharded]
-        replicated = [p.grad for p in params if id(p) not in self._sharded]
+        counted = [p for p in params if id(p) not in self._not_in_norm]  # tied: once
+        sharded = [p.grad for p in counted if id(p) in self._sharded]
+        replicated = [p.grad for p in counted if id(p) not in self._sharded]
         local = [_sq(sharded), _sq(replicated)]
         counted = local[0] + (local[1] if self.groups.tp_index == 0 else 0.0)
         first_replica = self.groups.dp_index == 0 and self.groups.cp_index == 0
