@@ -37,6 +37,7 @@ from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_
                              before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
                              shard_param, shard_specs, tag_layers)
+from passes.tp_dataflow import check_layer
 from runtime import collectives
 
 aten = torch.ops.aten
@@ -97,6 +98,7 @@ def tensor_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp:
 
 def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group: str) -> None:
     replicated = _grouped_kv(gm, layer, nodes, tp, rank)
+    check_layer(gm, layer, nodes, tp, set(replicated))
     sharded: set[fx.Node] = set()
     selected: set[fx.Node] = set()  # kv heads taken from a replicated projection: already local
     entries: dict[fx.Node, fx.Node] = {}

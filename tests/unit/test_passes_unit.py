@@ -163,15 +163,19 @@ def test_saved_bytes_are_counted_per_layer_once_per_storage():
 
 
 def test_lifted_weights_are_made_parameters_and_sharded():
-    def forward(x, w, b):
-        return F.gelu(F.linear(x, w, b))
+    def forward(x, w, b, w2):
+        return F.linear(F.gelu(F.linear(x, w, b)), w2)
 
     gm = fx.symbolic_trace(forward)
-    x, w, b = torch.randn(2, 3, 8), torch.randn(12, 8), torch.randn(12)
-    propagate_shapes(gm, (x, w, b))
+    x, w, b, w2 = torch.randn(2, 3, 8), torch.randn(12, 8), torch.randn(12), torch.randn(8, 12)
+    propagate_shapes(gm, (x, w, b, w2))
     names = [n.name for n in gm.graph.nodes if n.op != "output"]
-    gm = tensor_parallel(gm, {"blocks.0": names}, tp=2, rank=1, params={"w": w, "b": b})
+    gm = tensor_parallel(gm, {"blocks.0": names}, tp=2, rank=1,
+                         params={"w": w, "b": b, "w2": w2})
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
     torch.testing.assert_close(gm.lifted_w, w[6:])
     torch.testing.assert_close(gm.lifted_b, b[6:])
-    torch.testing.assert_close(gm(x), F.gelu(F.linear(x, w, b))[..., 6:])  # no group: identities
+    torch.testing.assert_close(gm.lifted_w2, w2[:, 6:])
+    # No group bound: the collectives are identities, so this is rank 1's partial sum.
+    partial = F.linear(F.gelu(F.linear(x, w, b))[..., 6:], w2[:, 6:])
+    torch.testing.assert_close(gm(x), partial)

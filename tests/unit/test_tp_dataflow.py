@@ -1,0 +1,140 @@
+"""The tensor-parallel dataflow check (passes.tp_dataflow): layers whose column-parallel outputs
+meet an op that looks across the sharded dimension are refused, with the reason; the models the
+rewrite is known to run exactly are accepted at every tp their heads allow."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from passes.capture import capture
+from planner.api import plan
+from planner.costs import ModelCosts, PlanningError
+from planner.models import build_model, get_config
+
+HIDDEN, VOCAB, SEQ = 32, 64, 8
+
+
+class _Chain(nn.Module):
+    """embedding, blocks of one kind, head, loss: the shape fxpar plans."""
+
+    def __init__(self, block, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(block() for _ in range(layers))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class RoutedBlock(nn.Module):
+    """A mixture-of-experts MLP: a router's softmax weighs the experts' outputs."""
+
+    def __init__(self, experts: int = 2):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, experts)
+        self.up = nn.ModuleList(nn.Linear(HIDDEN, 2 * HIDDEN) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(2 * HIDDEN, HIDDEN) for _ in range(experts))
+
+    def forward(self, x):
+        gates = F.softmax(self.router(x), dim=-1)
+        out = x
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            out = out + gates[..., e:e + 1] * down(F.gelu(up(x)))
+        return out
+
+
+class HalfBlock(nn.Module):
+    """A column-parallel linear whose output leaves the block unreduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class NormedHiddenBlock(nn.Module):
+    """A LayerNorm over the MLP's hidden features (sharded under tp) before the down projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = (nn.Linear(HIDDEN, 64), nn.LayerNorm(64),
+                                         nn.Linear(64, HIDDEN))
+
+    def forward(self, x):
+        return x + self.down(self.norm(self.up(x)))
+
+
+class HeadBiasBlock(nn.Module):
+    """Attention with a bias per head (ALiBi-like) held whole on every rank."""
+
+    def __init__(self, heads: int = 4):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.bias = nn.Parameter(torch.zeros(heads, SEQ, SEQ))
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (-1, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return x + self.proj(y.transpose(1, 2).flatten(2))
+
+
+def _costs(model) -> ModelCosts:
+    tokens = torch.zeros(1, SEQ, dtype=torch.long)
+    captured = capture(model, (tokens, tokens))
+    return ModelCosts(captured, len(captured.blocks), 4)
+
+
+@pytest.mark.parametrize("block,words", [
+    (RoutedBlock, "reduces or normalises over the sharded dimension"),
+    (HalfBlock, "leaves the layer"),
+    (NormedHiddenBlock, "normalises over the sharded dimension"),
+    (HeadBiasBlock, "bias per head"),
+])
+def test_layers_that_tp_would_get_wrong_are_refused(block, words):
+    costs = _costs(_Chain(block))
+    assert costs.block_profile(2) is None
+    assert words in costs.tp_errors[2] and "not tensor-parallel" in costs.tp_errors[2]
+
+
+def test_refused_tp_names_the_reason_when_fixed_and_in_the_notes_when_free():
+    model = _Chain(RoutedBlock)
+    batch = tuple(torch.randint(0, VOCAB, (8, SEQ)) for _ in "xy")
+    with pytest.raises(PlanningError, match="softmax"):
+        plan(model, 2, batch, cluster="cpu-gloo", fix={"tp": 2})
+    chosen = plan(model, 2, batch, cluster="cpu-gloo")[0]
+    assert chosen.tp == 1
+    assert any("softmax" in note for note in chosen.notes)
+
+
+@pytest.mark.parametrize("config", [
+    get_config("gpt-tiny"), get_config("gpt-tiny", attention="math"), get_config("llama-tiny"),
+    get_config("llama-tiny", attention="math"), get_config("llama-tiny", kv_heads=2),
+])
+def test_models_the_rewrite_runs_exactly_are_accepted(config):
+    costs = _costs_of(config)
+    for tp in (2, 4, 8):
+        assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
+
+
+def _costs_of(config) -> ModelCosts:
+    tokens = torch.zeros(1, config.seq, dtype=torch.long)
+    captured = capture(build_model(config), (tokens, tokens))
+    return ModelCosts(captured, len(captured.blocks), 4)
+
+
+def test_hugging_face_blocks_are_accepted():
+    hf = pytest.importorskip("planner.hf")
+    pytest.importorskip("transformers")
+    for arch in ("gpt2", "llama"):
+        model = hf.build_hf(arch)
+        tokens = torch.zeros(1, hf.sequence_length(model), dtype=torch.long)
+        captured = capture(model, (tokens, tokens))
+        costs = ModelCosts(captured, len(captured.blocks), 4)
+        for tp in (2, 4):
+            assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
