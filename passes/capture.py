@@ -62,6 +62,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     except Exception as trace_error:  # noqa: BLE001 - fall back to export, report both if it fails
         gm, method = _export(model, example_inputs, trace_error), "export"
     propagate_shapes(gm, example_inputs)
+    check_loss(gm, model)
     layers = _group_layers(gm, block_prefix)
     inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
@@ -69,6 +70,24 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
     return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq,
                     tied_parameters(model))
+
+
+def check_loss(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """fxpar trains the value forward returns (or the first of a tuple): it must be a scalar
+    floating-point loss, or the backward would start from logits summed as if they were one."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    if isinstance(result, (tuple, list)) and result:
+        result = result[0]
+    val = result.meta.get("val") if isinstance(result, fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point:
+        return
+    what = (f"a {val.dtype} tensor of shape {list(val.shape)}" if isinstance(val, torch.Tensor)
+            else type(val).__name__ if val is not None else repr(result))
+    raise CaptureError(f"{type(model).__name__}.forward returns {what}, not a scalar loss: "
+                       f"fxpar back-propagates what forward returns; return the loss, or pass "
+                       f"loss_fn=(output, targets) -> loss to autoparallelize / plan, with the "
+                       f"targets as the last example input")
 
 
 def tied_parameters(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:

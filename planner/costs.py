@@ -161,8 +161,8 @@ class ModelCosts:
         notes = []
         if self.tp_errors and not any(t > 1 for t in self._profiles):
             first = min(self.tp_errors)
-            notes.append(f"planned without tensor parallelism: no tp size above 1 divides the "
-                         f"model ({self.tp_errors[first]})")
+            notes.append(f"planned without tensor parallelism: no tp size above 1 can shard "
+                         f"the model ({self.tp_errors[first]})")
         if self.training.zero1:
             notes.append("optimizer states priced as sharded over data parallel (ZeRO-1); the "
                          "fxpar runtime keeps them whole, so use an optimizer that shards them "

@@ -1,0 +1,66 @@
+"""Guards against silently wrong training that need no ranks: the captured output must be a scalar
+loss (or loss_fn= makes it one), tied parameters are found at capture."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from passes.capture import CaptureError, capture
+from planner.api import plan
+from planner.models import build_model, example_batch, get_config
+
+
+class Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class LogitsModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(Residual() for _ in range(2))
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_a_forward_returning_logits_is_refused_naming_loss_fn():
+    tokens = torch.randint(0, 32, (4, 8))
+    with pytest.raises(CaptureError, match=r"shape \[1, 8, 32\], not a scalar loss.*loss_fn="):
+        plan(LogitsModel(), 2, (tokens,), cluster="cpu-gloo")
+
+
+def test_loss_fn_makes_the_loss_and_keeps_the_model_and_its_names():
+    model, tokens = LogitsModel(), torch.randint(0, 32, (4, 8))
+    from planner.loss import with_loss
+    wrapped = with_loss(model, _loss)
+    assert dict(wrapped.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    assert wrapped.head.weight is model.head.weight
+    torch.testing.assert_close(wrapped(tokens, tokens), _loss(model(tokens), tokens))
+    chosen = plan(model, 2, (tokens, tokens), cluster="cpu-gloo", loss_fn=_loss)[0]
+    assert chosen.gpus == 2
+
+
+def test_loss_fn_with_a_preset_is_refused():
+    with pytest.raises(ValueError, match="loss_fn= applies to a model given as an nn.Module"):
+        plan("gpt-tiny", 2, cluster="cpu-gloo", loss_fn=_loss)
+
+
+def test_tied_parameters_are_found_at_capture():
+    config = get_config("gpt-tiny", tie=True, layers=2)
+    captured = capture(build_model(config), tuple(x[:1] for x in example_batch(config, 1)))
+    assert captured.tied == (("wte.weight", "lm_head.weight"),)
+    untied = get_config("gpt-tiny", layers=2)
+    assert capture(build_model(untied), example_batch(untied, 1)).tied == ()
