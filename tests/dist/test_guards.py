@@ -1,0 +1,114 @@
+"""Guards against silently wrong training, on real gloo ranks against one process: tied weights
+across pipeline stages and tensor-parallel shards, replicas built from different random models,
+and batches that do not match the plan."""
+import json
+
+import pytest
+import torch
+
+from planner.api import ParallelModel, plan
+from planner.models import get_config
+from planner.plan import Plan
+from planner.train import (RunResult, assert_same_run, build, make_optimizer, reference_run,
+                           run_parallel)
+
+STEPS = 3
+
+
+def _vocab_parallel_ends(chosen: Plan) -> Plan:
+    """The plan with embed and head vocabulary-parallel (what a GPU cluster's prices choose)."""
+    data = json.loads(chosen.dumps())
+    for stage in data["stages"]:
+        stage["strategies"] = ["vocab-tp" if layer in ("embed", "head") else s
+                               for layer, s in zip(stage["layers"], stage["strategies"])]
+    return Plan.from_json(json.dumps(data))
+
+
+def _plan(config, **mesh) -> Plan:
+    strategy = "tp" if mesh.get("tp", 1) > 1 else "none"
+    return plan(config, 4, cluster="cpu-gloo",
+                fix={"dp": 1, "tp": 1, "mb": 2, "schedule": "1f1b", "strategy": strategy,
+                     **mesh})[0]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("arch,mesh", [("gpt", {"dp": 2, "pp": 2}),
+                                       ("llama", {"tp": 2, "pp": 2}),
+                                       ("gpt", {"tp": 4, "pp": 1})])
+def test_tied_embedding_and_head_stay_one_parameter(pool4, arch, mesh):
+    config = get_config("gpt-tiny" if arch == "gpt" else "llama-tiny", tie=True, layers=2)
+    chosen = _plan(config, **mesh)
+    if chosen.tp > 1:
+        chosen = _vocab_parallel_ends(chosen)
+    parallel = run_parallel(config, chosen, STEPS, pool4)
+    assert_same_run(parallel, reference_run(config, STEPS), what=f"{arch} {mesh}")
+
+
+def _unseeded_worker(config, plan_json: str, steps: int):
+    """Each rank builds its own random model (no common seed); returns the model the parallel
+    run started from (gathered after set-up), the losses and the final parameters."""
+    import torch.distributed as dist
+    torch.manual_seed(1000 + dist.get_rank())
+    model, batch = build(config)
+    pm = ParallelModel(model, Plan.from_json(plan_json), [], batch, make_optimizer)
+    start = pm.full_state_dict()
+    losses = tuple(pm.train_step(*batch) for _ in range(steps))
+    return start, RunResult(losses, pm.full_state_dict())
+
+
+def _reference_from(config, start: dict, steps: int) -> RunResult:
+    model, batch = build(config)
+    model.load_state_dict(start, strict=False)
+    opt = make_optimizer(list(model.parameters()))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("arch,mesh", [("gpt", {"dp": 2, "pp": 2}), ("llama", {"dp": 2, "tp": 2})])
+def test_replicas_start_equal_without_a_seed(pool4, arch, mesh):
+    config = get_config("gpt-tiny" if arch == "gpt" else "llama-tiny", tie=arch == "gpt",
+                        layers=2)
+    results = pool4.run(_unseeded_worker, config, _plan(config, **mesh).dumps(), STEPS)
+    start, parallel = results[0]
+    for other_start, other in results[1:]:  # every rank saw one model and one run
+        assert other.losses == parallel.losses
+        for name, value in start.items():
+            torch.testing.assert_close(other_start[name], value, rtol=0, atol=0)
+    assert_same_run(parallel, _reference_from(config, start, STEPS))
+
+
+def _train_on(config, plan_json: str, how: str):
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model, batch = build(config)
+    pm = ParallelModel(model, Plan.from_json(plan_json), [], batch, make_optimizer)
+    if how == "double":
+        batch = tuple(torch.cat([x, x]) for x in batch)
+    elif how == "per-rank":
+        batch = tuple((x + dist.get_rank()) % config.vocab for x in batch)
+    elif how == "float":
+        batch = (batch[0].float(), batch[1])
+    try:
+        pm.train_step(*batch)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how,words", [
+    ("double", "has shape [32, 32]; the plan expects [16, 32] (global batch 16 = dp 2 x"),
+    ("per-rank", "different batches on different ranks"),
+    ("float", "is torch.float32; the model was captured with torch.int64"),
+])
+def test_a_batch_that_does_not_match_the_plan_is_refused_on_every_rank(pool4, how, words):
+    config = get_config("gpt-tiny", layers=2)
+    messages = pool4.run(_train_on, config, _plan(config, dp=2, pp=2).dumps(), how)
+    assert all(words in m for m in messages), messages
