@@ -181,12 +181,14 @@ def _group_layers(gm: fx.GraphModule, prefix: str | None) -> tuple[Layer, ...]:
             if block:
                 assigned[n] = block
     blocks = list(dict.fromkeys(assigned.values()))
+    order = {block: i for i, block in enumerate(blocks)}
     first = next((i for i, n in enumerate(nodes) if n in assigned), len(nodes))
     last = max((i for i, n in enumerate(nodes) if n in assigned), default=-1)
     for i, n in enumerate(nodes):
         if n in assigned or n.op in ("placeholder", "get_attr"):
             continue
-        assigned[n] = "embed" if i < first else "head" if i > last else _nearest_block(n, assigned)
+        assigned[n] = ("embed" if i < first else "head" if i > last
+                       else _nearest_block(n, assigned, order))
     for n in nodes:  # inputs and constants live with their first user
         if n.op in ("placeholder", "get_attr"):
             assigned[n] = next((assigned[u] for u in n.users if u in assigned), "embed")
@@ -195,12 +197,14 @@ def _group_layers(gm: fx.GraphModule, prefix: str | None) -> tuple[Layer, ...]:
                  for i, name in enumerate(order) if name in assigned.values())
 
 
-def _nearest_block(node: fx.Node, assigned: dict) -> str:
-    """A node between blocks with no module of its own belongs to the block that produced its input."""
-    for arg in node.all_input_nodes:
-        if arg in assigned:
-            return assigned[arg]
-    raise CaptureError(f"cannot assign node {node.name} ({node.target}) to a layer")
+def _nearest_block(node: fx.Node, assigned: dict, order: dict[str, int]) -> str:
+    """A node between blocks with no module of its own belongs to the latest layer that produced
+    one of its inputs (`x + block(x)` written in the parent goes with the block, not with x's
+    producer), so every layer only reads earlier ones."""
+    producers = [assigned[arg] for arg in node.all_input_nodes if arg in assigned]
+    if not producers:
+        raise CaptureError(f"cannot assign node {node.name} ({node.target}) to a layer")
+    return max(producers, key=lambda layer: order.get(layer, -1))
 
 
 def _make_layer(name: str, index: int, nodes: list[fx.Node], blocks: list[str]) -> Layer:

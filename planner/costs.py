@@ -35,8 +35,13 @@ class ModelCosts:
             raise PlanningError("found no repeated blocks (an nn.ModuleList of identical modules) "
                                 "to distribute")
         if len(signatures) > 1:
-            raise PlanningError("the model's repeated blocks differ in structure or shape; "
-                                "fxpar plans chains of identical blocks")
+            first = captured.blocks[0]
+            other = next(b for b in captured.blocks if b.signature != first.signature)
+            raise PlanningError(
+                f"the model's repeated blocks differ in structure or shape: {other.name} has "
+                f"{len(other.nodes)} graph nodes, {first.name} {len(first.nodes)}; fxpar plans "
+                f"chains of identical blocks (keep each block's work, its residual add too, "
+                f"inside the block's forward)")
         self.captured = captured
         self.num_blocks = num_blocks
         self.dtype_bytes = dtype_bytes

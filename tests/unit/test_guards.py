@@ -64,3 +64,29 @@ def test_tied_parameters_are_found_at_capture():
     assert captured.tied == (("wte.weight", "lm_head.weight"),)
     untied = get_config("gpt-tiny", layers=2)
     assert capture(build_model(untied), example_batch(untied, 1)).tied == ()
+
+
+class ParentResidual(torch.nn.Module):
+    """Blocks whose residual add is written in the parent's loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return _loss(self.head(x), targets)
+
+
+def test_ops_between_blocks_go_with_the_block_before_and_uneven_blocks_are_named():
+    tokens = torch.randint(0, 32, (4, 8))
+    captured = capture(ParentResidual(), (tokens[:1], tokens[:1]))
+    layer_of = captured.layer_of()
+    assert layer_of["add"] == "blocks.0" and layer_of["add_1"] == "blocks.1"
+    from planner.costs import PlanningError
+    with pytest.raises(PlanningError, match=r"blocks.2 has 1 graph nodes, blocks.0 2.*residual"):
+        plan(ParentResidual(), 2, (tokens, tokens), cluster="cpu-gloo")
