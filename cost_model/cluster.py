@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.wire import KINDS
+
 __all__ = [
     "Cluster",
     "ProfileError",
@@ -64,7 +66,7 @@ _DEVICES = ("cuda", "cpu")
 
 # Collective kinds the cost model prices (re-exported as comm.KINDS); each may
 # carry a measured correction in `comm_corrections`.
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+COMM_KINDS = KINDS  # the collective kinds (runtime.wire), keying the per-kind fields
 # The neutral correction: the textbook ring formula as it stands.
 NEUTRAL = (1.0, 1.0)
 

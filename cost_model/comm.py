@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import math
 
-from .cluster import COMM_KINDS, Cluster
+from runtime.wire import KINDS, check_count, check_kind, bytes_on_wire, ring_volume
+
+from .cluster import Cluster
 
 __all__ = [
     "KINDS",
@@ -55,30 +57,10 @@ __all__ = [
     "crosses_nodes",
 ]
 
-KINDS = COMM_KINDS  # defined with the Cluster fields that are keyed by it
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(KINDS)}")
-
-
-def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _check_bytes(nbytes: float) -> None:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
-        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
-    if not math.isfinite(nbytes) or nbytes < 0:
-        raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
-
-
 def ring_steps(kind: str, n: int) -> int:
     """Sequential message steps (each paying one alpha) for n ranks."""
-    _check_kind(kind)
-    _check_count("group size", n)
+    check_kind(kind)
+    check_count("group size", n)
     if n == 1:
         return 0
     if kind == "p2p":
@@ -88,32 +70,11 @@ def ring_steps(kind: str, n: int) -> int:
     return n - 1
 
 
-def ring_volume(kind: str, nbytes: float, n: int) -> float:
-    """Bytes each rank pushes through its link, the bandwidth term's volume."""
-    _check_kind(kind)
-    _check_bytes(nbytes)
-    _check_count("group size", n)
-    if n == 1:
-        return 0.0
-    if kind == "p2p":
-        return float(nbytes)
-    factor = 2.0 if kind == "all_reduce" else 1.0
-    return factor * (n - 1) / n * nbytes
-
-
-def bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends (p2p: the sender's). Equal to `ring_volume`
-    because ring algorithms are bandwidth-optimal; kept as a separate name
-    for traffic accounting, which should not change if the timing model
-    later gains tree or hierarchical algorithms."""
-    return ring_volume(kind, nbytes, n)
-
-
 def crosses_nodes(cluster: Cluster, kind: str, group_size: int, stride: int = 1) -> bool:
     """Whether the group's ring (or the p2p pair) leaves a node."""
-    _check_kind(kind)
-    _check_count("group_size", group_size)
-    _check_count("stride", stride)
+    check_kind(kind)
+    check_count("group_size", group_size)
+    check_count("stride", stride)
     if kind == "p2p":
         return stride >= cluster.gpus_per_node
     return (group_size - 1) * stride >= cluster.gpus_per_node

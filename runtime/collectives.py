@@ -4,7 +4,7 @@ A graph refers to a process group by a short name ("tp", "dp", ...) rather than 
 ProcessGroup object, so the same graph text prints readably and runs on every rank; the runtime
 binds names to this rank's groups with `bind_groups`. Each function carries `_fxpar_collective`
 (the kind priced by the cost model; a "_backward" suffix when it communicates only in backward) and
-records the bytes it sends in `TRAFFIC`, per layer tag, with `cost_model.comm.bytes_on_wire`
+records the bytes it sends in `TRAFFIC`, per layer tag, with `runtime.wire.bytes_on_wire`
 semantics, so a measured count can be compared with the cost model exactly.
 
 Communication repeated to save memory (a checkpointed region run again in backward, the all-gather
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cost_model.comm import bytes_on_wire
+from runtime.wire import bytes_on_wire
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 # (kind, layer tag) -> bytes this rank sent; read by tests and the cost-model validation.

@@ -2,7 +2,7 @@
 tensors autograd keeps for backward.
 
 Communication: every collective of `runtime.collectives` adds the bytes it sends to
-collectives.TRAFFIC under (kind, layer), with `cost_model.comm.bytes_on_wire` semantics, so the
+collectives.TRAFFIC under (kind, layer), with `runtime.wire.bytes_on_wire` semantics, so the
 numbers compare exactly with `cost_model.layer_cost.price(...).comm_bytes`. Communication repeated to
 save memory (recomputation, the re-gather of a sequence-parallel linear) goes to RECOMPUTE_TRAFFIC.
 `counting()` resets both and hands back what ran inside it, per layer.

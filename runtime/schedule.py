@@ -16,7 +16,8 @@ Execution model, shared by the validator, the simulator and the executor:
   communication actions.
 
 Generators live in :mod:`runtime.generators`, the checker in
-:mod:`runtime.validate`; both are also reachable from this module.
+:mod:`runtime.validate` and the text grid (a unit-time simulation) in
+:mod:`runtime.simulator`; they import this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -226,40 +227,3 @@ class Schedule:
             )
         name, ranks, stages, mbs = header
         return Schedule(name, ranks, stages, mbs, actions)
-
-    def grid(self) -> str:
-        """Compute actions laid out by a unit-time simulation (every compute
-        action takes one slot, communication is free); '.' marks idle slots."""
-        from runtime.simulator import simulate  # the simulator imports this module
-
-        timeline = simulate(self, {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0})
-        cells = [["."] * round(timeline.makespan) for _ in range(self.num_ranks)]
-        for event in timeline.events:
-            cells[event.rank][round(event.start)] = str(event.action)
-        width = max((len(c) for row in cells for c in row), default=1)
-        label = len(f"rank {self.num_ranks - 1}:")
-        return "\n".join(
-            f"rank {r}:".ljust(label) + " " + " ".join(c.ljust(width) for c in row).rstrip()
-            for r, row in enumerate(cells)
-        )
-
-
-_REEXPORTS = {
-    "gpipe": "runtime.generators",
-    "one_f_one_b": "runtime.generators",
-    "interleaved_1f1b": "runtime.generators",
-    "zb_h1": "runtime.generators",
-    "make_schedule": "runtime.generators",
-    "SCHEDULES": "runtime.generators",
-    "validate": "runtime.validate",
-}
-
-
-def __getattr__(name: str):
-    # Generators and the validator import this module, so they are loaded on
-    # first use rather than at import time to avoid an import cycle.
-    if name in _REEXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_REEXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -142,3 +142,18 @@ def _peak_memory(
         peaks.append(peak)
         peak_bytes.append(top)
     return tuple(peaks), tuple(peak_bytes)
+
+
+def grid(schedule: Schedule) -> str:
+    """The schedule's text grid: compute actions laid out by a unit-time simulation (every
+    compute action takes one slot, communication is free); '.' marks idle slots."""
+    timeline = simulate(schedule, {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0})
+    cells = [["."] * round(timeline.makespan) for _ in range(schedule.num_ranks)]
+    for event in timeline.events:
+        cells[event.rank][round(event.start)] = str(event.action)
+    width = max((len(c) for row in cells for c in row), default=1)
+    label = len(f"rank {schedule.num_ranks - 1}:")
+    return "\n".join(
+        f"rank {r}:".ljust(label) + " " + " ".join(c.ljust(width) for c in row).rstrip()
+        for r, row in enumerate(cells)
+    )
