@@ -13,9 +13,9 @@ from passes.capture import capture
 from passes.program import rank_programs
 from passes.tensor_parallel import shard_specs
 from planner.models import ModelConfig, build_model, get_config
-from planner.plan import GiB, Plan
+from planner.plan import GiB, Plan, gib
 from planner.costs import ModelCosts, PlanningError
-from planner.search import Request, search, smallest_memory
+from planner.search import Request, check_fix, search, smallest_memory, why_nothing_plans
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups
 from runtime.tied import canonical_names
@@ -36,36 +36,49 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
          top_k: int = 1, zero1: bool = False) -> list[Plan]:
-    """The best plans, fastest first; raises PlanningError when none fits in memory."""
+    """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
+    device memory). Raises PlanningError, saying why, when none fits."""
     gpus = _check_gpus(gpus)
     hw = get_cluster(cluster or default_cluster())
+    limit = _memory_limit_bytes(memory_limit, hw)
+    fix = dict(fix or {})
+    check_fix(fix)
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1)
-    limit = float(memory_limit) if memory_limit is not None else float(hw.mem_bytes)
-    if limit <= 0:
-        raise ValueError(f"memory limit must be positive, got {memory_limit!r}")
-    req = Request(gpus, hw, batch, seq, limit, name, dict(fix or {}), top_k=top_k)
+    req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k)
     plans = search(costs, req)
     if not plans:
         raise _infeasible(costs, req)
     return plans
 
 
+def _memory_limit_bytes(memory_limit, hw: Cluster) -> float:
+    """A memory limit in GiB per device, as bytes; None: the cluster's device memory."""
+    if memory_limit is None:
+        return float(hw.mem_bytes)
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+            or not memory_limit > 0:
+        raise ValueError(f"memory limit must be a positive number of GiB per device, got "
+                         f"{memory_limit!r}")
+    return float(memory_limit) * GiB
+
+
 def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
+    """Why nothing planned: the filter that removed the last configurations and the nearest legal
+    value, or the least memory any plan needs."""
+    why = why_nothing_plans(costs, req)
+    if why:
+        return PlanningError(why)
     need, where = smallest_memory(costs, req)
     if where is None:
-        why = costs.tp_errors.get(req.fix.get("tp"), "")
-        cp = req.fix.get("cp", 1)
-        if cp > 1 and not costs.supports_cp(cp, req.seq):
-            why = costs.cp_error or (f"sequence length {req.seq} is not divisible by 2·cp = "
-                                     f"{2 * cp} (zig-zag context parallel)")
         return PlanningError(f"no configuration of {req.gpus} GPUs fits the model and global "
-                             f"batch {req.global_batch} (constraints: {req.fix or 'none'})"
-                             + (f": {why}" if why else ""))
+                             f"batch {req.global_batch} (fixed: {req.fix or 'nothing'}): every "
+                             f"stage problem is infeasible")
+    cp = f", cp={where.cp}" if where.cp > 1 else ""
     return PlanningError(
-        f"no plan fits in {req.memory_limit / GiB:.2f} GiB per device; the smallest memory per "
-        f"device any plan needs is {need / GiB:.2f} GiB (dp={where.dp}, tp={where.tp}, "
-        f"pp={where.pp}, micro-batch {where.micro_batch}); raise --memory-limit to at least that "
-        f"or use more GPUs")
+        f"no plan fits in {gib(req.memory_limit)} GiB per device; the smallest memory per device "
+        f"any plan needs is {gib(need, up=True)} GiB (dp={where.dp}, tp={where.tp}, "
+        f"pp={where.pp}{cp}, {where.schedule}, micro-batch {where.micro_batch}); raise the memory "
+        f"limit (GiB) to at least that or use more GPUs")
 
 
 def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False):
@@ -172,8 +185,9 @@ def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, examp
                     *, cluster: str | Cluster | None = None, global_batch: int | None = None,
                     memory_limit: float | None = None, fix: dict | None = None,
                     optimizer: Callable | None = None) -> ParallelModel:
-    """Plan `model` for `gpus` devices. Outside a distributed launch this only plans; inside one
-    (world size must equal gpus) rank 0's plan is shared so every rank shards the same way."""
+    """Plan `model` for `gpus` devices (memory_limit: GiB per device, as for `plan`). Outside a
+    distributed launch this only plans; inside one (world size must equal gpus) rank 0's plan is
+    shared so every rank shards the same way."""
     gpus = _check_gpus(gpus)
     if dist.is_initialized() and dist.get_world_size() != gpus:
         raise RuntimeError(f"autoparallelize(gpus={gpus}) inside a launch of "

@@ -6,8 +6,6 @@ import json
 import sys
 import time
 
-from planner.plan import GiB
-
 EXAMPLES = {
     "plan": "examples:\n  fxpar plan --model gpt3-175b --gpus 1024 --cluster a100-80g-dgx\n"
             "  fxpar plan --model llama2-7b --gpus 64 --json > a.json\n"
@@ -28,20 +26,31 @@ EXAMPLES = {
 
 
 def _fix(text: str) -> dict:
-    """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}"""
-    numbers, words = {"tp", "pp", "dp", "cp", "mb", "v"}, {"strategy", "recompute", "schedule"}
+    """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}; a bad item is an
+    error naming the key and its legal values (planner.search.check_fix, as for the API)."""
+    from planner.search import FIX_KEYS, FIX_NUMBERS, check_fix
     result: dict = {}
     for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key in words and value:
-            result[key] = value
-        elif key in numbers and value.isdigit() and int(value) >= 1:
-            result[key] = int(value)
-        else:
-            raise argparse.ArgumentTypeError(
-                f"bad --fix item {item!r}: use {'/'.join(sorted(numbers))}=positive-int, "
-                f"strategy=none|tp|tp+sp|..., recompute=none|selective|full, "
-                f"schedule=1f1b|gpipe|interleaved-1f1b|zb-h1")
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key not in FIX_KEYS:
+            raise argparse.ArgumentTypeError(f"unknown key {key!r} in {item!r}; known keys: "
+                                             f"{', '.join(FIX_KEYS)}")
+        if key in result:
+            raise argparse.ArgumentTypeError(f"{key} is given twice")
+        if key in FIX_NUMBERS:
+            if not value.lstrip("+-").isdigit():
+                raise argparse.ArgumentTypeError(f"bad item {item!r}: {key} must be a positive "
+                                                 f"integer (1, 2, 3, ...)")
+            value = int(value)
+        result[key] = value
+        try:
+            check_fix({key: value})
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"bad item {item!r}: {err}") from None
+    try:
+        check_fix(result)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return result
 
 
@@ -75,9 +84,11 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _config(args):
+    """The preset with the size overrides and --global-batch: what is planned is what trains."""
     from planner.models import get_config
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
     sizes["seq"] = args.seq
+    sizes["global_batch"] = args.global_batch
     return get_config(args.model, **sizes)
 
 
@@ -95,21 +106,32 @@ def _hf_model(args):
 
 def _plans(args, top_k: int = 1):
     from planner.api import plan
-    limit = args.memory_limit * GiB if args.memory_limit is not None else None
     model, inputs = _hf_model(args) if args.hf or args.hf_config else (_config(args), None)
     return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
-                memory_limit=limit, fix=args.fix, top_k=top_k, zero1=args.zero1)
+                memory_limit=args.memory_limit, fix=args.fix, top_k=top_k, zero1=args.zero1)
 
 
 def _load_plan(path: str):
     from planner.plan import Plan
+    not_a_plan = f"{path} is not a plan written by `fxpar plan --json`"
     try:
-        with open(path) as f:
-            return Plan.from_json(json.load(f))
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
     except OSError as err:
-        raise ValueError(f"cannot read plan file {path}: {err.strerror}") from err
-    except (json.JSONDecodeError, TypeError, KeyError) as err:
-        raise ValueError(f"{path} is not a plan written by `fxpar plan --json`: {err}") from err
+        raise ValueError(f"cannot read plan file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{not_a_plan}: not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{not_a_plan}: not JSON ({err.msg} at line {err.lineno} column "
+                         f"{err.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{not_a_plan}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return Plan.from_json(data)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(f"{not_a_plan}: {err}") from None
 
 
 def cmd_plan(args) -> int:
@@ -125,7 +147,7 @@ def cmd_plan(args) -> int:
     plans = _plans(args, top_k=args.top_k if args.explain else 1)
     best = plans[0]
     if args.json:
-        print(best.dumps())
+        print(best.dumps())  # the same bytes for the same request, but for the last key, timing
         return 0
     print(best)
     if args.png:
@@ -157,8 +179,15 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _preset_only(args, command: str) -> None:
+    if args.hf or args.hf_config:
+        raise ValueError(f"fxpar {command} trains presets (--model with size overrides); plan a "
+                         f"Hugging Face model with fxpar plan, train it with autoparallelize")
+
+
 def cmd_run(args) -> int:
     from planner.train import compare_with_reference
+    _preset_only(args, "run")
     best = _plans(args)[0]
     print(best)
     print()
@@ -191,6 +220,7 @@ def torchrun_command(plan, config, steps: int, folder: str) -> str:
 
 def cmd_bench(args) -> int:
     from planner.bench import bench, plot, report
+    _preset_only(args, "bench")
     plans = _plans(args, top_k=args.top_k)
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
           f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
@@ -201,8 +231,20 @@ def cmd_bench(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too (with where to read more), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: str, limit: int = 600) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxpar", description="Auto-parallel planner for PyTorch")
+    parser = _Parser(prog="fxpar", description="Auto-parallel planner for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="choose the fastest plan that fits", epilog=EXAMPLES["plan"],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -259,7 +301,7 @@ def _guarded(func, *args) -> int:
     try:
         return func(*args) or 0
     except (ValueError, RuntimeError, OSError, KeyError) as err:
-        print(f"fxpar: error: {err}", file=sys.stderr)
+        print(f"fxpar: error: {_one_line(err)}", file=sys.stderr)
         return 2
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.plan import GiB, Plan
+from planner.plan import Plan, gib
 
 
 def _mesh(p: Plan) -> str:
@@ -15,7 +15,7 @@ def alternatives_table(plans: list[Plan]) -> str:
     best = plans[0].predicted.iteration_s
     rows = [[i + 1, _mesh(p), f"{p.predicted.iteration_s:.4g}",
              f"{(p.predicted.iteration_s / best - 1) * 100:+.1f}%",
-             f"{p.predicted.peak_memory_bytes / GiB:.2f}", f"{p.predicted.bubble_fraction:.3f}",
+             gib(p.predicted.peak_memory_bytes), f"{p.predicted.bubble_fraction:.3f}",
              f"{p.predicted.tflops_per_gpu:.1f}"] for i, p in enumerate(plans)]
     return tabulate(rows, headers=["#", "configuration", "iteration s", "vs best",
                                    "peak GiB/device", "bubble", "TFLOP/s/GPU"],
@@ -30,8 +30,8 @@ def binding_constraint(plan: Plan) -> str:
                 f"neither memory, bubble nor communication holds it back")
     headroom = 1 - p.peak_memory_bytes / plan.memory_limit_bytes
     if headroom < 0.05:
-        return (f"memory: the fullest device uses {p.peak_memory_bytes / GiB:.2f} of "
-                f"{plan.memory_limit_bytes / GiB:.2f} GiB ({headroom:.1%} headroom); a faster "
+        return (f"memory: the fullest device uses {gib(p.peak_memory_bytes)} of "
+                f"{gib(plan.memory_limit_bytes)} GiB ({headroom:.1%} headroom); a faster "
                 f"split of the same GPUs would not fit")
     if p.bubble_s >= p.comm_s:
         return (f"pipeline bubble: {p.bubble_s:.4g} s ({p.bubble_fraction:.1%}) of idle stages, "
@@ -45,9 +45,9 @@ def next_best(plans: list[Plan]) -> str:
     if len(plans) < 2:
         return "no other configuration fits"
     a, b = plans[0].predicted, plans[1].predicted
-    memory = (a.peak_memory_bytes - b.peak_memory_bytes) / GiB
+    memory = a.peak_memory_bytes - b.peak_memory_bytes
     return (f"the next best ({_mesh(plans[1])}) is {(b.iteration_s / a.iteration_s - 1):.1%} "
-            f"slower; it {'saves' if memory > 0 else 'needs'} {abs(memory):.2f} GiB per device "
+            f"slower; it {'saves' if memory > 0 else 'needs'} {gib(abs(memory))} GiB per device "
             f"{'against' if memory > 0 else 'more than'} the winner, with bubble "
             f"{b.bubble_fraction:.3f} vs {a.bubble_fraction:.3f} and exposed communication "
             f"{b.comm_s:.4g} s vs {a.comm_s:.4g} s")

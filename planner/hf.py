@@ -6,8 +6,8 @@ cannot follow transformers' control flow) with the KV cache off.
 """
 from __future__ import annotations
 
+import difflib
 import json
-import os
 
 import torch
 
@@ -61,22 +61,64 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
 
 
 def build_hf_from_file(path: str) -> HFCausalLM:
-    """A model from a config.json (its "model_type" picks the architecture)."""
-    if not os.path.exists(path):
-        raise ValueError(f"cannot read Hugging Face config {path}: no such file")
+    """A model from a config.json (its "model_type" picks the architecture). Whatever is wrong
+    with the file is a ValueError of one short line."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"cannot read Hugging Face config {path}: "
+                         f"{(err.strerror or str(err)).lower()}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not JSON: not UTF-8 text") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not JSON: {err}") from err
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a Hugging Face config: expected a JSON object, got "
+                         f"{type(data).__name__}")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f'{path} has no "model_type" (e.g. "gpt2", "llama"), which picks the '
+                         f'architecture')
     tf = _transformers()
-    config = tf.AutoConfig.for_model(**data)
-    return HFCausalLM(tf.AutoModelForCausalLM.from_config(config))
+    if model_type not in tf.CONFIG_MAPPING:
+        close = difflib.get_close_matches(model_type, list(tf.CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(f"{path}: transformers {tf.__version__} knows no model_type "
+                         f"{model_type!r}" + (f"; did you mean {', '.join(close)}?" if close else
+                                              " (e.g. gpt2, llama, mistral, qwen2)"))
+    try:
+        config = tf.AutoConfig.for_model(**data)
+    except Exception as err:  # noqa: BLE001 - transformers raises assorted types for bad fields
+        raise ValueError(f"{path}: transformers rejects the config: {_one_line(err)}") from None
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{path}: model_type {model_type!r} has no causal language model in "
+                         f"transformers (AutoModelForCausalLM); fxpar plans models that take "
+                         f"tokens and return the loss")
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # noqa: BLE001 - as above, while building the modules
+        raise ValueError(f"{path}: transformers cannot build the model: {_one_line(err)}") \
+            from None
+    return HFCausalLM(model)
+
+
+def _one_line(err: Exception, limit: int = 300) -> str:
+    """The error's text as one line, cut at `limit` characters (transformers lists hundreds of
+    model types in some of its messages)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def sequence_length(model: HFCausalLM) -> int:
     config = model.model.config
-    return int(getattr(config, "n_positions", None) or config.max_position_embeddings)
+    length = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings",
+                                                             None)
+    if not length:
+        raise ValueError("the config has neither n_positions nor max_position_embeddings: give "
+                         "the sequence length (--seq)")
+    return int(length)
 
 
 def vocab_size(model: HFCausalLM) -> int:

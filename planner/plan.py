@@ -2,13 +2,26 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from tabulate import tabulate
 
 from passes.program import Layout
 
 GiB = 2**30
+
+
+def gib(nbytes: float, up: bool = False) -> str:
+    """Bytes as GiB with the digits that matter: 2 decimals from 1 GiB, else 2 significant digits
+    ("0.0017"); up=True rounds up at that precision (for an amount that must be enough)."""
+    value = nbytes / GiB
+    if value <= 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = 2 if value >= 1 else 1 - math.floor(math.log10(value))
+    if up:
+        value = math.ceil(value * 10**decimals * (1 - 1e-12)) / 10**decimals
+    return f"{value:.{decimals}f}"
 
 
 @dataclass(frozen=True)
@@ -54,9 +67,12 @@ class Plan:
     stages: tuple[StagePlan, ...]
     predicted: Predicted
     notes: tuple[str, ...] = ()
-    solver: str = ""
+    solver: str = ""                   # "optimal, gap 0.00%" or "feasible, gap 3.10%"
     virtual_stages: int = 1            # stages per rank (interleaved schedules)
     cp: int = 1                        # context-parallel ranks sharing a sequence
+    # What varies from run to run (solve_s: seconds of the plan's ILP, search_s: of the whole
+    # search); equality, --diff and the JSON without timing leave it out.
+    timing: dict = field(default_factory=dict, compare=False)
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -67,24 +83,46 @@ class Plan:
         return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages),
                       pad_vocab=vocab, cp=self.cp)
 
-    def to_json(self) -> dict:
+    def to_json(self, timing: bool = True) -> dict:
+        """The plan as JSON data; "timing" comes last and only with timing=True: the rest is the
+        same for the same request, byte for byte."""
         data = asdict(self)
+        del data["timing"]
         data["mesh"] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+        if timing:
+            data["timing"] = dict(self.timing)
         return data
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
+    def dumps(self, timing: bool = True) -> str:
+        return json.dumps(self.to_json(timing), indent=2)
 
     @staticmethod
     def from_json(data: dict | str) -> "Plan":
+        """A plan from to_json's data (or its text); ValueError naming what is wrong otherwise."""
         if isinstance(data, str):
             data = json.loads(data)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         data = {k: v for k, v in data.items() if k != "mesh"}
+        _check_fields(Plan, data, "plan")
+        stages, predicted = data["stages"], data["predicted"]
+        if not isinstance(stages, (list, tuple)) or not isinstance(predicted, dict):
+            raise ValueError("'stages' must be a list and 'predicted' an object")
+        for i, s in enumerate(data["stages"]):
+            if not isinstance(s, dict):
+                raise ValueError(f"stage {i} is not an object")
+            _check_fields(StagePlan, s, f"stage {i}")
+        _check_fields(Predicted, data["predicted"], "'predicted'")
         stages = tuple(StagePlan(**{**s, "layers": tuple(s["layers"]),
                                     "strategies": tuple(s["strategies"])})
                        for s in data.pop("stages"))
+        status, _, seconds = data.get("solver", "").rpartition(", ")
+        if status and seconds.endswith(" s"):  # written before timing had its own key
+            data["solver"] = status
+            data.setdefault("timing", {"solve_s": float(seconds.removesuffix(" s"))})
         return Plan(**{**data, "stages": stages, "predicted": Predicted(**data.pop("predicted")),
-                       "notes": tuple(data.pop("notes", ()))})
+                       "notes": tuple(data.pop("notes", ())),
+                       "timing": dict(data.get("timing") or {})})
 
     def __str__(self) -> str:
         p = self.predicted
@@ -114,9 +152,27 @@ class Plan:
             f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU",
         ]
         if self.solver:
-            tail.append(f"solver: {self.solver}")
+            seconds = self.timing.get("solve_s")
+            tail.append(f"solver: {self.solver}"
+                        + (f", {seconds:.2f} s" if seconds is not None else ""))
         tail += [f"note: {n}" for n in self.notes]
         return "\n".join(head + [table] + tail)
+
+
+def _check_fields(cls, data: dict, what: str) -> None:
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING}
+    missing, unknown = sorted(required - set(data)), sorted(set(data) - names)
+    if missing or unknown:
+        raise ValueError(f"{what}: " + "; ".join(
+            f"{label} {_names(keys)}" for label, keys in (("missing", missing),
+                                                         ("unknown", unknown)) if keys))
+
+
+def _names(keys: list[str], most: int = 5) -> str:
+    shown = ", ".join(map(repr, keys[:most]))
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 def _size(nbytes: float, scale: float) -> str:

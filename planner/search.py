@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 from cost_model.cluster import Cluster
 from cost_model.comm import collective_time
 from cost_model.layer_cost import LayerCost
-from cost_model.strategy import Strategy, strategy_space
+from cost_model.strategy import RECOMPUTE, Strategy, strategy_space
 from planner import ilp
 from planner.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
 from planner.plan import Plan, Predicted, StagePlan
-from runtime.generators import peak_inflight
+from runtime.generators import SCHEDULES as RUNTIME_SCHEDULES
+from runtime.generators import peak_inflight, schedule_error
 
 # (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
@@ -62,10 +64,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+FIX_NUMBERS = ("dp", "tp", "pp", "cp", "mb", "v")
+MESH_KEYS = ("dp", "tp", "pp", "cp")
+
+
 def check_fix(fix: dict) -> None:
-    unknown = sorted(set(fix) - set(FIX_KEYS))
-    if unknown:
-        raise ValueError(f"unknown fixed setting(s) {unknown}; known: {', '.join(FIX_KEYS)}")
+    """Refuse fixed settings that no plan can have, naming the key and its legal values."""
+    for key, value in fix.items():
+        if key not in FIX_KEYS:
+            raise ValueError(f"unknown fixed setting {key!r}; known: {', '.join(FIX_KEYS)}")
+        if key in FIX_NUMBERS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive integer (1, 2, 3, ...), got {value!r}")
+        elif key == "schedule" and value not in RUNTIME_SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; legal schedules: "
+                             f"{', '.join(sorted(RUNTIME_SCHEDULES))}")
+        elif key == "strategy":
+            if not isinstance(value, str):
+                raise ValueError(f"strategy must be a string such as 'tp+sp', got {value!r}")
+            Strategy.parse(value)  # its message lists the legal forms
+        elif key == "recompute" and value not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}")
+    name, v = fix.get("schedule"), fix.get("v", 1)
+    if name is not None and name != "interleaved-1f1b" and v > 1:
+        raise ValueError(f"v={v} stages per rank needs schedule=interleaved-1f1b: schedule "
+                         f"{name!r} runs one stage per rank (legal v: 1)")
+    if "strategy" in fix and "recompute" in fix:
+        strategy = Strategy.parse(fix["strategy"])
+        if strategy.recompute != fix["recompute"]:
+            wanted = replace(strategy, recompute=fix["recompute"])
+            raise ValueError(f"strategy={fix['strategy']} (recompute {strategy.recompute}) "
+                             f"contradicts recompute={fix['recompute']}; fix strategy={wanted} "
+                             f"alone")
 
 
 def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
@@ -74,53 +104,231 @@ def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
     return [t for t in sizes if t == 1 or costs.block_profile(t) is not None]
 
 
-def _schedules(req: Request, pp: int, m: int, blocks: int):
-    fix = req.fix
-    options = [(fix["schedule"], fix.get("v", 1))] if "schedule" in fix else list(req.schedules)
-    for name, v in options:
-        if "v" in fix and "schedule" not in fix and fix["v"] != v:
-            continue
-        if pp == 1 and (name != options[0][0] or v > 1):
-            continue  # without a pipeline every schedule is the same
-        if name == "interleaved-1f1b" and (m % pp or pp * v > blocks + 2):
-            continue
-        yield name, v
-
-
 def cp_sizes(costs: ModelCosts, req: Request, rest: int) -> list[int]:
     """Context-parallel sizes: those whose sequence splits into 2·cp zig-zag chunks, for a model
     whose attention passes.context_parallel can turn into a ring (ModelCosts.supports_cp)."""
     return [c for c in _divisors(rest) if costs.supports_cp(c, req.seq)]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a filter of the search drops a configuration: `depth` orders the filters (the deepest
+    refusal is the one that removed the last configurations), `keys` the fixed settings it can
+    blame, most direct first."""
+    depth: int
+    reason: str
+    keys: tuple[str, ...]
+
+
+def _factorisations(gpus: int):
+    """Every (dp, tp, cp, pp) with dp·tp·cp·pp = gpus, tp outermost (the search's order)."""
+    for tp in _divisors(gpus):
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                yield gpus // (tp * cp * pp), tp, cp, pp
+
+
+def _mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
+                  pp: int) -> Refusal | None:
+    cluster, layers = req.cluster, costs.num_blocks + 2
+    if cluster.device != "cpu" and tp > cluster.gpus_per_node:
+        return Refusal(1, f"tp={tp} spans more than the {cluster.gpus_per_node} GPUs of one "
+                          f"{cluster.name} node", ("tp",))
+    if tp > 1 and costs.block_profile(tp) is None:
+        return Refusal(2, costs.tp_errors[tp], ("tp",))
+    if not costs.supports_cp(cp, req.seq):
+        return Refusal(3, costs.cp_error or f"sequence length {req.seq} is not divisible by "
+                          f"2·cp = {2 * cp} (zig-zag context parallel)", ("cp",))
+    if pp > layers:
+        return Refusal(4, f"pp={pp} exceeds the {layers} layers ({costs.num_blocks} blocks, "
+                          f"embed and head): every stage needs one", ("pp",))
+    if req.global_batch % dp:
+        return Refusal(5, f"global batch {req.global_batch} is not divisible by dp={dp}", ("dp",))
+    if tp > 1 and not any(s.tp for s in _strategies(req, tp)):
+        return Refusal(6, f"strategy={req.fix['strategy']} leaves tp={tp} unused (a tp > 1 mesh "
+                          f"needs some block to use tensor parallelism)", ("tp", "strategy"))
+    return None
+
+
+def _schedule_options(req: Request) -> list[tuple[str, int]]:
+    """(schedule, v) pairs the fix allows: a fixed schedule with the fixed v or the v the search
+    gives it; a fixed v alone picks interleaving when above 1."""
+    fix = req.fix
+    if "schedule" in fix:
+        name = fix["schedule"]
+        return [(name, fix.get("v", dict(req.schedules).get(name, 1)))]
+    if "v" in fix:
+        interleaved = fix["v"] > 1
+        return [(name, fix["v"]) for name, _ in req.schedules
+                if (name == "interleaved-1f1b") == interleaved]
+    return list(req.schedules)
+
+
+def _schedule_refusal(pp: int, m: int, blocks: int, name: str, v: int) -> Refusal | None:
+    if pp == 1 and v > 1:
+        return Refusal(8, f"{name} with v={v} stages per rank needs a pipeline, but pp=1",
+                       ("v", "pp"))
+    if name == "interleaved-1f1b" and m % pp:
+        return Refusal(8, f"interleaved-1f1b needs the {m} micro-batches to be a multiple of "
+                          f"pp={pp}", ("mb", "pp", "dp", "schedule"))
+    if name == "interleaved-1f1b" and pp * v > blocks + 2:
+        return Refusal(8, f"interleaved-1f1b with pp={pp} and v={v} makes {pp * v} stages, more "
+                          f"than the {blocks + 2} layers", ("v", "pp"))
+    why = schedule_error(name, pp, m, v)  # whatever else the runtime would refuse
+    return Refusal(8, why, ("schedule", "v")) if why else None
+
+
+def _schedules(req: Request, pp: int, m: int, blocks: int):
+    options = _schedule_options(req)
+    for name, v in options:
+        if pp == 1 and name != options[0][0]:
+            continue  # without a pipeline every schedule is the same
+        if _schedule_refusal(pp, m, blocks, name, v) is None:
+            yield name, v
+
+
+def _fixed_mesh(req: Request, dp: int, tp: int, cp: int, pp: int) -> bool:
+    return all(req.fix.get(k, value) == value for k, value in zip(("dp", "tp", "cp", "pp"),
+                                                                   (dp, tp, cp, pp)))
+
+
 def meshes(costs: ModelCosts, req: Request):
     """(dp, tp, cp, pp) with dp·tp·cp·pp = gpus that the model admits and the fix allows."""
-    fix = req.fix
-    for tp in tp_sizes(costs, req.gpus, req.cluster):
-        for cp in cp_sizes(costs, req, req.gpus // tp):
-            for pp in _divisors(req.gpus // (tp * cp)):
-                dp = req.gpus // (tp * cp * pp)
-                chosen = (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp))
-                if any(k in fix and fix[k] != v for k, v in chosen):
-                    continue
-                if pp <= costs.num_blocks + 2 and req.global_batch % dp == 0:
-                    yield dp, tp, cp, pp
+    tp_sizes(costs, req.gpus, req.cluster)  # probe every tp size: the notes say which divide
+    for mesh in _factorisations(req.gpus):
+        if _fixed_mesh(req, *mesh) and _mesh_refusal(costs, req, *mesh) is None:
+            yield mesh
 
 
-def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
-    result = []
+def configurations(costs: ModelCosts, req: Request):
+    """Every candidate the filters let through (memory aside), with lower_bound 0."""
     for dp, tp, cp, pp in meshes(costs, req):
         for b in _divisors(req.global_batch // dp):
             if "mb" in req.fix and req.fix["mb"] != b:
                 continue
             m = req.global_batch // (dp * b)
-            least = _least_costs(costs, req, tp, cp, b, dp)
-            if least.static_bytes / pp > req.memory_limit:
-                continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
             for name, v in _schedules(req, pp, m, costs.num_blocks):
-                cand = Candidate(dp, tp, pp, b, m, name, v, 0.0, cp)
-                result.append(replace(cand, lower_bound=_lower_bound(costs, req, cand, least)))
+                yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp)
+
+
+def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
+    result, least = [], {}
+    for cand in configurations(costs, req):
+        key = (cand.tp, cand.cp, cand.micro_batch, cand.dp)
+        if key not in least:
+            least[key] = _least_costs(costs, req, *key)
+        if least[key].static_bytes / cand.pp > req.memory_limit:
+            continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
+        result.append(replace(cand, lower_bound=_lower_bound(costs, req, cand, least[key])))
     return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
+
+
+def refusal(costs: ModelCosts, req: Request) -> Refusal | None:
+    """The filter that removed the last configurations, or None when some configuration passes
+    every filter (then only memory, or the ILP, can leave nothing)."""
+    fix = req.fix
+    fixed = [(k, fix[k]) for k in fix if k in MESH_KEYS]
+    product = math.prod(v for _, v in fixed)
+    if req.gpus % product or (len(fixed) == 4 and product != req.gpus):
+        what = " × ".join(f"{k}={v}" for k, v in fixed)
+        what += f" = {product}" if len(fixed) > 1 else ""
+        verb = "is not" if len(fixed) == 4 else "does not divide"
+        return Refusal(0, f"{what} {verb} the {req.gpus} GPUs",
+                       tuple(k for k, _ in reversed(fixed)))
+    deepest = None
+    for mesh in _factorisations(req.gpus):
+        if not _fixed_mesh(req, *mesh):
+            continue
+        found = _mesh_refusal(costs, req, *mesh)
+        if found is None:
+            found = _batching_refusal(costs, req, mesh[0], mesh[3])
+            if found is None:
+                return None
+        if deepest is None or found.depth > deepest.depth:
+            deepest = found
+    return deepest
+
+
+def _batching_refusal(costs: ModelCosts, req: Request, dp: int, pp: int) -> Refusal | None:
+    """Why no micro-batching and schedule of a mesh passes (None when one does)."""
+    fix, per_replica, first = req.fix, req.global_batch // dp, None
+    if "mb" in fix and per_replica % fix["mb"]:
+        return Refusal(7, f"mb={fix['mb']} does not divide the per-replica batch {per_replica} "
+                          f"(global batch {req.global_batch} / dp={dp})", ("mb",))
+    options = _schedule_options(req)
+    if not options:
+        return Refusal(8, f"v={fix['v']} needs schedule interleaved-1f1b, which the search is "
+                          f"not given", ("v",))
+    for b in _divisors(per_replica):
+        if "mb" in fix and fix["mb"] != b:
+            continue
+        for name, v in options:
+            if pp == 1 and name != options[0][0]:
+                continue
+            found = _schedule_refusal(pp, per_replica // b, costs.num_blocks, name, v)
+            if found is None:
+                return None
+            first = first or found
+    return first
+
+
+def legal_values(costs: ModelCosts, req: Request, key: str) -> list:
+    """The values of a fixed setting that pass every filter when that setting is left free."""
+    loose = {k: v for k, v in req.fix.items() if k != key}
+    if key == "schedule":
+        loose.pop("v", None)
+    attribute = {"mb": "micro_batch"}.get(key, key)
+    free = replace(req, fix=loose)
+    return sorted({getattr(c, attribute) for c in configurations(costs, free)})
+
+
+def nearest(values: list, wanted) -> str:
+    """'2 or 4': the legal values just below and above the wanted one (all of them for names)."""
+    if not values or not all(isinstance(v, int) for v in values):
+        return ", ".join(map(str, values))
+    below = [v for v in values if v < wanted][-1:]
+    above = [v for v in values if v > wanted][:1]
+    return " or ".join(str(v) for v in below + above)
+
+
+def plannable_gpus(costs: ModelCosts, req: Request, tries: int = 3) -> list[int]:
+    """The GPU counts nearest req.gpus, one below and one above, for which the request plans."""
+    found = []
+    for step in (-1, 1):
+        gpus, searched = req.gpus + step, 0
+        while 1 <= gpus <= 2 * req.gpus + 8 and searched < tries:
+            other = replace(req, gpus=gpus, top_k=1)
+            if next(configurations(costs, other), None) is not None:
+                searched += 1
+                if search(costs, other):
+                    found.append(gpus)
+                    break
+            gpus += step
+    return found
+
+
+def why_nothing_plans(costs: ModelCosts, req: Request) -> str | None:
+    """The one-line reason no configuration is left (the filter that removed the last ones and
+    the nearest legal value), or None when configurations pass every filter."""
+    found = refusal(costs, req)
+    if found is None:
+        return None
+    for key in found.keys:
+        if key in req.fix and key != "strategy":
+            values = legal_values(costs, req, key)
+            if values:
+                numbers = all(isinstance(v, int) for v in values)
+                return (f"{found.reason}; {'nearest ' if numbers else ''}legal {key}: "
+                        f"{nearest(values, req.fix[key])}")
+    if any(k in req.fix for k in found.keys):
+        return found.reason
+    fixed = ", ".join(f"{k}={v}" for k, v in req.fix.items())
+    counts = plannable_gpus(costs, req)
+    return (f"{req.gpus} GPUs: no factorisation into dp × tp × pp × cp fits the model and global "
+            f"batch {req.global_batch}{f' with {fixed}' if fixed else ''} (the last filter, e.g.: "
+            f"{found.reason}); "
+            + (f"nearest GPU counts that plan: {' or '.join(map(str, counts))}" if counts
+               else "no GPU count near it plans"))
 
 
 def _strategies(req: Request, tp: int) -> list[Strategy]:
@@ -246,6 +454,7 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     bound and it goes back in; when it comes out again, its ILP is solved with the k-th best
     time as cutoff. The search ends when the smallest bound left cannot beat that time."""
     check_fix(req.fix)
+    start = time.perf_counter()
     found: list[Plan] = []
     open_bound = math.inf  # least proven bound among ILPs a time limit stopped
     queue = [(c.lower_bound, i, c, None) for i, c in enumerate(candidates(costs, req))]
@@ -269,7 +478,9 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
             plan = make_plan(costs, req, cand, *built, solution)
             _keep_best_per_configuration(found, plan)
             del found[req.top_k:]
-    return [_with_search_gap(p, open_bound) for p in found]
+    seconds = round(time.perf_counter() - start, 4)
+    return [replace(_with_search_gap(p, open_bound), timing={**p.timing, "search_s": seconds})
+            for p in found]
 
 
 def _finite(x: float, default: float) -> float:
@@ -282,10 +493,10 @@ def _with_search_gap(plan: Plan, open_bound: float) -> Plan:
     time_s = plan.predicted.iteration_s
     if open_bound >= time_s * (1 - 1e-9):
         return plan
-    status, gap, seconds = plan.solver.split(", ")
+    status, gap = plan.solver.split(", ")
     own = float(gap.removeprefix("gap ").rstrip("%")) / 100 if status == "feasible" else 0.0
     gap = max(own, (time_s - open_bound) / time_s)
-    return replace(plan, solver=f"feasible, gap {gap:.2%}, {seconds}")
+    return replace(plan, solver=f"feasible, gap {gap:.2%}")
 
 
 def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:
@@ -318,7 +529,8 @@ def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate |
 
 def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
     """The plan of a solved candidate; `solver` says how it was solved: "optimal" or
-    "feasible" (stopped by the time limit), the gap to the proven bound, and the seconds."""
+    "feasible" (stopped by the time limit) and the gap to the proven bound; the seconds go to
+    `timing`, which equality and the JSON without timing leave out."""
     parts = ilp.breakdown(problem, solution.counts)
     stages, index = [], 0
     prefix = costs.block_prefix
@@ -340,8 +552,8 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts),
-                costs.notes(), f"{solution.status}, gap {solution.gap:.2%}, "
-                               f"{solution.seconds:.2f} s", cand.v, cand.cp)
+                costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
+                {"solve_s": round(solution.seconds, 4)})
 
 
 def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s) -> StagePlan:

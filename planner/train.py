@@ -5,8 +5,7 @@ initial model trained on the whole global batch in one process with the same opt
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tabulate import tabulate
@@ -96,8 +95,9 @@ def run_parallel(config: ModelConfig | HFSpec, plan: Plan, steps: int,
 
 
 def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int = 3) -> float:
-    """Print per-step losses side by side; return the largest relative difference."""
-    config = copy.copy(config)
+    """Print per-step losses side by side; return the largest relative difference. Both runs
+    train on the global batch the plan was made for."""
+    config = replace(config, global_batch=plan.global_batch)
     print(f"training {steps} steps on {plan.gpus} gloo CPU processes "
           f"(dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}) and in one process ...",
           flush=True)

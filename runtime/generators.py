@@ -118,14 +118,30 @@ SCHEDULES = {
 }
 
 
+def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
+    """Why make_schedule(name, p, m, v) would refuse, or None when it builds: without building
+    anything (the planner asks this of every configuration it considers)."""
+    try:
+        _check_args(p, m, v)
+    except ValueError as err:
+        return str(err)
+    if name not in SCHEDULES:
+        return f"unknown schedule {name!r}; choose from {sorted(SCHEDULES)}"
+    if name == "interleaved-1f1b" and m % p:
+        return (f"interleaved 1F1B needs the micro-batch count to be a multiple of the rank "
+                f"count: m={m}, p={p}")
+    if name != "interleaved-1f1b" and v != 1:
+        return f"schedule {name!r} has one stage per rank; got v={v}"
+    return None
+
+
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build a schedule by name; v (stages per rank) applies to interleaved only."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose from {sorted(SCHEDULES)}")
+    why = schedule_error(name, p, m, v)
+    if why:
+        raise ValueError(why)
     if name == "interleaved-1f1b":
         return interleaved_1f1b(p, m, v)
-    if v != 1:
-        raise ValueError(f"schedule {name!r} has one stage per rank; got v={v}")
     return SCHEDULES[name](p, m)
 
 
