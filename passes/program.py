@@ -75,7 +75,8 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0) 
                    tp_rank, pad=layout.pad_vocab, localize=False)
     tensor_parallel(gm, {name: layers[name] for name in sorted(tp_layers - ends)}, layout.tp,
                     tp_rank, localize=False)
-    sequence_parallel(gm, layers, layout.layers_with("sp") & tp_layers, layout.tp, localize=False)
+    sequence_parallel(gm, layers, layout.layers_with("sp") & tp_layers, layout.tp, localize=False,
+                      cp=layout.cp)
     context_parallel(gm, layers, layout.cp, cp_rank, localize=False)
     recompute(gm, layers, full=layout.layers_with("full"), selective=layout.layers_with("sel"))
     if (layout.tp > 1 and tp_layers) or layout.cp > 1:  # one shape propagation for all of them

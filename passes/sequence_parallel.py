@@ -44,14 +44,15 @@ _MATMUL = {torch.matmul, torch.bmm, "matmul", "bmm", torch.ops.aten.matmul.defau
 
 def sequence_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
                       sp: Collection[str], tp: int, group: str = "tp", dim: int = 1,
-                      localize: bool = True) -> fx.GraphModule:
+                      localize: bool = True, cp: int = 1) -> fx.GraphModule:
     """Run the layers named in `sp` sequence-parallel over tp ranks; in place. `layers` lists every
     layer's nodes (boundaries need the neighbours); run after the tensor-parallel rewrites, on
-    shapes either local or still full (`localize` as in tensor_parallel)."""
+    shapes either local or still full (`localize` as in tensor_parallel). With context parallel
+    over cp ranks (applied after this pass), each rank's 1/cp of the sequence is what tp splits."""
     tag_layers(gm, layers)
     if tp == 1 or not sp:
         return gm
-    walk = _Walk(gm, frozenset(sp), tp, group, dim)
+    walk = _Walk(gm, frozenset(sp), tp, group, dim, cp)
     for node in list(gm.graph.nodes):
         walk.visit(node)
     for node in list(gm.graph.nodes):
@@ -72,8 +73,8 @@ def _floating(node: fx.Node) -> bool:
 class _Walk:
     """Marks sequence-sharded values in graph order and inserts the collectives they need."""
 
-    def __init__(self, gm, sp, tp, group, dim):
-        self.gm, self.sp, self.tp, self.group, self.dim = gm, sp, tp, group, dim
+    def __init__(self, gm, sp, tp, group, dim, cp=1):
+        self.gm, self.sp, self.tp, self.group, self.dim, self.cp = gm, sp, tp, group, dim, cp
         self.sharded: set[fx.Node] = set()
         self.scattered: dict[fx.Node, fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
@@ -158,9 +159,10 @@ class _Walk:
 
     def _check(self, node: fx.Node, layer: str, dim: int) -> None:
         size = node.meta["val"].shape[dim]
-        if size % self.tp:
+        if size % (self.tp * self.cp):
+            per_rank = f", {size / self.cp:g} per rank of cp={self.cp}," if self.cp > 1 else ""
             raise ShardingError(f"layer {layer}: sequence length {size} (dim {dim} of "
-                                f"{node.name}) is not divisible by tp={self.tp}")
+                                f"{node.name}){per_rank} is not divisible by tp={self.tp}")
 
     def _convert(self, node: fx.Node, fn, layer: str) -> fx.Node:
         """A new node (named after its collective) in place of a tp_copy / tp_all_reduce."""

@@ -84,6 +84,14 @@ class ModelCosts:
         not) and a sequence that splits into 2·cp zig-zag chunks."""
         return cp == 1 or (self.cp_error is None and seq % (2 * cp) == 0)
 
+    def supports_sp(self, tp: int, cp: int, seq: int) -> bool:
+        """Sequence parallel needs the block's sequence-parallel rewrite to apply at tp (its
+        profile then holds the collectives) and each rank's seq/cp positions to split over the
+        tp ranks (passes.sequence_parallel refuses the rest)."""
+        profile = self.block_profile(tp) if tp > 1 else None
+        return (profile is not None and profile.sp_collectives is not None
+                and seq % cp == 0 and (seq // cp) % tp == 0)
+
     @cached_property
     def cp_error(self) -> str | None:
         """Why passes.context_parallel cannot rewrite this model, or None when it can."""

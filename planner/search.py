@@ -144,6 +144,11 @@ def _mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
                           f"embed and head): every stage needs one", ("pp",))
     if req.global_batch % dp:
         return Refusal(5, f"global batch {req.global_batch} is not divisible by dp={dp}", ("dp",))
+    if tp > 1 and not _strategies(req, tp, costs, cp):
+        split = (f"each rank's {req.seq // cp} positions do not split over tp={tp} ranks"
+                 if (req.seq // cp) % tp else "the block's sequence-parallel rewrite fails")
+        return Refusal(6, f"strategy={req.fix['strategy']}: sequence parallel does not apply "
+                          f"({split})", ("strategy",))
     if tp > 1 and not any(s.tp for s in _strategies(req, tp)):
         return Refusal(6, f"strategy={req.fix['strategy']} leaves tp={tp} unused (a tp > 1 mesh "
                           f"needs some block to use tensor parallelism)", ("tp", "strategy"))
@@ -331,7 +336,10 @@ def why_nothing_plans(costs: ModelCosts, req: Request) -> str | None:
                else "no GPU count near it plans"))
 
 
-def _strategies(req: Request, tp: int) -> list[Strategy]:
+def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,
+                cp: int = 1) -> list[Strategy]:
+    """The block strategies to consider at tp (and, given the model's costs, cp): the fix's, and
+    with sequence parallelism only where the model's sequence admits it."""
     space = strategy_space(tp)
     if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
         fixed = Strategy.parse(req.fix["strategy"])
@@ -339,11 +347,13 @@ def _strategies(req: Request, tp: int) -> list[Strategy]:
     if "recompute" in req.fix:
         space = [s for s in space if s.recompute == req.fix["recompute"]] or \
                 [Strategy(recompute=req.fix["recompute"])]
+    if costs is not None and any(s.sp for s in space) and not costs.supports_sp(tp, cp, req.seq):
+        space = [s for s in space if not s.sp]
     return space
 
 
 def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1) -> list[LayerCost]:
-    return [costs.price_block(s, b, req.cluster, tp, cp) for s in _strategies(req, tp)]
+    return [costs.price_block(s, b, req.cluster, tp, cp) for s in _strategies(req, tp, costs, cp)]
 
 
 @dataclass(frozen=True)
@@ -363,7 +373,7 @@ def _least_costs(costs: ModelCosts, req: Request, tp: int, cp: int, b: int, dp: 
     over a strategy space are at least those over its recompute-free twins: pricing those (3
     strategies rather than 12 at tp > 1) bounds every candidate at a quarter of the cost.
     tests/unit/test_search_bounds.py holds the cost model to that."""
-    twins = sorted({replace(s, recompute="none") for s in _strategies(req, tp)})
+    twins = sorted({replace(s, recompute="none") for s in _strategies(req, tp, costs, cp)})
     options = [costs.block_option(costs.price_block(s, b, req.cluster, tp, cp), dp) for s in twins]
     embed, head = (costs.end_layer(c, dp)
                    for c in costs.end_costs(b, req.cluster, padded=True, cp=cp, tp=tp))
