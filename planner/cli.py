@@ -296,13 +296,24 @@ def main(argv: list[str] | None = None) -> int:
     return _guarded(args.func, args)
 
 
+def _summary(err: Exception):
+    """A failed distributed run (runtime.launch.RankFailure) is told by its first line, which names
+    the rank that failed, where and why; the other ranks and the tracebacks go to a file."""
+    if not hasattr(err, "write_report"):
+        return err
+    return f"{err.summary} (all ranks and tracebacks: {err.write_report()})"
+
+
 def _guarded(func, *args) -> int:
     """Errors the user can fix are one line on stderr, exit status 2, no traceback."""
     try:
         return func(*args) or 0
     except (ValueError, RuntimeError, OSError, KeyError) as err:
-        print(f"fxpar: error: {_one_line(err)}", file=sys.stderr)
+        print(f"fxpar: error: {_one_line(_summary(err))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; runtime.launch has ended the ranks
+        print("fxpar: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

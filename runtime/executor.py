@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from passes.pipeline_split import StageProgram
+from runtime import activity
 from runtime.schedule import Action, Kind, Schedule
 from runtime.simulator import Event, Timeline
 
@@ -47,9 +48,17 @@ class PeerError(RuntimeError):
 def wait_or_explain(works, what: str | Callable[[], str]) -> None:
     """Wait for `works`; on failure raise PeerError saying what this rank was waiting for
     (`what` may be a function, so the message is only built when needed)."""
-    try:
+    with explained(what):
         for work in works:
             work.wait()
+
+
+@contextlib.contextmanager
+def explained(what: str | Callable[[], str]):
+    """Turn a failure of the operations with peers inside into a PeerError: gloo fails a send
+    or receive already where it is posted when the peer is gone."""
+    try:
+        yield
     except Exception as err:  # noqa: BLE001 - backends raise assorted types, all mean this
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         what = what() if callable(what) else what
@@ -159,9 +168,11 @@ class StageExecutor:
                 continue
             if self.recv_ahead and step.action.is_compute:
                 self._post_receives(self._posted + self.recv_ahead - len(self._recvs))
+            activity.action(step.action, step.peer)
             step.run(step.action, step.peer)
             if step.finishes_stage is not None and on_stage_done is not None:
                 on_stage_done(step.finishes_stage)
+        activity.now("the end of the schedule (waiting for sends)")
         while self._sends:
             work, what = self._sends.popleft()
             wait_or_explain([work], what)
@@ -190,12 +201,14 @@ class StageExecutor:
 
     def _post_recv(self, action: Action, peer: int, specs, boundary: int, direction: int) -> None:
         bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-        works = [dist.irecv(b, src=peer, tag=self._tag(boundary, action.mb, direction, i))
-                 for i, b in enumerate(bufs)]
+        with explained(lambda: f"rank {self.rank} waiting for {action} from rank {peer}"):
+            works = [dist.irecv(b, src=peer, tag=self._tag(boundary, action.mb, direction, i))
+                     for i, b in enumerate(bufs)]
         self._recvs[action] = (works, bufs, peer)
 
     def _take(self, action: Action) -> list[torch.Tensor]:
         works, bufs, peer = self._recvs.pop(action)
+        activity.detail(f"recv from rank {peer}")
         wait_or_explain(works, lambda: f"rank {self.rank} waiting for {action} from rank {peer}")
         return bufs
 
@@ -206,8 +219,9 @@ class StageExecutor:
             return f"rank {self.rank} waiting for {action} to rank {peer} to complete"
 
         for i, t in enumerate(tensors):
-            work = dist.isend(t.detach().contiguous(), dst=peer,
-                              tag=self._tag(boundary, action.mb, direction, i))
+            with explained(what):
+                work = dist.isend(t.detach().contiguous(), dst=peer,
+                                  tag=self._tag(boundary, action.mb, direction, i))
             self._sends.append((work, what))
 
     def _reap_sends(self) -> None:

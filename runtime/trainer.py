@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from passes.pipeline_split import StageProgram
 from passes.tensor_parallel import shard_specs
+from runtime import activity
 from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
 from runtime.memory import SavedActivations
@@ -114,6 +115,7 @@ class _GradSync:
                 bucket.zero()
 
     def start(self, stage: int) -> None:
+        activity.now(f"data-parallel all-reduce of stage {stage}")
         for bucket in self.buckets[stage]:
             work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
             self._pending.append((work, f"rank {self.rank} waiting for the data-parallel "
@@ -186,6 +188,7 @@ class PipelineTrainer:
         return self.scaler.scale if self.scaler else 1.0
 
     def step(self, *batch: torch.Tensor) -> float:
+        activity.start_step(self)
         mesh = self.groups.mesh
         micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
                             self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
@@ -199,11 +202,14 @@ class PipelineTrainer:
         loss = self.executor.run(micro, multiplier,
                                  self.sync.start if self.sync is not None else None)
         if self.sync is not None:
+            activity.now("waiting for the data-parallel gradient all-reduce")
             self.sync.wait()
         sum_tied_grads(self.tied)
         self.skipped = self._unscale_and_clip()
         if not self.skipped:
+            activity.now("optimizer step")
             self.optimizer.step()
+        activity.now("loss broadcast")
         return self._share_loss(loss, pending_loss)
 
     def timeline(self) -> Timeline:
@@ -256,6 +262,7 @@ class PipelineTrainer:
                                0.0 if math.isfinite(local[0] + local[1]) else 1.0],
                               dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
+            activity.now("gradient-norm all-reduce")
             work = dist.all_reduce(values, async_op=True)
             wait_or_explain([work], f"rank {self.groups.rank} waiting for the gradient-norm "
                                     f"all-reduce")
