@@ -90,7 +90,9 @@ def _init_local(rank: int, world_size: int, port: int, timeout_s: float) -> None
 
 
 def _die_with(launcher_pid: int) -> None:
-    """Be killed when the launcher dies (Linux), and never outlive it; leave Ctrl-C to it."""
+    """Be killed when the launcher dies (Linux), and never outlive it; leave Ctrl-C to it.
+    Linux sends the signal when the launcher's thread that started this rank ends, so ranks are
+    started from a thread that outlives them (run_local's caller; a RankPool's creator)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
