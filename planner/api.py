@@ -12,10 +12,12 @@ from cost_model.memory import TrainingMemory
 from passes.capture import capture
 from passes.program import rank_programs
 from passes.tensor_parallel import shard_specs
+from planner.loss import with_loss
 from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan, gib
 from planner.costs import ModelCosts, PlanningError
 from planner.search import Request, check_fix, search, smallest_memory, why_nothing_plans
+from runtime.batch import BatchSpec
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups
 from runtime.tied import canonical_names
@@ -35,10 +37,12 @@ def default_cluster() -> str:
 def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None, *,
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
-         top_k: int = 1, zero1: bool = False) -> list[Plan]:
+         top_k: int = 1, zero1: bool = False, loss_fn: Callable | None = None) -> list[Plan]:
     """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
-    device memory). Raises PlanningError, saying why, when none fits."""
+    device memory). Raises PlanningError, saying why, when none fits. loss_fn: see
+    planner.loss (for a module whose forward does not return the loss)."""
     gpus = _check_gpus(gpus)
+    model = with_loss(model, loss_fn)
     hw = get_cluster(cluster or default_cluster())
     limit = _memory_limit_bytes(memory_limit, hw)
     fix = dict(fix or {})
@@ -157,8 +161,10 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     programs = rank_programs(captured, layout, groups.tp_index,
                              schedule.stages_of(groups.pp_index), groups.cp_index)
+    split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
+    batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
-                           tied=captured.tied)
+                           tied=captured.tied, batch=batch)
 
 
 def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -184,11 +190,13 @@ def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str
 def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None,
                     *, cluster: str | Cluster | None = None, global_batch: int | None = None,
                     memory_limit: float | None = None, fix: dict | None = None,
-                    optimizer: Callable | None = None) -> ParallelModel:
+                    optimizer: Callable | None = None,
+                    loss_fn: Callable | None = None) -> ParallelModel:
     """Plan `model` for `gpus` devices (memory_limit: GiB per device, as for `plan`). Outside a
     distributed launch this only plans; inside one (world size must equal gpus) rank 0's plan is
     shared so every rank shards the same way."""
     gpus = _check_gpus(gpus)
+    model = with_loss(model, loss_fn)
     if dist.is_initialized() and dist.get_world_size() != gpus:
         raise RuntimeError(f"autoparallelize(gpus={gpus}) inside a launch of "
                            f"{dist.get_world_size()} processes: they must match")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from passes.pipeline_split import StageProgram
 from passes.tensor_parallel import shard_specs
 from runtime import activity
+from runtime.batch import BatchSpec, finish_compare, start_compare
 from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
 from runtime.memory import SavedActivations
@@ -156,10 +157,12 @@ class PipelineTrainer:
     def __init__(self, programs: dict[int, StageProgram], schedule: Schedule, groups: RankGroups,
                  input_names: Sequence[str],
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 options: TrainOptions = TrainOptions(), tied: tuple[tuple[str, ...], ...] = ()):
+                 options: TrainOptions = TrainOptions(), tied: tuple[tuple[str, ...], ...] = (),
+                 batch: BatchSpec | None = None):
         self.programs, self.schedule, self.groups = programs, schedule, groups
         self.input_names = tuple(input_names)
         self.options = options
+        self.batch_spec = batch
         self.tied = tie(programs, tied, groups)
         unique = {id(p): p for prog in programs.values() for p in prog.gm.parameters()}
         self.params = [p for p in unique.values() if p.requires_grad]
@@ -189,6 +192,9 @@ class PipelineTrainer:
 
     def step(self, *batch: torch.Tensor) -> float:
         activity.start_step(self)
+        if self.batch_spec is not None:
+            self.batch_spec.check(batch)
+        same_batch = start_compare(batch) if self.batch_spec is not None else None
         mesh = self.groups.mesh
         micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
                             self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
@@ -201,6 +207,7 @@ class PipelineTrainer:
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
         loss = self.executor.run(micro, multiplier,
                                  self.sync.start if self.sync is not None else None)
+        finish_compare(same_batch)
         if self.sync is not None:
             activity.now("waiting for the data-parallel gradient all-reduce")
             self.sync.wait()
