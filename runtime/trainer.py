@@ -207,6 +207,7 @@ class PipelineTrainer:
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
         loss = self.executor.run(micro, multiplier,
                                  self.sync.start if self.sync is not None else None)
+        activity.now("comparing the ranks' batches")
         finish_compare(same_batch)
         if self.sync is not None:
             activity.now("waiting for the data-parallel gradient all-reduce")

@@ -8,22 +8,23 @@ _POOLS: dict[int, RankPool] = {}
 
 
 def rank_pool(world_size: int) -> RankPool:
-    if world_size not in _POOLS:
+    """The session's pool of `world_size` ranks; a pool a failed test closed is started again."""
+    if world_size not in _POOLS or not _POOLS[world_size].alive:
         _POOLS[world_size] = RankPool(world_size, timeout_s=120)
     return _POOLS[world_size]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def pool8():
     return rank_pool(8)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def pool4():
     return rank_pool(4)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def pool2():
     return rank_pool(2)
 

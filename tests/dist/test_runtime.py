@@ -26,6 +26,7 @@ from runtime.measure import (build_pipeline_trainer, export_timelines, gather_me
                              gather_timeline, simulate_like)
 from runtime.mesh import Mesh, mesh_groups
 from runtime.trainer import PipelineTrainer, TrainOptions
+from conftest import rank_pool
 
 CFG = get_config("gpt-tiny")  # embed + 8 blocks + head = 10 layers
 MB = 2
@@ -106,10 +107,10 @@ def _reference(batch: int, steps: int = STEPS):
 
 
 @pytest.fixture(scope="module")
-def matrix(pool4):
+def matrix():
     # Small buckets so the data-parallel cases all-reduce several buckets per stage.
     options = TrainOptions(bucket_bytes=64 * 2**10)
-    return dict(zip(CASES, pool4.run(_train, CASES, options, STEPS)[0]))
+    return dict(zip(CASES, rank_pool(4).run(_train, CASES, options, STEPS)[0]))
 
 
 @pytest.mark.dist
