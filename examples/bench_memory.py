@@ -19,7 +19,8 @@ from planner.models import build_model, example_batch, get_config
 from planner.train import make_optimizer
 from runtime.generators import make_schedule
 from runtime.launch import run_local
-from runtime.measure import build_pipeline_trainer, gather_memory
+from passes.program import build_pipeline_trainer
+from runtime.measure import gather_memory
 from runtime.mesh import mesh_groups
 from runtime.mesh import Mesh
 from runtime.schedule import Kind, Schedule

@@ -31,8 +31,9 @@ from planner.models import build_model, example_batch, get_config
 from planner.train import make_optimizer
 from runtime.generators import make_schedule
 from runtime.launch import run_local
-from runtime.measure import (balanced_stage_sizes, build_pipeline_trainer, export_timelines,
-                             gather_timeline, simulate_like, timed)
+from passes.program import build_pipeline_trainer
+from runtime.measure import (balanced_stage_sizes, export_timelines, gather_timeline,
+                             simulate_like, timed)
 from runtime.mesh import Mesh, mesh_groups
 
 # Big enough that a stage's forward takes milliseconds, small enough for a laptop's CPU.

@@ -7,36 +7,12 @@ neighbours. The last stage returns the model's output (the loss).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 import torch.fx as fx
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def floating(self) -> bool:
-        return self.dtype.is_floating_point
-
-
-@dataclass
-class StageProgram:
-    stage: int
-    gm: fx.GraphModule
-    data_inputs: tuple[str, ...]        # model placeholders this stage reads
-    boundary_inputs: tuple[str, ...]    # values received from stage - 1
-    outputs: tuple[str, ...]            # values sent to stage + 1 (the loss on the last stage)
-    input_specs: tuple[TensorSpec, ...]   # of boundary_inputs, at the micro-batch shape captured
-    output_specs: tuple[TensorSpec, ...]  # of outputs (empty on the last stage)
-
-    @property
-    def is_last(self) -> bool:
-        return not self.outputs or self.outputs == ("__loss__",)
+from runtime.stage import StageProgram, TensorSpec
 
 
 def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages: int

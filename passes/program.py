@@ -20,17 +20,23 @@ that follows places every node by its layer and records the local shapes crossin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
 
 from passes.capture import Captured
 from passes.context_parallel import context_parallel, local_inputs
-from passes.pipeline_split import StageProgram, split_stages
+from passes.pipeline_split import split_stages
 from passes.recompute import recompute
 from passes.sequence_parallel import sequence_parallel
 from passes.sharding import LAYER, localize_shapes, tag_layers
 from passes.tensor_parallel import tensor_parallel
 from passes.vocab_parallel import vocab_parallel
+from runtime.measure import balanced_stage_sizes
+from runtime.mesh import RankGroups
+from runtime.schedule import Schedule
+from runtime.stage import StageProgram
+from runtime.trainer import PipelineTrainer, TrainOptions
 
 
 @dataclass(frozen=True)
@@ -109,3 +115,18 @@ def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
         previous = node
     programs = split_stages(gm, node_stage, layout.num_stages)
     return {s: programs[s] for s in stages}
+
+
+def build_pipeline_trainer(captured: Captured, schedule: Schedule, groups: RankGroups,
+                           optimizer: Callable, options: TrainOptions = TrainOptions(),
+                           stage_sizes: tuple[int, ...] | None = None) -> PipelineTrainer:
+    """A trainer for this rank's stages of `schedule` (stage s on pipeline rank s % p). With
+    tp > 1 every block is tensor-parallel. `captured` is rewritten in place and its parameters
+    are trained: pass a fresh capture or a deep copy per trainer."""
+    sizes = stage_sizes or balanced_stage_sizes(len(captured.layers), schedule.num_stages)
+    tp = groups.mesh.tp
+    strategies = tuple((b.name, "tp") for b in captured.blocks) if tp > 1 else ()
+    programs = rank_programs(captured, Layout(tp, strategies, sizes), groups.tp_index,
+                             schedule.stages_of(groups.pp_index))
+    return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
+                           options=options, tied=captured.tied)

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from runtime.shards import ShardSpec, shard_specs  # noqa: F401 - re-exported for the passes
+
 aten = torch.ops.aten
 LAYER = "fxpar_layer"
 
@@ -33,42 +35,11 @@ class ShardingError(ValueError):
     """A split that does not divide; names the layer, the dimension and the divisor."""
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a parameter was cut: dimension, shard count, this rank's index, interleaved chunks, and
-    zero rows appended before cutting (vocabulary padding; `join` drops them again)."""
-
-    dim: int
-    parts: int
-    index: int
-    chunks: int = 1
-    pad: int = 0
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        if self.pad:
-            shape = list(full.shape)
-            shape[self.dim] = self.pad
-            full = torch.cat([full, full.new_zeros(shape)], self.dim)
-        pieces = full.unflatten(self.dim, (self.chunks, -1))
-        shard = pieces.chunk(self.parts, dim=self.dim + 1)[self.index]
-        return shard.flatten(self.dim, self.dim + 1).clone()
-
-    def join(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        pieces = [s.unflatten(self.dim, (self.chunks, -1)) for s in shards]
-        full = torch.cat(pieces, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
-        return full.narrow(self.dim, 0, full.shape[self.dim] - self.pad)
-
-
 def shard_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     """A new parameter holding this rank's shard; the spec travels with it (`shard_specs`)."""
     param = nn.Parameter(spec.take(full.detach()), full.requires_grad)
     param.fxpar_shard = spec
     return param
-
-
-def shard_specs(gm: nn.Module) -> dict[str, ShardSpec]:
-    """Parameter name -> how it was sharded, for every sharded parameter of a rewritten module."""
-    return {name: p.fxpar_shard for name, p in gm.named_parameters() if hasattr(p, "fxpar_shard")}
 
 
 def _owner(gm: nn.Module, path: str) -> tuple[nn.Module, str]:

@@ -1,4 +1,8 @@
-"""fxpar's planner: `autoparallelize`, the stage ILP, the search over meshes, and the Plan."""
+"""fxpar's planner, the top floor: `autoparallelize` and `plan`, the search over meshes and
+schedules, the stage ILP, the frozen Plan with its text and JSON forms, explanations, the models
+and Hugging Face bridge, training beside one process, and the `fxpar` command line.
+
+Floors: planner → cost_model → passes → runtime; imports point downward only."""
 
 __all__ = ["autoparallelize", "plan", "Plan"]
 

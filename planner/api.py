@@ -11,7 +11,6 @@ from cost_model.cluster import Cluster, get_cluster
 from cost_model.memory import TrainingMemory
 from passes.capture import capture
 from passes.program import rank_programs
-from passes.tensor_parallel import shard_specs
 from planner.loss import with_loss
 from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan, gib
@@ -20,6 +19,7 @@ from planner.search import Request, check_fix, search, smallest_memory, why_noth
 from runtime.batch import BatchSpec
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups
+from runtime.shards import shard_specs
 from runtime.tied import canonical_names
 from runtime.trainer import PipelineTrainer
 

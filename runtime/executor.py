@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from passes.pipeline_split import StageProgram
+from runtime.stage import StageProgram
 from runtime import activity
 from runtime.schedule import Action, Kind, Schedule
 from runtime.simulator import Event, Timeline

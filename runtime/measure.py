@@ -13,13 +13,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from passes.capture import Captured
-from passes.program import Layout, rank_programs
-from runtime.mesh import RankGroups
 from runtime.schedule import Action, Schedule
 from runtime.simulator import Timeline, simulate
 from runtime.timeline import plot_gantt, to_chrome_trace
-from runtime.trainer import PipelineTrainer, TrainOptions
+from runtime.trainer import PipelineTrainer
 
 
 def balanced_stage_sizes(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -28,21 +25,6 @@ def balanced_stage_sizes(num_layers: int, num_stages: int) -> tuple[int, ...]:
         raise ValueError(f"cannot cut {num_layers} layers into {num_stages} stages")
     base, extra = divmod(num_layers, num_stages)
     return tuple(base + (i < extra) for i in range(num_stages))
-
-
-def build_pipeline_trainer(captured: Captured, schedule: Schedule, groups: RankGroups,
-                           optimizer: Callable, options: TrainOptions = TrainOptions(),
-                           stage_sizes: tuple[int, ...] | None = None) -> PipelineTrainer:
-    """A trainer for this rank's stages of `schedule` (stage s on pipeline rank s % p). With
-    tp > 1 every block is tensor-parallel. `captured` is rewritten in place and its parameters
-    are trained: pass a fresh capture or a deep copy per trainer."""
-    sizes = stage_sizes or balanced_stage_sizes(len(captured.layers), schedule.num_stages)
-    tp = groups.mesh.tp
-    strategies = tuple((b.name, "tp") for b in captured.blocks) if tp > 1 else ()
-    programs = rank_programs(captured, Layout(tp, strategies, sizes), groups.tp_index,
-                             schedule.stages_of(groups.pp_index))
-    return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
-                           options=options, tied=captured.tied)
 
 
 def gather_timeline(trainer: PipelineTrainer) -> Timeline:

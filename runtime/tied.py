@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from passes.pipeline_split import StageProgram
+from runtime.stage import StageProgram
 from runtime.mesh import RankGroups
 
 

@@ -10,8 +10,6 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from passes.pipeline_split import StageProgram
-from passes.tensor_parallel import shard_specs
 from runtime import activity
 from runtime.batch import BatchSpec, finish_compare, start_compare
 from runtime.cp_data import shard_sequence
@@ -20,7 +18,9 @@ from runtime.memory import SavedActivations
 from runtime.mesh import RankGroups
 from runtime.replicas import broadcast_replicas
 from runtime.schedule import Schedule
+from runtime.shards import shard_specs
 from runtime.simulator import Timeline
+from runtime.stage import StageProgram
 from runtime.tied import broadcast_tied, sum_tied_grads, tie
 
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from passes.capture import capture
-from passes.pipeline_split import StageProgram, TensorSpec
+from runtime.stage import StageProgram, TensorSpec
 from planner.api import gather_full_state
 from planner.models import build_model, example_batch, get_config
 from planner.train import RunResult, assert_same_run, make_optimizer, reference_run
 from runtime.generators import SCHEDULES, make_schedule
 from runtime.launch import run_local
-from runtime.measure import (build_pipeline_trainer, export_timelines, gather_memory,
-                             gather_timeline, simulate_like)
+from passes.program import build_pipeline_trainer
+from runtime.measure import export_timelines, gather_memory, gather_timeline, simulate_like
 from runtime.mesh import Mesh, mesh_groups
 from runtime.trainer import PipelineTrainer, TrainOptions
 from conftest import rank_pool

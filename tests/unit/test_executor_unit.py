@@ -11,7 +11,8 @@ from passes.capture import capture
 from planner.models import build_model, example_batch, get_config
 from planner.train import make_optimizer
 from runtime.generators import make_schedule
-from runtime.measure import balanced_stage_sizes, build_pipeline_trainer
+from passes.program import build_pipeline_trainer
+from runtime.measure import balanced_stage_sizes
 from runtime.memory import SavedActivations
 from runtime.mesh import Mesh, RankGroups
 from runtime.trainer import TrainOptions
