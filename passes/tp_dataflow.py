@@ -200,10 +200,17 @@ class _Flow:
         full_in, full_out = tuple(_val(src).shape), tuple(_val(node).shape)
         before = math.prod(full_in[:d])
         prefix = 1
+        # Splitting the sharded dimension into (heads, head_dim) puts it on the heads, also when
+        # there is one: multi-query k/v (kept whole, one head selected) or a head tp cuts. Other
+        # unit dimensions at its place are inserted ones (unsqueeze) and skipped.
+        dim = _arg(node, 1, "dim")
+        heads_first = src in self.whole_heads or (
+            op_name(self.gm, node) == "unflatten" and isinstance(dim, int)
+            and dim % len(full_in) == d)
         if src in self.whole_heads:
             self.whole_heads.add(node)
         for j, size in enumerate(full_out):
-            if prefix == before and size > 1:
+            if prefix == before and (size > 1 or heads_first):
                 carved = full_in[d] // size if size < full_in[d] else 1
                 cuts = size < full_in[d] and (full_in[d] // self.tp) % max(carved, 1)
                 if cuts and src not in self.whole_heads:

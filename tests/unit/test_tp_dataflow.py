@@ -115,6 +115,7 @@ def test_refused_tp_names_the_reason_when_fixed_and_in_the_notes_when_free():
 @pytest.mark.parametrize("config", [
     get_config("gpt-tiny"), get_config("gpt-tiny", attention="math"), get_config("llama-tiny"),
     get_config("llama-tiny", attention="math"), get_config("llama-tiny", kv_heads=2),
+    get_config("llama-tiny", kv_heads=1),
 ])
 def test_models_the_rewrite_runs_exactly_are_accepted(config):
     costs = _costs_of(config)
