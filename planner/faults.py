@@ -98,8 +98,8 @@ def faulty_worker(plan_json: str, steps: int, victim: int, point: str, at_step: 
     return parallel_worker(CONFIG, plan_json, steps, with_grads=False).losses
 
 
-def marking_worker(config, plan_json: str, steps: int, with_grads: bool = True, seed: int = 0):
-    """planner.train.parallel_worker, noting "<pid> <step>" in $FXPAR_STEP_MARKS/rank<r> after
+def marking_worker(config, plan_json: str, steps: int, *rest):
+    """planner.train.parallel_worker (its further arguments passed on), noting "<pid> <step>" in $FXPAR_STEP_MARKS/rank<r> after
     every step."""
     from planner.train import parallel_worker
     from runtime.trainer import PipelineTrainer
@@ -112,7 +112,7 @@ def marking_worker(config, plan_json: str, steps: int, with_grads: bool = True, 
         return loss
 
     PipelineTrainer.step = marked
-    return parallel_worker(config, plan_json, steps, with_grads, seed)
+    return parallel_worker(config, plan_json, steps, *rest)
 
 
 def interrupted_cli(steps: int = 100000) -> None:
