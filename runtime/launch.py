@@ -50,8 +50,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_from_env(timeout_s: float = 600.0) -> None:
-    """Join the process group that torchrun describes in the environment (NCCL on CUDA, else gloo)."""
+def init_from_env(timeout_s: float | None = None) -> None:
+    """Join the process group that torchrun describes in the environment (NCCL on CUDA, else
+    gloo). timeout_s bounds how long a collective waits for a peer that died or went astray:
+    by default DEFAULT_TIMEOUT_S on gloo, 600 s on NCCL (whose first collectives of a large job
+    set up communicators and can take minutes)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -60,6 +63,8 @@ def init_from_env(timeout_s: float = 600.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if timeout_s is None:
+        timeout_s = 600.0 if backend == "nccl" else DEFAULT_TIMEOUT_S
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
