@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from runtime.progress import Progress
+
 from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
 from .bench_compute import (COMPUTE_ROUNDS, attention_flops, attention_step, interleaved_medians,
                             linear_step, measure_add, measure_copy, measure_kernel_floor)
@@ -70,25 +72,15 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-class _Progress:
-    """`[#####.....] 12/43 collectives n=2 round 3/15` on stderr; redraws in place
-    on a terminal and prints one line per step otherwise (logs, CI)."""
+class _Progress(Progress):
+    """`[#####.....] 12/43 steps  7.2 s left  collectives n=2 round 3/15` on stderr; redraws in
+    place on a terminal and prints one line per step otherwise (logs, CI): runtime.progress."""
 
     def __init__(self, total: int, enabled: bool, width: int = 20):
-        self.total, self.enabled, self.width, self.done = total, enabled, width, 0
-        self.tty = enabled and sys.stderr.isatty()
+        super().__init__(total, "step", enabled=enabled, width=width)
 
     def step(self, label: str, advance: int = 1) -> None:
-        self.done = min(self.total, self.done + advance)
-        if not self.enabled:
-            return
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"[{bar}] {self.done}/{self.total} {label}"
-        sys.stderr.write(f"\r{line:<72}" if self.tty else line + "\n")
-        if self.tty and self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        self.update(advance=advance, label=label)
 
 
 # --------------------------------------------------------------------------

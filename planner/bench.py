@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from planner.plan import Plan
+from runtime.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,13 @@ class Measured:
     losses: tuple[float, ...]
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = int(width * done / max(total, 1))
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}", end="",
-          file=sys.stderr, flush=True)
-    if done == total:
-        print(file=sys.stderr)
+STEP = "fxpar-bench-step"  # rank 0's line per step on stdout: STEP done total seconds loss
 
 
-def run_plan(plan: Plan, config, steps: int, warmup: int, timeout_s: float = 900) -> Measured:
-    """Launch one plan with torchrun and read back what rank 0 measured."""
+def run_plan(plan: Plan, config, steps: int, warmup: int, timeout_s: float = 900,
+             on_step=None) -> Measured:
+    """Launch one plan with torchrun and read back what rank 0 measured; `on_step(done, total,
+    seconds, loss)` hears of every step (warm-up included) as it ends."""
     with tempfile.TemporaryDirectory() as tmp:
         plan_path, config_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "model.json")
         out = os.path.join(tmp, "result.json")
@@ -52,8 +49,7 @@ def run_plan(plan: Plan, config, steps: int, warmup: int, timeout_s: float = 900
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={plan.gpus}", "-m", "planner.bench", "--worker",
                plan_path, config_path, str(steps), str(warmup), out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = _run(cmd, timeout_s, on_step)
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"torchrun failed for dp={plan.dp} tp={plan.tp} pp={plan.pp}:\n"
@@ -62,6 +58,38 @@ def run_plan(plan: Plan, config, steps: int, warmup: int, timeout_s: float = 900
             data = json.load(f)
     return Measured(data["step_s"], data["tokens_per_s"], data["peak_memory_bytes"],
                     tuple(data["losses"]))
+
+
+def _run(cmd: list[str], timeout_s: float, on_step) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd), but rank 0's step lines reach `on_step` while it runs."""
+    import threading
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        killed = threading.Event()
+
+        def kill():
+            killed.set()
+            proc.kill()
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
+        out = []
+        try:
+            for line in proc.stdout:
+                fields = line.split()
+                if len(fields) == 5 and fields[0] == STEP:
+                    if on_step is not None:
+                        on_step(int(fields[1]), int(fields[2]), float(fields[3]),
+                                float(fields[4]))
+                else:
+                    out.append(line)
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        if killed.is_set():
+            raise subprocess.TimeoutExpired(cmd, timeout_s)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, code, "".join(out), err.read())
 
 
 def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str) -> None:
@@ -91,8 +119,11 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
         start = time.perf_counter()
         losses.append(pm.train_step(*batch))
         dist.barrier()
+        seconds = time.perf_counter() - start
         if step >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
+        if dist.get_rank() == 0:
+            print(f"{STEP} {step + 1} {warmup + steps} {seconds!r} {losses[-1]!r}", flush=True)
     peak = _peak_memory(device)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
@@ -114,11 +145,20 @@ def _peak_memory(device: str) -> float:
 
 
 def bench(plans: list[Plan], config, steps: int = 5, warmup: int = 2):
-    results = []
+    """Run every plan in turn, its steps shown on stderr (runtime.progress: a bar on a terminal,
+    a line per step elsewhere)."""
+    results, tokens = [], config.global_batch * config.seq
     for i, plan in enumerate(plans):
-        _progress(i, len(plans), f"plan {i + 1}: dp={plan.dp} tp={plan.tp} pp={plan.pp}")
-        results.append(run_plan(plan, config, steps, warmup))
-    _progress(len(plans), len(plans), "done")
+        label = f"plan {i + 1}/{len(plans)}: dp={plan.dp} tp={plan.tp} pp={plan.pp}"
+        bar = Progress(warmup + steps)
+
+        def on_step(done, total, seconds, loss, bar=bar, label=label):
+            bar.update(done, tokens_per_s=tokens / seconds, loss=loss,
+                       label=label + (", warm-up" if done <= warmup else ""))
+        try:
+            results.append(run_plan(plan, config, steps, warmup, on_step=on_step))
+        finally:
+            bar.close()
     return results
 
 

@@ -143,6 +143,9 @@ def cmd_plan(args) -> int:
     if args.gpus is None or not (args.model or args.hf or args.hf_config):
         raise ValueError("fxpar plan needs --gpus and a model: --model PRESET, --hf ARCH or "
                          "--hf-config FILE.json (or --diff A.json B.json)")
+    if args.emit or args.from_megatron is not None or args.from_torchtitan:
+        from planner.importing import cmd_portable  # --emit, --from-megatron, --from-torchtitan
+        return cmd_portable(args, _config, _hf_model)
     start = time.perf_counter()
     plans = _plans(args, top_k=args.top_k if args.explain else 1)
     best = plans[0]
@@ -257,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
                    help="compare two plans written by --json")
     p.add_argument("--png", metavar="FILE", help="also draw the plan (stages x layers, memory)")
+    p.add_argument("--emit", choices=("torchtitan", "megatron"),
+                   help="print the plan as a torchtitan TOML fragment or Megatron-LM flags")
+    p.add_argument("--emit-csv", metavar="FILE.csv", help="where --emit torchtitan writes a "
+                   "schedule torchtitan has no class for (default fxpar-SCHEDULE-ppP-mM.csv)")
+    p.add_argument("--from-megatron", metavar="FLAGS", help="price Megatron-LM flags beside "
+                   "fxpar's plan")
+    p.add_argument("--from-torchtitan", metavar="FILE.toml", help="price a torchtitan TOML "
+                   "beside fxpar's plan")
     p.set_defaults(func=cmd_plan)
     sim = sub.add_parser("simulate", help="predicted pipeline timeline of a plan (PNG + trace)",
                          epilog=EXAMPLES["simulate"],

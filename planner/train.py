@@ -5,6 +5,7 @@ initial model trained on the whole global batch in one process with the same opt
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,6 +14,7 @@ from tabulate import tabulate
 from planner.models import ModelConfig, build_model, example_batch
 from planner.plan import Plan
 from runtime.launch import RankPool, run_local
+from runtime.progress import Progress
 
 
 def make_optimizer(params):
@@ -53,42 +55,56 @@ def build(spec: ModelConfig | HFSpec):
     return spec.build()
 
 
-def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0) -> RunResult:
+def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0,
+                  progress: bool = False) -> RunResult:
     torch.manual_seed(seed)
     model, batch = build(config)
     opt = make_optimizer(list(model.parameters()))
+    bar = Progress(steps, enabled=progress)
     losses, grads = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         opt.zero_grad()
         loss = model(*batch)
         loss.backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
         losses.append(loss.item())
+        bar.update(tokens_per_s=batch[0].numel() / (time.perf_counter() - start),
+                   loss=losses[-1], label="one process")
     return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()},
                      tuple(grads))
 
 
 def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
-                    with_grads: bool = True, seed: int = 0) -> RunResult:
+                    with_grads: bool = True, seed: int = 0, progress: bool = False) -> RunResult:
     """Runs on every rank: the same model and batch as the reference, sharded by the plan; with
-    with_grads, the unsharded gradients of every step are gathered too (for tests)."""
+    with_grads, the unsharded gradients of every step are gathered too (for tests); with
+    progress, rank 0 shows each step on stderr (runtime.progress)."""
+    import torch.distributed as dist
+
     from planner.api import ParallelModel
 
     torch.manual_seed(seed)
     model, batch = build(config)
-    pm = ParallelModel(model, Plan.from_json(plan_json), [], batch, make_optimizer)
+    plan = Plan.from_json(plan_json)
+    pm = ParallelModel(model, plan, [], batch, make_optimizer)
+    bar = Progress(steps, enabled=progress and dist.get_rank() == 0)
     losses, grads = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         losses.append(pm.train_step(*batch))
+        bar.update(tokens_per_s=batch[0].numel() / (time.perf_counter() - start),
+                   loss=losses[-1], label=f"{plan.gpus} ranks")
         if with_grads:
             grads.append(pm.full_grad_dict())
     return RunResult(tuple(losses), pm.full_state_dict(), tuple(grads))
 
 
 def run_parallel(config: ModelConfig | HFSpec, plan: Plan, steps: int,
-                 pool: RankPool | None = None, with_grads: bool = True) -> RunResult:
-    args = (config, plan.dumps(), steps, with_grads)
+                 pool: RankPool | None = None, with_grads: bool = True,
+                 progress: bool = False) -> RunResult:
+    args = (config, plan.dumps(), steps, with_grads, 0, progress)
     results = pool.run(parallel_worker, *args) if pool else run_local(parallel_worker, plan.gpus,
                                                                       args)
     return results[0]
@@ -101,8 +117,8 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
     print(f"training {steps} steps on {plan.gpus} gloo CPU processes "
           f"(dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}) and in one process ...",
           flush=True)
-    parallel = run_parallel(config, plan, steps, with_grads=False)  # only losses are shown
-    ref = reference_run(config, steps)
+    parallel = run_parallel(config, plan, steps, with_grads=False, progress=True)
+    ref = reference_run(config, steps, progress=True)
     rows, worst = [], 0.0
     for i, (a, b) in enumerate(zip(parallel.losses, ref.losses)):
         rel = abs(a - b) / abs(b)
