@@ -8,7 +8,9 @@ from planner.plan import Plan, gib
 
 def _mesh(p: Plan) -> str:
     v = f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""
-    return f"dp={p.dp} tp={p.tp} pp={p.pp}  {p.schedule}{v}  mb={p.micro_batch} x{p.num_microbatches}"
+    cp = f" cp={p.cp}" if p.cp > 1 else ""
+    return (f"dp={p.dp} tp={p.tp} pp={p.pp}{cp}  {p.schedule}{v}  mb={p.micro_batch} "
+            f"x{p.num_microbatches}")
 
 
 def alternatives_table(plans: list[Plan]) -> str:
@@ -68,7 +70,7 @@ def diff(a: Plan, b: Plan, names: tuple[str, str] = ("a", "b")) -> str:
         fields.append((key, getattr(a.predicted, key), getattr(b.predicted, key)))
     for s in range(max(len(a.stages), len(b.stages))):
         fields.append((f"stage {s}", _stage(a, s), _stage(b, s)))
-    rows = [[k, _fmt(x), _fmt(y), _change(x, y)] for k, x, y in fields if x != y]
+    rows = [[_label(k), _fmt(x, k), _fmt(y, k), _change(x, y)] for k, x, y in fields if x != y]
     if not rows:
         return "the plans are identical"
     return tabulate(rows, headers=["", *names, "change"], disable_numparse=True)
@@ -81,7 +83,13 @@ def _stage(plan: Plan, s: int) -> str:
     return f"{len(st.layers)} layers: {', '.join(sorted(set(st.strategies)))}"
 
 
-def _fmt(x) -> str:
+def _label(key: str) -> str:
+    return "peak_memory GiB" if key == "peak_memory_bytes" else key
+
+
+def _fmt(x, key: str = "") -> str:
+    if key == "peak_memory_bytes":
+        return gib(x)
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
