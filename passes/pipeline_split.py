@@ -23,18 +23,48 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages: 
     if missing:
         raise ValueError(f"nodes without a stage: {missing[:5]}")
     crossing = _crossing_values(gm, node_stage, num_stages)
-    return [_build_stage(gm, s, node_stage, crossing, num_stages) for s in range(num_stages)]
+    shared = _shared_params(gm, node_stage, num_stages)
+    return [_build_stage(gm, s, node_stage, crossing, num_stages, shared)
+            for s in range(num_stages)]
 
 
 def _stage_of_use(user: fx.Node, node_stage: Mapping[str, int], num_stages: int) -> int:
     return num_stages - 1 if user.op == "output" else node_stage[user.name]
 
 
+def _uses(node: fx.Node, node_stage, num_stages) -> set[int]:
+    return {_stage_of_use(u, node_stage, num_stages) for u in node.users}
+
+
+def _shared_params(gm, node_stage, num_stages) -> tuple[str, ...]:
+    """Names of parameters that more than one stage reads (through get_attr or a module, e.g. a
+    head computing F.linear(x, wte.weight)): each such stage holds its own copy, which the runtime
+    keeps one parameter (runtime.tied), rather than receiving the weight with every micro-batch."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    stages: dict[int, set[int]] = {}
+    names: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in params:
+            read = {(str(node.target), params[str(node.target)])}
+            where = _uses(node, node_stage, num_stages)
+        elif node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            read = {(f"{node.target}.{n}", p) for n, p in module.named_parameters()}
+            where = {node_stage[node.name]}
+        else:
+            continue
+        for name, param in read:
+            stages.setdefault(id(param), set()).update(where)
+            names.setdefault(id(param), name)
+    return tuple(sorted(names[i] for i, where in stages.items() if len(where) > 1))
+
+
 def _crossing_values(gm, node_stage, num_stages) -> list[list[fx.Node]]:
-    """crossing[s] = values made at or before stage s and used after it (sent s -> s+1)."""
+    """crossing[s] = values made at or before stage s and used after it (sent s -> s+1).
+    Weights and buffers (get_attr) never cross: every stage that reads one reads its own."""
     crossing: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output", "get_attr"):
             continue
         last_use = max((_stage_of_use(u, node_stage, num_stages) for u in node.users), default=0)
         for s in range(node_stage[node.name], last_use):
@@ -42,7 +72,7 @@ def _crossing_values(gm, node_stage, num_stages) -> list[list[fx.Node]]:
     return crossing
 
 
-def _build_stage(gm, stage, node_stage, crossing, num_stages) -> StageProgram:
+def _build_stage(gm, stage, node_stage, crossing, num_stages, shared) -> StageProgram:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     received = crossing[stage - 1] if stage > 0 else []
@@ -57,7 +87,11 @@ def _build_stage(gm, stage, node_stage, crossing, num_stages) -> StageProgram:
             env[node].meta = dict(node.meta)
             data_inputs.append(node.name)
     for node in gm.graph.nodes:
-        if node.op not in ("placeholder", "output") and node_stage[node.name] == stage:
+        if node.op == "get_attr":
+            read_here = stage in _uses(node, node_stage, num_stages)
+            if read_here or (not node.users and node_stage[node.name] == stage):
+                env[node] = graph.node_copy(node, lambda arg: env[arg])
+        elif node.op not in ("placeholder", "output") and node_stage[node.name] == stage:
             env[node] = graph.node_copy(node, lambda arg: env[arg])
     if stage == num_stages - 1:
         (result,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -71,7 +105,7 @@ def _build_stage(gm, stage, node_stage, crossing, num_stages) -> StageProgram:
     program = fx.GraphModule(gm, graph, f"Stage{stage}")
     specs = tuple(_spec(n) for n in received)
     return StageProgram(stage, program, tuple(data_inputs), tuple(n.name for n in received),
-                        outputs, specs, out_specs)
+                        outputs, specs, out_specs, shared)
 
 
 def _spec(node: fx.Node) -> TensorSpec:

@@ -42,6 +42,27 @@ def shard_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     return param
 
 
+def shard_of(full: torch.Tensor, spec: ShardSpec, name: str, layer: str) -> nn.Parameter:
+    """This rank's shard of a parameter, cut once: a weight two layers share (a head that reads
+    the embedding's weight) is cut by the first and kept by the second, which must cut alike."""
+    done = getattr(full, "fxpar_shard", None)
+    if done is None:
+        return shard_param(full, spec)
+    if done != spec:
+        raise ShardingError(f"layer {layer}: {name} is shared with another layer that shards it "
+                            f"as {done}, but this one needs {spec}; give both the same strategy")
+    return full
+
+
+def full_size(param: torch.Tensor, dim: int) -> int:
+    """The unsharded size of dim: a parameter another layer sharing it has cut already (see
+    shard_of) reports the size the model has, not its shard's."""
+    spec = getattr(param, "fxpar_shard", None)
+    if spec is not None and spec.dim == dim % param.dim():
+        return param.shape[dim] * spec.parts - spec.pad
+    return param.shape[dim]
+
+
 def _owner(gm: nn.Module, path: str) -> tuple[nn.Module, str]:
     prefix, _, name = path.rpartition(".")
     return (gm.get_submodule(prefix) if prefix else gm), name
@@ -120,7 +141,7 @@ class LinearSite:
         return str(self.node.target) if self.module is not None else self.weight
 
     def features(self, gm, dim: int) -> int:
-        return get_param(gm, self.weight).shape[dim]
+        return full_size(get_param(gm, self.weight), dim)
 
     def drop_bias(self) -> None:
         """Compute x W only (the row-parallel bias is added after the reduction)."""

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_views,
                              before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
-                             shard_param, shard_specs, tag_layers)
+                             shard_of, shard_param, shard_specs, tag_layers)
 from passes.tp_dataflow import check_layer
 from runtime import collectives
 
@@ -144,10 +144,12 @@ def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int =
     if site.module is not None:
         gm.add_submodule(site.node.target, ColumnParallelLinear(site.module, spec))
     else:
-        replace_param(gm, site.weight, shard_param(get_param(gm, site.weight), spec))
+        replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
+                                                layer))
         if site.bias is not None:
             bias = ShardSpec(0, tp, rank, chunks, pad)
-            replace_param(gm, site.bias, shard_param(get_param(gm, site.bias), bias))
+            replace_param(gm, site.bias, shard_of(get_param(gm, site.bias), bias, site.bias,
+                                                  layer))
     if cut and cut[2] is not None:  # split(size): each part shrinks with the shard
         cut[0].update_arg(1, cut[2] // tp)
 
@@ -162,7 +164,8 @@ def _make_row(gm, site: LinearSite, layer: str, tp: int, rank: int, group: str) 
     if site.module is not None:
         gm.add_submodule(node.target, RowParallelLinear(site.module, spec))
     else:
-        replace_param(gm, site.weight, shard_param(get_param(gm, site.weight), spec))
+        replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
+                                                layer))
         site.drop_bias()
     reduced = call_after(gm, after_views(node), collectives.tp_all_reduce, (group, layer), layer)
     if site.bias is not None:

@@ -25,9 +25,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.sharding import (LAYER, ShardingError, ShardSpec, call_after, get_param, linear_site,
-                             localize_shapes, nodes_by_layer, replace_param, shard_param,
-                             tag_layers)
+from passes.sharding import (LAYER, ShardingError, ShardSpec, call_after, full_size, get_param,
+                             linear_site, localize_shapes, nodes_by_layer, replace_param,
+                             shard_of, tag_layers)
 from passes.tensor_parallel import make_column
 from runtime import collectives
 
@@ -97,8 +97,8 @@ def _embedding(gm, node: fx.Node):
 
 def _shard_embedding(gm, node, ids, weight, layer, tp, rank, group, pad) -> None:
     full = get_param(gm, weight)
-    extra, width, start = _slice(full.shape[0], weight, layer, tp, rank, pad)
-    shard = shard_param(full, ShardSpec(0, tp, rank, 1, extra))
+    extra, width, start = _slice(full_size(full, 0), weight, layer, tp, rank, pad)
+    shard = shard_of(full, ShardSpec(0, tp, rank, 1, extra), weight, layer)
     if node.op == "call_module":  # a new module: the traced one is the user's model's own
         gm.add_submodule(node.target, _embedding_slice(gm.get_submodule(node.target), shard,
                                                        start))

@@ -61,19 +61,14 @@ def fingerprint(batch: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([total, -total])
 
 
-def start_compare(batch: Sequence[torch.Tensor]):
-    """Start comparing the ranks' batches (async); `finish_compare` raises if they differ."""
+def compare_batches(batch: Sequence[torch.Tensor]) -> None:
+    """Raise on every rank unless every rank was given the same batch (one small all-reduce).
+    It runs before any other collective of the step: a step refused later would leave posted
+    collectives behind, which the next step's would pair with."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    value = fingerprint(batch)
-    return value, dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
-
-
-def finish_compare(pending) -> None:
-    if pending is None:
         return
-    value, work = pending
-    work.wait()
+    value = fingerprint(batch)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
     if not torch.isclose(value[0], -value[1], rtol=1e-12, atol=0.0):
         raise ValueError("train_step was given different batches on different ranks: pass the "
                          "same global batch on every rank (each data-parallel replica takes its "

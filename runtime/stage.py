@@ -27,6 +27,7 @@ class StageProgram:
     outputs: tuple[str, ...]            # values sent to stage + 1 (the loss on the last stage)
     input_specs: tuple[TensorSpec, ...]   # of boundary_inputs, at the micro-batch shape captured
     output_specs: tuple[TensorSpec, ...]  # of outputs (empty on the last stage)
+    shared_params: tuple[str, ...] = ()   # of the whole model: read by several stages (tied)
 
     @property
     def is_last(self) -> bool:

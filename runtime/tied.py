@@ -92,6 +92,7 @@ def tie(programs: dict[int, StageProgram], tied: tuple[tuple[str, ...], ...],
         groups: RankGroups) -> list[TiedCopy]:
     """Make each tied parameter one object on this rank and find the ranks holding a copy.
     Collective over all ranks when the model has tied parameters (every rank must call it)."""
+    tied = with_shared(tied, next(iter(programs.values())).shared_params)
     if not tied:
         return []
     local = [_local_copy(programs, names) for names in tied]
@@ -110,6 +111,13 @@ def tie(programs: dict[int, StageProgram], tied: tuple[tuple[str, ...], ...],
         src = groups.stage_rank(holders[0])
         copies.append(TiedCopy(names, local[i][1], group, src, groups.pp_index == holders[0]))
     return copies
+
+
+def with_shared(tied: tuple[tuple[str, ...], ...], shared: tuple[str, ...]):
+    """The tied groups, and a group of its own for each parameter several stages read through one
+    name (StageProgram.shared_params) that no group holds yet."""
+    named = {name for names in tied for name in names}
+    return tuple(tied) + tuple((name,) for name in shared if name not in named)
 
 
 def broadcast_tied(copies: list[TiedCopy]) -> None:

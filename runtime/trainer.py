@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import activity
-from runtime.batch import BatchSpec, finish_compare, start_compare
+from runtime.batch import BatchSpec, compare_batches
 from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
 from runtime.memory import SavedActivations
@@ -192,9 +192,10 @@ class PipelineTrainer:
 
     def step(self, *batch: torch.Tensor) -> float:
         activity.start_step(self)
-        if self.batch_spec is not None:
-            self.batch_spec.check(batch)
-        same_batch = start_compare(batch) if self.batch_spec is not None else None
+        if self.batch_spec is not None:  # before any collective: a refused step leaves none
+            self.batch_spec.check(batch)      # half-done for the next step to pair with
+            activity.now("comparing the ranks' batches")
+            compare_batches(batch)
         mesh = self.groups.mesh
         micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
                             self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
@@ -207,8 +208,6 @@ class PipelineTrainer:
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
         loss = self.executor.run(micro, multiplier,
                                  self.sync.start if self.sync is not None else None)
-        activity.now("comparing the ranks' batches")
-        finish_compare(same_batch)
         if self.sync is not None:
             activity.now("waiting for the data-parallel gradient all-reduce")
             self.sync.wait()

@@ -112,3 +112,53 @@ def test_a_batch_that_does_not_match_the_plan_is_refused_on_every_rank(pool4, ho
     config = get_config("gpt-tiny", layers=2)
     messages = pool4.run(_train_on, config, _plan(config, dp=2, pp=2).dumps(), how)
     assert all(words in m for m in messages), messages
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 64), torch.nn.Linear(64, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class HeadReadsEmbedding(torch.nn.Module):
+    """Tied by reading the embedding's weight in the head: F.linear(x, wte.weight)."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, layers: int = 2):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(_MLP(hidden) for _ in range(layers))
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = torch.nn.functional.linear(x, self.wte.weight)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class _HeadReadsEmbeddingSpec:
+    """What planner.train.build needs: the model and its batch, the same on every rank."""
+
+    def build(self):
+        model = HeadReadsEmbedding()
+        gen = torch.Generator().manual_seed(0)
+        return model, tuple(torch.randint(0, 64, (8, 8), generator=gen) for _ in "xy")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", [{"dp": 2, "pp": 2}, {"tp": 2, "pp": 2}])
+def test_a_head_reading_the_embedding_weight_stays_tied(pool4, mesh):
+    spec = _HeadReadsEmbeddingSpec()
+    torch.manual_seed(0)
+    model, batch = spec.build()
+    strategy = "tp" if mesh.get("tp", 1) > 1 else "none"
+    chosen = plan(model, 4, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 1, "mb": 2, "schedule": "1f1b", "strategy": strategy,
+                       **mesh})[0]
+    if chosen.tp > 1:
+        chosen = _vocab_parallel_ends(chosen)
+    parallel = run_parallel(spec, chosen, STEPS, pool4)
+    assert_same_run(parallel, reference_run(spec, STEPS), what=str(mesh))

@@ -90,3 +90,29 @@ def test_ops_between_blocks_go_with_the_block_before_and_uneven_blocks_are_named
     from planner.costs import PlanningError
     with pytest.raises(PlanningError, match=r"blocks.2 has 1 graph nodes, blocks.0 2.*residual"):
         plan(ParentResidual(), 2, (tokens, tokens), cluster="cpu-gloo")
+
+
+class ReadsEmbeddingInHead(torch.nn.Module):
+    """Ties the head to the embedding by reading its weight (F.linear(x, wte.weight))."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(Residual() for _ in range(2))
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return _loss(F.linear(x, self.wte.weight), targets)
+
+
+def test_a_weight_two_stages_read_is_read_by_each_not_sent():
+    from passes.program import Layout, rank_programs
+    tokens = torch.randint(0, 32, (2, 8))
+    captured = capture(ReadsEmbeddingInHead(), (tokens, tokens))
+    programs = rank_programs(captured, Layout(1, (), (2, 2)), 0, (0, 1))
+    assert all(p.shared_params == ("wte.weight",) for p in programs.values())
+    last = programs[1]
+    assert "wte.weight" in dict(last.gm.named_parameters())
+    assert all(spec.shape != (32, 16) for spec in last.input_specs)  # no weight on the wire
