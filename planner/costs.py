@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from functools import cached_property, lru_cache
 
+import torch
+
 from cost_model.cluster import Cluster
 from cost_model.layer_cost import LayerCost, LayerProfile, price, profile_layer
 from cost_model.memory import TrainingMemory
 from cost_model.strategy import Strategy
 from passes.capture import Captured
 from passes.context_parallel import why_not
+from passes.sharding import get_param as getattr_path
 from passes.tensor_parallel import ShardingError
 from planner import ilp
 
@@ -160,6 +163,27 @@ class ModelCosts:
             return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
         return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * sum(self.static_per_param(dp)),
                             cost.act_bytes, cost.params * self.training.grad_bytes)
+
+    @cached_property
+    def tied_end_params(self) -> int:
+        """Parameters the embedding and the head share (a tied head): on different stages both
+        hold them, and their gradients are summed across the two (runtime.tied)."""
+        def params(kind: str) -> dict[int, int]:
+            layer = next((l for l in self.captured.layers if l.kind == kind), None)
+            found, gm = {}, self.captured.gm
+            nodes = {n.name: n for n in gm.graph.nodes}
+            for name in (layer.nodes if layer else ()):
+                node = nodes[name]
+                if node.op == "get_attr":
+                    value = getattr_path(gm, str(node.target))
+                    if isinstance(value, torch.nn.Parameter):
+                        found[id(value)] = value.numel()
+                elif node.op == "call_module":
+                    found.update({id(p): p.numel() for p in
+                                  gm.get_submodule(node.target).parameters()})
+            return found
+        embed, head = params("embed"), params("head")
+        return sum(n for key, n in embed.items() if key in head)
 
     def boundary_bytes(self, micro_batch: int) -> float:
         one = self._profiles[1]

@@ -21,7 +21,7 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
   T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1])   `_stage_time`
   ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
   ρ         ≥ ρ*  (the least ρ at which whole blocks fit, below)         `busiest_rank_floor`
-  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H)   ∀ r    `_add_sync`
+  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H) + τ_r   ∀ r   `_add_sync`
   Σ_{s,k} n[s,k] = N                                                     `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
   Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
@@ -31,7 +31,8 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
 stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
 (0, m + (p − 1)/3), whose deferred weight-gradient work fills two thirds of the bubble. The data-
 parallel all-reduce time is affine in bytes (a: latency terms, b: exposed seconds per byte), so σ is
-linear.
+linear. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
+(a tied head) over their two ranks, on those ranks when they differ (runtime.tied), else 0.
 
 The ρ floor is a valid inequality, not a restriction: rank r spends F_r (its ends and p2p) plus
 at least min_k t_k per block it holds, so within ρ it holds at most ⌊(ρ − F_r)/min_k t_k⌋ blocks,
@@ -90,6 +91,12 @@ class StageProblem:
     sync_s_per_byte: float     # bandwidth part, exposed share included
     act_factor: tuple[float, ...]   # φ_r per rank
     needs_tp: bool = False          # tp > 1: a mesh whose tp ranks all replicate is no plan
+    tie_s: float = 0.0              # τ: summing tied embed/head gradients across their ranks
+
+    def tie_time(self, rank: int) -> float:
+        """τ_r: on the ranks of the first and the last stage, when they are two."""
+        ends = {self.rank_of(0), self.rank_of(self.stages - 1)}
+        return self.tie_s if len(ends) > 1 and rank in ends else 0.0
 
     def tp_options(self) -> list[int]:
         return [k for k, o in enumerate(self.options) if "tp" in o.name.split("+")]
@@ -224,7 +231,7 @@ def breakdown(problem: StageProblem, counts) -> Breakdown:
         rank_times.append(sum(times[s] for s in problem.stages_of(r)))
         mem, grads = _rank_load(problem, counts, r)
         mems.append(mem)
-        syncs.append(_sync_time(problem, grads))
+        syncs.append(_sync_time(problem, grads) + problem.tie_time(r))
     iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times) + max(syncs)
     if problem.needs_tp and not any(counts[s][k] for s in range(problem.stages)
                                     for k in problem.tp_options()):
@@ -376,7 +383,7 @@ def _add_bottleneck(prob, problem: StageProblem, times):
 
 def _add_sync(prob, problem: StageProblem, n):
     sigma = _var(prob, "sigma")
-    if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0:
+    if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0 and problem.tie_s == 0:
         return sigma
     for r in range(problem.ranks):
         unit = _byte_unit(problem)
@@ -386,8 +393,8 @@ def _add_sync(prob, problem: StageProblem, n):
             grads += [e.grad_bytes / unit for e in _ends(problem, s)]
         seconds = _time_unit(problem)
         per_unit = problem.sync_s_per_byte * unit / seconds
-        prob += (sigma >= problem.sync_alpha_s / seconds + per_unit * pulp.lpSum(grads),
-                 f"sync_{r}")
+        alpha = _sync_time(problem, 0.0) + problem.tie_time(r)
+        prob += sigma >= alpha / seconds + per_unit * pulp.lpSum(grads), f"sync_{r}"
     return sigma
 
 

@@ -23,7 +23,7 @@ from cost_model.strategy import Strategy
 from planner import ilp
 from planner.plan import Plan, gib
 from planner.search import (Request, _comm_terms, check_fix, configurations, make_plan, search,
-                            why_nothing_plans)
+                            tie_time, why_nothing_plans)
 from runtime.generators import peak_inflight
 
 ENDS = ("auto", "vocab-tp", "none")
@@ -191,7 +191,8 @@ class Pricer:
                                                       cand.v))
         problem = ilp.StageProblem(costs.num_blocks, options, embed, head, cand.pp,
                                    cand.pp * cand.v, *weights, p2p, math.inf, sync_alpha,
-                                   sync_slope, phi, needs_tp=cand.tp > 1)
+                                   sync_slope, phi, needs_tp=cand.tp > 1,
+                                   tie_s=tie_time(costs, req, cand))
         counts = tuple(tuple(stage.count(n) for n in names) for stage in stages)
         parts = ilp.breakdown(problem, counts)
         solution = ilp.Solution(counts, parts.iteration_s, "given", 0.0, 0.0)

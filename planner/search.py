@@ -434,8 +434,19 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
     problem = ilp.StageProblem(costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v,
                                *weights, p2p, memory_limit, sync_alpha, sync_slope, phi,
-                               needs_tp=c.tp > 1)
+                               needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c))
     return problem, blocks
+
+
+def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """τ of the ILP: the all-reduce summing the gradients of weights the embedding and the head
+    share over the first and the last pipeline rank, after the data-parallel sum (exposed)."""
+    if c.pp == 1 or not costs.tied_end_params:
+        return 0.0
+    shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
+    nbytes = costs.tied_end_params * costs.training.grad_bytes / shard
+    return collective_time(req.cluster, "all_reduce", nbytes, 2,
+                           stride=(c.pp - 1) * c.tp * c.cp * c.dp)
 
 
 def _comm_terms(costs, req, c: Candidate) -> tuple[float, float, float]:

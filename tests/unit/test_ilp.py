@@ -56,7 +56,8 @@ def random_problem(rng: random.Random) -> ilp.StageProblem:
     phi = tuple(f / v for f in peak_inflight(name, p, m, v))
     return ilp.StageProblem(blocks, options, end(), end(), p, p * v, alpha, beta,
                             rng.uniform(0, .5), rng.uniform(4, 20), rng.choice([0.0, 0.3]),
-                            rng.uniform(0, .2), phi, needs_tp=rng.random() < 0.3)
+                            rng.uniform(0, .2), phi, needs_tp=rng.random() < 0.3,
+                            tie_s=rng.choice([0.0, 0.0, 0.4]))
 
 
 def _solved(seed: int) -> tuple[ilp.StageProblem, ilp.Solution]:
