@@ -36,7 +36,9 @@ class BatchSpec:
         if len(batch) != len(self.names):
             raise ValueError(f"train_step got {len(batch)} inputs; the plan's model takes "
                              f"{len(self.names)} ({', '.join(self.names)})")
-        for name, x, shape, dtype in zip(self.names, batch, self.shapes, self.dtypes):
+        for i, (name, x, shape, dtype) in enumerate(zip(self.names, batch, self.shapes,
+                                                        self.dtypes)):
+            name = f"{i} ({name})"
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"train_step input {name} is a {type(x).__name__}, not a tensor")
             if tuple(x.shape) != shape:
