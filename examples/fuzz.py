@@ -5,7 +5,8 @@
     python examples/fuzz.py --replay "Case(config=ModelConfig(...), gpus=4, fix={...}, steps=2)"
 
 Each case (planner.fuzzing.build_case, drawn uniformly from a seeded generator) is planned with
-its settings fixed, trained on 4 or 8 local gloo ranks and compared with the same model trained in
+its settings fixed (or, with a strategy drawn per block or vocabulary-parallel ends, priced as
+given by planner.pricing), trained on 4 or 8 local gloo ranks and compared with the same model trained in
 one process: per-step losses, every gradient and the final parameters, rtol 1e-5. One line per
 case; at the end, how many passed, how many the planner refused, how many failed, each failure as
 a replayable Case. A mismatch past rtol counts as noise, not a failure, when the parallel run is

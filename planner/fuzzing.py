@@ -35,10 +35,15 @@ Choose = Callable[[Sequence], object]
 
 @dataclass(frozen=True)
 class Case:
+    """A model, a rank count and the plan asked for: `fix` as planner.api.plan takes it, or with
+    `stages` (each pipeline stage's block strategies) or `ends` ("vocab-tp": embedding and head
+    split over the vocabulary) a configuration priced as given (planner.pricing)."""
     config: ModelConfig
     gpus: int
     fix: dict = field(default_factory=dict)
     steps: int = 2
+    stages: tuple[tuple[str, ...], ...] | None = None
+    ends: str = "auto"
 
     def line(self) -> str:
         """The model and the requested plan on one line."""
@@ -48,6 +53,10 @@ class Case:
                  f"V{c.vocab} s{c.seq} {c.attention}{' tied' if c.tie else ''} "
                  f"B{c.global_batch}")
         plan = " ".join(f"{k}={v}" for k, v in self.fix.items())
+        if self.stages is not None:
+            plan += " stages=" + "/".join(",".join(stage) for stage in self.stages)
+        if self.ends != "auto":
+            plan += f" ends={self.ends}"
         return f"{model} | {self.gpus} ranks {plan} | {self.steps} steps"
 
 
@@ -89,10 +98,23 @@ def build_model_config(choose: Choose, tp: int = 1, cp: int = 1, min_layers: int
                        attention=choose(("sdpa", "math")), tie=choose((False, True)))
 
 
+def _split(blocks: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:
+    """Blocks over stages as evenly as whole blocks allow; with fewer blocks than stages, the
+    first and then the last stage hold only the embedding or the head."""
+    empty = max(stages - len(blocks), 0)
+    inner = stages - empty
+    sizes = [len(blocks) // inner + (s < len(blocks) % inner) for s in range(inner)]
+    sizes = [0] * (empty > 0) + sizes + [0] * (empty > 1)
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return tuple(blocks[a:a + n] for a, n in zip(starts, sizes))
+
+
 def build_case(choose: Choose, worlds: Sequence[int] = (4, 8)) -> Case:
-    """A mesh, a schedule, a micro-batching and a block strategy (or none: the planner picks per
-    block), then a model they fit: enough layers for every stage (pp·v ≤ layers + 2, embed and
-    head may take one each) and, under sequence parallel, a sequence that tp·cp divides."""
+    """A mesh, a schedule, a micro-batching and the blocks' strategies: one for all of them, the
+    planner's choice per block, or one drawn for each block (priced as given); with tp, the
+    embedding and head as the planner prices them or split over the vocabulary. Then a model they
+    fit: enough layers for every stage (pp·v ≤ layers + 2, embed and head may take one each)
+    and, under sequence parallel, a sequence that tp·cp divides."""
     gpus = choose(worlds)
     dp, tp, pp, cp = choose(_mesh_list(gpus))
     schedule = choose(SCHEDULES) if pp > 1 else "1f1b"
@@ -100,15 +122,23 @@ def build_case(choose: Choose, worlds: Sequence[int] = (4, 8)) -> Case:
     mb = choose((1, 2))
     # Interleaved 1F1B runs micro-batches in groups of pp.
     m = pp * choose((1, 2)) if v > 1 else choose((1, 2, 3, 4))
-    strategy = choose((None,) + (TP_STRATEGIES if tp > 1 else NO_TP_STRATEGIES))
-    sp = strategy is not None and "sp" in strategy.split("+")
+    options = TP_STRATEGIES if tp > 1 else NO_TP_STRATEGIES
+    per_block = choose((False, True))
+    strategy = None if per_block else choose((None,) + options)
+    sp = (per_block and tp > 1 and choose((False, True))) or (
+        strategy is not None and "sp" in strategy.split("+"))
     config = build_model_config(choose, tp, cp, max(1, pp * v - 2), tp * cp if sp else 1)
+    stages = None
+    if per_block:
+        legal = [s for s in options if sp or "sp" not in s.split("+")] + ["none"] * (tp > 1)
+        stages = _split(tuple(choose(legal) for _ in range(config.layers)), pp * v)
+    ends = choose(("auto", "vocab-tp")) if tp > 1 and (per_block or strategy) else "auto"
     fix = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "mb": mb, "schedule": schedule}
     if v > 1:
         fix["v"] = v
     if strategy is not None:
         fix["strategy"] = strategy
-    return Case(config.with_(global_batch=dp * mb * m), gpus, fix, choose((2, 3)))
+    return Case(config.with_(global_batch=dp * mb * m), gpus, fix, choose((2, 3)), stages, ends)
 
 
 def cases(worlds: Sequence[int] = (4, 8)):
@@ -161,13 +191,31 @@ def shrink(indices: Sequence[int], still_fails: Callable[[Case], bool],
 
 
 def plan_case(case: Case) -> Plan:
-    """The planner's plan for the case, checked against its fixed settings; `Refused` when the
-    planner raises PlanningError/ValueError (a ValueError subclass)."""
+    """The planner's plan for the case (planner.api.plan, or planner.pricing for stages or ends
+    given), checked against what the case asks; `Refused` when the planner raises
+    PlanningError/ValueError (a ValueError subclass)."""
     from planner.api import plan
+    from planner.pricing import Configuration, Pricer, block_strategies
+    fix = case.fix
     try:
-        chosen = plan(case.config, case.gpus, cluster="cpu-gloo", fix=case.fix)[0]
+        if case.stages is None and case.ends == "auto":
+            chosen = plan(case.config, case.gpus, cluster="cpu-gloo", fix=fix)[0]
+        else:
+            asked = Configuration(fix["dp"], fix["tp"], fix["pp"], fix["cp"], fix["mb"],
+                                  fix["schedule"], fix.get("v", 1), case.stages,
+                                  fix.get("strategy"), case.ends)
+            chosen = Pricer(case.config, case.gpus, cluster="cpu-gloo").price(asked).plan
     except ValueError as err:
         raise Refused(f"{type(err).__name__}: {err}") from err
+    def per_stage(stages):  # a priced stage lists its blocks by strategy, not in the order given
+        return [sorted(stage) for stage in stages]
+    if case.stages is not None and per_stage(block_strategies(chosen)) != per_stage(case.stages):
+        raise AssertionError(f"stages {case.stages} asked, the plan has "
+                             f"{block_strategies(chosen)}")
+    ends = {s for stage in chosen.stages for layer, s in zip(stage.layers, stage.strategies)
+            if layer in ("embed", "head")}
+    if case.ends != "auto" and ends != {case.ends}:
+        raise AssertionError(f"ends={case.ends} asked, the plan has {ends}")
     got = {"dp": chosen.dp, "tp": chosen.tp, "pp": chosen.pp, "cp": chosen.cp,
            "mb": chosen.micro_batch, "schedule": chosen.schedule, "v": chosen.virtual_stages}
     wrong = {k: (v, got[k]) for k, v in case.fix.items() if k in got and got[k] != v}

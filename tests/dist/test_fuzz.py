@@ -2,8 +2,9 @@
 
 planner.fuzzing draws the model (GPT or Llama, 1-4 layers, grouped-query heads, prime vocabularies,
 tied or not, sdpa or written-out attention) and the plan (mesh, schedule, v, micro-batch size,
-block strategy); each accepted plan trains 2-3 steps and must match one process in losses, every
-gradient and the final parameters (rtol 1e-5). A draw the planner refuses is not a failure: it is
+one strategy for every block, the planner's per block or one drawn per block, vocabulary-parallel
+ends); each accepted plan trains 2-3 steps and must match one process in losses, every gradient
+and the final parameters (rtol 1e-5). A draw the planner refuses is not a failure: it is
 discarded (its reason shows in --hypothesis-show-statistics). Derandomized and bounded, so the
 same 15 cases run every time; examples/fuzz.py runs the same property for longer.
 """
