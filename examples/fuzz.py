@@ -6,15 +6,15 @@
 
 Each case (planner.fuzzing.build_case, drawn uniformly from a seeded generator) is planned with
 its settings fixed (or, with a strategy drawn per block or vocabulary-parallel ends, priced as
-given by planner.pricing), trained on 4 or 8 local gloo ranks and compared with the same model trained in
-one process: per-step losses, every gradient and the final parameters, rtol 1e-5. One line per
-case; at the end, how many passed, how many the planner refused, how many failed, each failure as
-a replayable Case. A mismatch past rtol counts as noise, not a failure, when the parallel run is
-no farther from the same training in float64 than the fp32 one-process run is (a few steps of SGD
-at lr 0.5 amplify summation-order differences; planner.fuzzing.within_fp32_noise). --shrink then
-minimises the first failure: every choice of its case, in turn, to the simplest option that still
-fails the same way. Cases that fail for a known open reason (planner.fuzzing.known_failure) are
-counted apart.
+given by planner.pricing), trained on 4 or 8 local gloo ranks and compared with the same model
+trained in one process: per-step losses, every gradient and the final parameters, rtol 1e-5. One
+line per case; at the end, how many passed, how many the planner refused, how many failed, each
+failure as a replayable Case. A mismatch past rtol counts as noise, not a failure, when the
+parallel run is no farther from the same training in float64 than the fp32 one-process run is (a
+few steps of SGD at lr 0.5 amplify summation-order differences; planner.fuzzing.within_fp32_noise).
+--shrink then minimises the first failure: every choice of its case, in turn, to the simplest
+option that still fails the same way. Cases that fail for a known open reason
+(planner.fuzzing.known_failure) are counted apart.
 """
 from __future__ import annotations
 
