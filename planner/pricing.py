@@ -181,6 +181,10 @@ class Pricer:
             raise ValueError(f"no block uses tensor parallelism, but tp={cand.tp}")
         if cand.tp == 1 and any(s.tp for s in strategies):
             raise ValueError("blocks use tensor parallelism, but tp=1")
+        if any(s.sp for s in strategies) and not costs.supports_sp(cand.tp, cand.cp, req.seq):
+            raise ValueError(f"sequence parallel does not apply: each rank's {req.seq // cand.cp} "
+                             f"positions do not split over tp={cand.tp} ranks (or the blocks' "
+                             f"sequence-parallel rewrite does not apply)")
         blocks = [costs.price_block(s, cand.micro_batch, self.cluster, cand.tp, cand.cp)
                   for s in strategies]
         options = tuple(costs.block_option(cost, cand.dp) for cost in blocks)
