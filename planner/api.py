@@ -15,7 +15,8 @@ from planner.loss import with_loss
 from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan, gib
 from planner.costs import ModelCosts, PlanningError
-from planner.search import Request, check_fix, search, smallest_memory, why_nothing_plans
+from planner.refusals import why_nothing_plans
+from planner.search import Request, check_fix, search, smallest_memory
 from runtime.batch import BatchSpec
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups

@@ -22,8 +22,9 @@ from cost_model.cluster import get_cluster
 from cost_model.strategy import Strategy
 from planner import ilp
 from planner.plan import Plan, gib
+from planner.refusals import why_nothing_plans
 from planner.search import (Request, _comm_terms, check_fix, configurations, make_plan, search,
-                            tie_time, why_nothing_plans)
+                            tie_time)
 from runtime.generators import peak_inflight
 
 ENDS = ("auto", "vocab-tp", "none")

@@ -60,7 +60,7 @@ class Candidate:
     cp: int = 1
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -100,14 +100,14 @@ def check_fix(fix: dict) -> None:
 
 def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
     """tp sizes that divide the GPUs, stay inside a node on GPU clusters, and divide the model."""
-    sizes = [t for t in _divisors(gpus) if cluster.device == "cpu" or t <= cluster.gpus_per_node]
+    sizes = [t for t in divisors(gpus) if cluster.device == "cpu" or t <= cluster.gpus_per_node]
     return [t for t in sizes if t == 1 or costs.block_profile(t) is not None]
 
 
 def cp_sizes(costs: ModelCosts, req: Request, rest: int) -> list[int]:
     """Context-parallel sizes: those whose sequence splits into 2·cp zig-zag chunks, for a model
     whose attention passes.context_parallel can turn into a ring (ModelCosts.supports_cp)."""
-    return [c for c in _divisors(rest) if costs.supports_cp(c, req.seq)]
+    return [c for c in divisors(rest) if costs.supports_cp(c, req.seq)]
 
 
 @dataclass(frozen=True)
@@ -120,15 +120,15 @@ class Refusal:
     keys: tuple[str, ...]
 
 
-def _factorisations(gpus: int):
+def factorisations(gpus: int):
     """Every (dp, tp, cp, pp) with dp·tp·cp·pp = gpus, tp outermost (the search's order)."""
-    for tp in _divisors(gpus):
-        for cp in _divisors(gpus // tp):
-            for pp in _divisors(gpus // (tp * cp)):
+    for tp in divisors(gpus):
+        for cp in divisors(gpus // tp):
+            for pp in divisors(gpus // (tp * cp)):
                 yield gpus // (tp * cp * pp), tp, cp, pp
 
 
-def _mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
+def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
                   pp: int) -> Refusal | None:
     cluster, layers = req.cluster, costs.num_blocks + 2
     if cluster.device != "cpu" and tp > cluster.gpus_per_node:
@@ -155,7 +155,7 @@ def _mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
     return None
 
 
-def _schedule_options(req: Request) -> list[tuple[str, int]]:
+def schedule_options(req: Request) -> list[tuple[str, int]]:
     """(schedule, v) pairs the fix allows: a fixed schedule with the fixed v or the v the search
     gives it; a fixed v alone picks interleaving when above 1."""
     fix = req.fix
@@ -169,7 +169,7 @@ def _schedule_options(req: Request) -> list[tuple[str, int]]:
     return list(req.schedules)
 
 
-def _schedule_refusal(pp: int, m: int, blocks: int, name: str, v: int) -> Refusal | None:
+def schedule_refusal(pp: int, m: int, blocks: int, name: str, v: int) -> Refusal | None:
     if pp == 1 and v > 1:
         return Refusal(8, f"{name} with v={v} stages per rank needs a pipeline, but pp=1",
                        ("v", "pp"))
@@ -184,15 +184,15 @@ def _schedule_refusal(pp: int, m: int, blocks: int, name: str, v: int) -> Refusa
 
 
 def _schedules(req: Request, pp: int, m: int, blocks: int):
-    options = _schedule_options(req)
+    options = schedule_options(req)
     for name, v in options:
         if pp == 1 and name != options[0][0]:
             continue  # without a pipeline every schedule is the same
-        if _schedule_refusal(pp, m, blocks, name, v) is None:
+        if schedule_refusal(pp, m, blocks, name, v) is None:
             yield name, v
 
 
-def _fixed_mesh(req: Request, dp: int, tp: int, cp: int, pp: int) -> bool:
+def fixed_mesh(req: Request, dp: int, tp: int, cp: int, pp: int) -> bool:
     return all(req.fix.get(k, value) == value for k, value in zip(("dp", "tp", "cp", "pp"),
                                                                    (dp, tp, cp, pp)))
 
@@ -200,15 +200,15 @@ def _fixed_mesh(req: Request, dp: int, tp: int, cp: int, pp: int) -> bool:
 def meshes(costs: ModelCosts, req: Request):
     """(dp, tp, cp, pp) with dp·tp·cp·pp = gpus that the model admits and the fix allows."""
     tp_sizes(costs, req.gpus, req.cluster)  # probe every tp size: the notes say which divide
-    for mesh in _factorisations(req.gpus):
-        if _fixed_mesh(req, *mesh) and _mesh_refusal(costs, req, *mesh) is None:
+    for mesh in factorisations(req.gpus):
+        if fixed_mesh(req, *mesh) and mesh_refusal(costs, req, *mesh) is None:
             yield mesh
 
 
 def configurations(costs: ModelCosts, req: Request):
     """Every candidate the filters let through (memory aside), with lower_bound 0."""
     for dp, tp, cp, pp in meshes(costs, req):
-        for b in _divisors(req.global_batch // dp):
+        for b in divisors(req.global_batch // dp):
             if "mb" in req.fix and req.fix["mb"] != b:
                 continue
             m = req.global_batch // (dp * b)
@@ -226,114 +226,6 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
             continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
         result.append(replace(cand, lower_bound=_lower_bound(costs, req, cand, least[key])))
     return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
-
-
-def refusal(costs: ModelCosts, req: Request) -> Refusal | None:
-    """The filter that removed the last configurations, or None when some configuration passes
-    every filter (then only memory, or the ILP, can leave nothing)."""
-    fix = req.fix
-    fixed = [(k, fix[k]) for k in fix if k in MESH_KEYS]
-    product = math.prod(v for _, v in fixed)
-    if req.gpus % product or (len(fixed) == 4 and product != req.gpus):
-        what = " × ".join(f"{k}={v}" for k, v in fixed)
-        what += f" = {product}" if len(fixed) > 1 else ""
-        verb = "is not" if len(fixed) == 4 else "does not divide"
-        return Refusal(0, f"{what} {verb} the {req.gpus} GPUs",
-                       tuple(k for k, _ in reversed(fixed)))
-    deepest = None
-    for mesh in _factorisations(req.gpus):
-        if not _fixed_mesh(req, *mesh):
-            continue
-        found = _mesh_refusal(costs, req, *mesh)
-        if found is None:
-            found = _batching_refusal(costs, req, mesh[0], mesh[3])
-            if found is None:
-                return None
-        if deepest is None or found.depth > deepest.depth:
-            deepest = found
-    return deepest
-
-
-def _batching_refusal(costs: ModelCosts, req: Request, dp: int, pp: int) -> Refusal | None:
-    """Why no micro-batching and schedule of a mesh passes (None when one does)."""
-    fix, per_replica, first = req.fix, req.global_batch // dp, None
-    if "mb" in fix and per_replica % fix["mb"]:
-        return Refusal(7, f"mb={fix['mb']} does not divide the per-replica batch {per_replica} "
-                          f"(global batch {req.global_batch} / dp={dp})", ("mb",))
-    options = _schedule_options(req)
-    if not options:
-        return Refusal(8, f"v={fix['v']} needs schedule interleaved-1f1b, which the search is "
-                          f"not given", ("v",))
-    for b in _divisors(per_replica):
-        if "mb" in fix and fix["mb"] != b:
-            continue
-        for name, v in options:
-            if pp == 1 and name != options[0][0]:
-                continue
-            found = _schedule_refusal(pp, per_replica // b, costs.num_blocks, name, v)
-            if found is None:
-                return None
-            first = first or found
-    return first
-
-
-def legal_values(costs: ModelCosts, req: Request, key: str) -> list:
-    """The values of a fixed setting that pass every filter when that setting is left free."""
-    loose = {k: v for k, v in req.fix.items() if k != key}
-    if key == "schedule":
-        loose.pop("v", None)
-    attribute = {"mb": "micro_batch"}.get(key, key)
-    free = replace(req, fix=loose)
-    return sorted({getattr(c, attribute) for c in configurations(costs, free)})
-
-
-def nearest(values: list, wanted) -> str:
-    """'2 or 4': the legal values just below and above the wanted one (all of them for names)."""
-    if not values or not all(isinstance(v, int) for v in values):
-        return ", ".join(map(str, values))
-    below = [v for v in values if v < wanted][-1:]
-    above = [v for v in values if v > wanted][:1]
-    return " or ".join(str(v) for v in below + above)
-
-
-def plannable_gpus(costs: ModelCosts, req: Request, tries: int = 3) -> list[int]:
-    """The GPU counts nearest req.gpus, one below and one above, for which the request plans."""
-    found = []
-    for step in (-1, 1):
-        gpus, searched = req.gpus + step, 0
-        while 1 <= gpus <= 2 * req.gpus + 8 and searched < tries:
-            other = replace(req, gpus=gpus, top_k=1)
-            if next(configurations(costs, other), None) is not None:
-                searched += 1
-                if search(costs, other):
-                    found.append(gpus)
-                    break
-            gpus += step
-    return found
-
-
-def why_nothing_plans(costs: ModelCosts, req: Request) -> str | None:
-    """The one-line reason no configuration is left (the filter that removed the last ones and
-    the nearest legal value), or None when configurations pass every filter."""
-    found = refusal(costs, req)
-    if found is None:
-        return None
-    for key in found.keys:
-        if key in req.fix and key != "strategy":
-            values = legal_values(costs, req, key)
-            if values:
-                numbers = all(isinstance(v, int) for v in values)
-                return (f"{found.reason}; {'nearest ' if numbers else ''}legal {key}: "
-                        f"{nearest(values, req.fix[key])}")
-    if any(k in req.fix for k in found.keys):
-        return found.reason
-    fixed = ", ".join(f"{k}={v}" for k, v in req.fix.items())
-    counts = plannable_gpus(costs, req)
-    return (f"{req.gpus} GPUs: no factorisation into dp × tp × pp × cp fits the model and global "
-            f"batch {req.global_batch}{f' with {fixed}' if fixed else ''} (the last filter, e.g.: "
-            f"{found.reason}); "
-            + (f"nearest GPU counts that plan: {' or '.join(map(str, counts))}" if counts
-               else "no GPU count near it plans"))
 
 
 def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,

@@ -30,8 +30,8 @@ import pytest
 
 from planner.cli import main
 from planner.emit import emit, facts_of_config, nearest, schedule_csv
-from planner.importing import (megatron_configuration, parse_layout, read_megatron_flags,
-                               torchtitan_configuration)
+from planner.from_megatron import megatron_configuration, parse_layout, read_megatron_flags
+from planner.from_torchtitan import torchtitan_configuration
 from planner.models import get_config
 from planner.pricing import Configuration, Pricer, block_strategies
 
