@@ -40,8 +40,6 @@ are far from 1 and for reasons that are known:
 
 from __future__ import annotations
 
-import math
-
 from runtime.wire import KINDS, check_count, check_kind, bytes_on_wire, ring_volume
 
 from .cluster import Cluster

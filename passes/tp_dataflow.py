@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from passes.sharding import ShardingError, after_views, chunk_user, linear_site
+from passes.sharding import ShardingError, chunk_user, linear_site
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "truediv", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",

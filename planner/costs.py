@@ -12,7 +12,7 @@ from cost_model.memory import TrainingMemory
 from cost_model.strategy import Strategy
 from passes.capture import Captured
 from passes.context_parallel import why_not
-from passes.sharding import get_param as getattr_path
+from passes.sharding import get_param
 from passes.tensor_parallel import ShardingError
 from planner import ilp
 
@@ -175,7 +175,7 @@ class ModelCosts:
             for name in (layer.nodes if layer else ()):
                 node = nodes[name]
                 if node.op == "get_attr":
-                    value = getattr_path(gm, str(node.target))
+                    value = get_param(gm, str(node.target))
                     if isinstance(value, torch.nn.Parameter):
                         found[id(value)] = value.numel()
                 elif node.op == "call_module":

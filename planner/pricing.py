@@ -23,9 +23,7 @@ from cost_model.strategy import Strategy
 from planner import ilp
 from planner.plan import Plan, gib
 from planner.refusals import why_nothing_plans
-from planner.search import (Request, _comm_terms, check_fix, configurations, make_plan, search,
-                            tie_time)
-from runtime.generators import peak_inflight
+from planner.search import Request, check_fix, configurations, make_plan, search, stage_problem
 
 ENDS = ("auto", "vocab-tp", "none")
 
@@ -189,15 +187,8 @@ class Pricer:
         blocks = [costs.price_block(s, cand.micro_batch, self.cluster, cand.tp, cand.cp)
                   for s in strategies]
         options = tuple(costs.block_option(cost, cand.dp) for cost in blocks)
-        embed, head = (costs.end_layer(c, cand.dp) for c in self._ends(config.ends, cand))
-        p2p, sync_alpha, sync_slope = _comm_terms(costs, req, cand)
-        weights = ilp.schedule_weights(cand.schedule, cand.pp, cand.microbatches, cand.v)
-        phi = tuple(f / cand.v for f in peak_inflight(cand.schedule, cand.pp, cand.microbatches,
-                                                      cand.v))
-        problem = ilp.StageProblem(costs.num_blocks, options, embed, head, cand.pp,
-                                   cand.pp * cand.v, *weights, p2p, math.inf, sync_alpha,
-                                   sync_slope, phi, needs_tp=cand.tp > 1,
-                                   tie_s=tie_time(costs, req, cand))
+        problem = stage_problem(costs, req, cand, options, self._ends(config.ends, cand),
+                                math.inf)
         counts = tuple(tuple(stage.count(n) for n in names) for stage in stages)
         parts = ilp.breakdown(problem, counts)
         solution = ilp.Solution(counts, parts.iteration_s, "given", 0.0, 0.0)

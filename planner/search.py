@@ -318,16 +318,20 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     options = [costs.block_option(cost, c.dp) for cost in blocks]
     keep = _prune_dominated(options)
     options, blocks = [options[i] for i in keep], [blocks[i] for i in keep]
-    embed, head = (costs.end_layer(cost, c.dp)
-                   for cost in costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp,
-                                               tp=c.tp))
+    ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
+    return stage_problem(costs, req, c, tuple(options), ends, memory_limit), blocks
+
+
+def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple, ends,
+                  memory_limit: float) -> ilp.StageProblem:
+    """The stage ILP of a candidate for given block options and end-layer costs (embed, head)."""
+    embed, head = (costs.end_layer(cost, c.dp) for cost in ends)
     p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
-    problem = ilp.StageProblem(costs.num_blocks, tuple(options), embed, head, c.pp, c.pp * c.v,
-                               *weights, p2p, memory_limit, sync_alpha, sync_slope, phi,
-                               needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c))
-    return problem, blocks
+    return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
+                            p2p, memory_limit, sync_alpha, sync_slope, phi, needs_tp=c.tp > 1,
+                            tie_s=tie_time(costs, req, c))
 
 
 def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
