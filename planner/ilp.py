@@ -1,8 +1,9 @@
 r"""The inner ILP: for a fixed mesh, micro-batching and pipeline schedule, how many blocks of each
 strategy every pipeline stage holds.
 
-The model is a chain  embed, block × N, head  whose blocks are identical, so instead of placing
-each block we count blocks per (stage, strategy) — orders of magnitude fewer variables than a
+The model is a chain  embed, block × N, head. Where its blocks are identical, instead of placing
+each block we count blocks per (stage, strategy) (per (stage, run, strategy) when they form runs
+of different kinds, below) — orders of magnitude fewer variables than a
 per-layer placement, and exact: identical blocks inside a contiguous stage are interchangeable
 (a stage's blocks are ordered by strategy, so a stage mixing k strategies reshards k − 1 times;
 the per-strategy costs include their collectives, and resharding between tp layouts costs nothing
@@ -15,17 +16,38 @@ gradient bytes; E, H the embed/head terms on the first/last stage; c the p2p tim
 boundary; φ_r the activation sets rank r keeps alive at its peak, per stage it holds (the
 schedule's in-flight count ÷ v: p − r for 1F1B, m for GPipe); M the memory limit.
 
-Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-parallel sync).
+Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-parallel sync);
+            y[s,j] ∈ {0,1} for heterogeneous models only (below).
 
   minimise    α·Σ_s T_s + β·ρ + σ                                        `_objective`
   T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1])   `_stage_time`
   ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
   ρ         ≥ ρ*  (the least ρ at which whole blocks fit, below)         `busiest_rank_floor`
   σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H) + τ_r   ∀ r   `_add_sync`
-  Σ_{s,k} n[s,k] = N                                                     `_add_cover`
+  Σ_s Σ_{k ∈ K_j} n[s,k] = N_j                     ∀ run j              `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
   Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
   Σ_{s on r} Σ_k n[s,k]·(w_k + φ_r·a_k) + E, H terms ≤ M   ∀ r           `_add_memory`
+
+Heterogeneous blocks (`BlockRun`). The model is an ordered sequence of runs j = 0..R−1 of N_j
+identical blocks; blocks of one kind are alike, each kind has its own options, and option k
+belongs to exactly one run (K_j: run j's options — a kind occurring in several runs lists its
+options once per run). A stage covers a contiguous range of blocks, so it holds a suffix of one
+run, whole runs, then a prefix of another. With X[s,j] = Σ_{s' < s} Σ_{k ∈ K_j} n[s',k], the run-j
+blocks before stage s, contiguity says: at each inner boundary s = 1..S−1 the blocks before it are
+the runs before some run j*, whole, and a part of run j*. The binaries y[s,j] = [j* = j] say so:
+
+  Σ_j y[s,j] = 1                                   ∀ 0 < s < S              `_add_order`
+  X[s,j] ≤ N_j · Σ_{j' ≥ j} y[s,j']                 (no run-j block before the boundary if j > j*)
+  X[s,j] ≥ N_j · Σ_{j' > j} y[s,j']                 (all of run j before it if j < j*)
+
+X is non-decreasing in s because n ≥ 0, so the prefixes nest and every stage is the contiguous
+range between two of them: stage s holds Σ_{k ∈ K_j} n[s,k] = X[s+1,j] − X[s,j] blocks of run j,
+in run order (within a run, ordered by strategy, as above). With one run (identical blocks) the
+rows are void and none are added: the problem is the one above with R(S − 1) binaries fewer.
+The middle-stage symmetry breaking (`_add_cover`) is dropped when R > 1: stages that hold
+different kinds are no longer interchangeable. The times, memory and gradient terms are sums over
+options, whatever their run, so every other row is unchanged; min_k t_k in ρ* is over all kinds.
 
 (α, β) come from the schedule: 1F1B and GPipe (1, m − 1) — one micro-batch flows through every
 stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
@@ -76,9 +98,22 @@ class EndLayer:
 
 
 @dataclass(frozen=True)
-class StageProblem:
-    blocks: int
+class BlockRun:
+    """N consecutive identical blocks of one kind and that kind's options (see the docstring)."""
+    kind: str
+    count: int
     options: tuple[BlockOption, ...]
+
+    def __post_init__(self):
+        if self.count < 1 or not self.options:
+            raise ValueError(f"run of {self.kind!r} blocks needs count >= 1 and an option, got "
+                             f"count {self.count} and {len(self.options)} options")
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    blocks: int                       # N; with runs, their total (set from them)
+    options: tuple[BlockOption, ...]  # with runs, every run's options in run order (set from them)
     embed: EndLayer
     head: EndLayer
     ranks: int                 # p
@@ -92,6 +127,23 @@ class StageProblem:
     act_factor: tuple[float, ...]   # φ_r per rank
     needs_tp: bool = False          # tp > 1: a mesh whose tp ranks all replicate is no plan
     tie_s: float = 0.0              # τ: summing tied embed/head gradients across their ranks
+    runs: tuple[BlockRun, ...] = ()  # heterogeneous blocks, in model order; () = one run
+
+    def __post_init__(self):
+        if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
+            object.__setattr__(self, "blocks", sum(r.count for r in self.runs))
+            object.__setattr__(self, "options", tuple(o for r in self.runs for o in r.options))
+
+    def block_runs(self) -> tuple[BlockRun, ...]:
+        return self.runs or (BlockRun("block", self.blocks, self.options),)
+
+    def run_options(self) -> list[range]:
+        """K_j: the indices into `options` of each run's options."""
+        ranges, first = [], 0
+        for run in self.block_runs():
+            ranges.append(range(first, first + len(run.options)))
+            first += len(run.options)
+        return ranges
 
     def tie_time(self, rank: int) -> float:
         """τ_r: on the ranks of the first and the last stage, when they are two."""
@@ -190,6 +242,7 @@ def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = m
     times = [_stage_time(problem, n, s) for s in range(problem.stages)]
     mems = [_rank_memory(problem, n, r) for r in range(problem.ranks)]
     _add_cover(prob, problem, n)
+    _add_order(prob, problem, n, cat)
     if objective == "time":
         rho = _add_bottleneck(prob, problem, times)
         sigma = _add_sync(prob, problem, n)
@@ -318,7 +371,9 @@ def _rank_memory(problem: StageProblem, n, r: int):
 
 
 def _add_cover(prob, problem: StageProblem, n) -> None:
-    prob += pulp.lpSum(n.values()) == problem.blocks, "all_blocks_placed"
+    for j, (run, ks) in enumerate(zip(problem.block_runs(), problem.run_options())):
+        prob += pulp.lpSum(n[s, k] for s in range(problem.stages) for k in ks) == run.count, \
+            f"all_blocks_placed_{j}"
     if problem.needs_tp:
         prob += pulp.lpSum(n[s, k] for s in range(problem.stages)
                            for k in problem.tp_options()) >= 1, "some_block_uses_tp"
@@ -330,8 +385,24 @@ def _add_cover(prob, problem: StageProblem, n) -> None:
     # factor) can be permuted without changing time or memory, so order them by size; without
     # this the solver explores every permutation of equivalent stages.
     for s in range(1, problem.stages - 2):
+        if len(problem.block_runs()) > 1:
+            break  # stages holding different kinds are not interchangeable
         if problem.stages == problem.ranks and problem.act_factor[s] == problem.act_factor[s + 1]:
             prob += size[s] >= size[s + 1], f"symmetry_{s}"
+
+
+def _add_order(prob, problem: StageProblem, n, cat: str = "Integer") -> None:
+    """Contiguity over runs (docstring: y[s,j] picks the run an inner boundary s falls in)."""
+    runs, ranges = problem.block_runs(), problem.run_options()
+    if len(runs) == 1:
+        return
+    for s in range(1, problem.stages):
+        y = [_var(prob, f"y_{s}_{j}", 1, cat) for j in range(len(runs))]
+        prob += pulp.lpSum(y) == 1, f"boundary_{s}"
+        for j, (run, ks) in enumerate(zip(runs, ranges)):
+            before = pulp.lpSum(n[q, k] for q in range(s) for k in ks)
+            prob += before <= run.count * pulp.lpSum(y[j:]), f"nothing_of_{j}_before_{s}"
+            prob += before >= run.count * pulp.lpSum(y[j + 1:]), f"all_of_{j}_before_{s}"
 
 
 def rank_floor(problem: StageProblem) -> float:
