@@ -41,8 +41,21 @@ class ModelConfig:
     global_batch: int = 16
     name: str = "custom"
     tie: bool = False          # the head reads the token embedding's weight (lm_head = wte)
+    # Mixture of experts (planner.moe_models; llama arch only): experts > 0 makes blocks
+    # dense_layers.. MoE blocks of `experts` SwiGLU experts of width expert_ffn, top_k routed.
+    experts: int = 0
+    top_k: int = 2
+    expert_ffn: int | None = None
+    shared_experts: int = 0    # always-on experts of width expert_ffn, summed in one SwiGLU
+    dense_layers: int = 0      # the first blocks keep a dense SwiGLU MLP
+    router: str = "softmax"    # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    aux_loss: float = 0.0      # coefficient of the per-sequence load-balancing loss
+    route_scale: float = 1.0   # routed weights' scaling factor (DeepSeek-V3: 2.5)
 
     def __post_init__(self):
+        if self.experts:
+            from planner.moe_config import check_moe
+            check_moe(self)
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"model arch must be 'gpt' or 'llama', got {self.arch!r}")
         for field in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
@@ -95,6 +108,18 @@ PRESETS: dict[str, ModelConfig] = {
                     name="llama2-7b"),
         ModelConfig("llama", 80, 8192, 64, 32000, 4096, kv_heads=8, ffn=28672, global_batch=1024,
                     name="llama2-70b"),
+        # Mixtures of experts (planner.moe_models). DeepSeek-V3's multi-head latent attention is
+        # priced as multi-head attention of the same width (128 heads of hidden/heads).
+        ModelConfig("llama", 4, 64, 8, 256, 32, kv_heads=4, ffn=128, global_batch=16,
+                    experts=8, top_k=2, expert_ffn=64, aux_loss=0.02, name="mixtral-tiny"),
+        ModelConfig("llama", 32, 4096, 32, 32000, 4096, kv_heads=8, ffn=14336, global_batch=1024,
+                    experts=8, top_k=2, expert_ffn=14336, aux_loss=0.02, name="mixtral-8x7b"),
+        ModelConfig("llama", 4, 64, 8, 256, 32, ffn=128, global_batch=16, experts=32, top_k=8,
+                    expert_ffn=16, shared_experts=1, dense_layers=1, router="sigmoid",
+                    route_scale=2.5, aux_loss=0.001, name="deepseek-tiny"),
+        ModelConfig("llama", 61, 7168, 128, 129280, 4096, ffn=18432, global_batch=4096,
+                    experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+                    router="sigmoid", route_scale=2.5, aux_loss=0.0001, name="deepseek-v3"),
     ]
 }
 
@@ -117,6 +142,8 @@ def build_model(config: str | ModelConfig, device: str | torch.device = "cpu",
     """Instantiate a model; on device="meta" no memory is allocated for weights."""
     config = get_config(config)
     cls = GPT if config.arch == "gpt" else Llama
+    if config.experts:
+        from planner.moe_models import MoELlama as cls
     with torch.device(device):
         model = cls(config)
     return model.to(dtype)
