@@ -1,6 +1,7 @@
 """`autoparallelize`: trace, price, solve; and, inside a distributed launch, shard and train."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -12,6 +13,7 @@ from cost_model.memory import TrainingMemory
 from passes.capture import capture
 from passes.program import rank_programs
 from planner.loss import with_loss
+from planner.materialize import capture_inputs, give_values, value_source
 from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan, gib
 from planner.costs import ModelCosts, PlanningError
@@ -100,7 +102,7 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False):
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "
                          "global batch on dim 0")
-    captured = capture(model, tuple(x[:1] for x in example_inputs))
+    captured = capture(model, capture_inputs(model, tuple(x[:1] for x in example_inputs)))
     batch = global_batch or example_inputs[0].shape[0]
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 else 1
     dtype_bytes = next(model.parameters()).element_size()
@@ -114,13 +116,16 @@ class ParallelModel:
     `train_step` runs one 1F1B iteration on this rank's shard."""
 
     def __init__(self, model: torch.nn.Module | None, plan: Plan, alternatives: list[Plan],
-                 example_inputs=None, optimizer=None):
+                 example_inputs=None, optimizer=None, weights: str | None = None, seed: int = 0):
         self.plan = plan
+        self.weights, self.seed = weights, seed   # planner.materialize: values of a meta model
         self.alternatives = alternatives
         self.model = model
         self._example_inputs = example_inputs
         self._optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self._trainer: PipelineTrainer | None = None
+        self.step = 0            # iterations trained (saved and restored by save / load)
+        self.data_position = 0   # samples consumed: the next batch starts here (yours to set)
 
     def __repr__(self) -> str:
         return str(self.plan)
@@ -129,12 +134,32 @@ class ParallelModel:
         """Build this rank's stage programs (done on the first train_step)."""
         if self._trainer is None:
             self._trainer = build_trainer(self.model, self.plan, self._example_inputs,
-                                          self._optimizer)
+                                          self._optimizer, weights=self.weights, seed=self.seed)
         return self._trainer
 
     def train_step(self, *batch: torch.Tensor) -> float:
         """One iteration over the global batch (the same tensors on every rank); returns the loss."""
-        return self.shard().step(*batch)
+        loss = self.shard().step(*batch)
+        self.step += 1
+        self.data_position += batch[0].shape[0]
+        return loss
+
+    def save(self, path: str, extra: dict | None = None) -> str:
+        """Save parameters, optimizer state, step, data position, RNG states, the loss scale and
+        `extra` (picklable) as a torch.distributed.checkpoint folder that loads under any plan
+        (runtime.checkpoint; collective: every rank calls it). Returns its absolute path."""
+        from runtime import checkpoint
+        info = {"step": self.step, "data_position": self.data_position, "extra": extra}
+        return checkpoint.save(self.shard(), path, info)
+
+    def load(self, path: str) -> dict:
+        """Load a checkpoint folder, or the latest complete one under a folder of step-N
+        checkpoints, saved under any plan; restores step and data_position and returns the
+        saved info (its `extra` too)."""
+        from runtime import checkpoint
+        info = checkpoint.load(self.shard(), path)
+        self.step, self.data_position = info["step"], info["data_position"]
+        return info
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, unsharded, on every rank (for checkpoints and comparisons)."""
@@ -145,7 +170,8 @@ class ParallelModel:
         return gather_full_state(self.shard(), grads=True)
 
 
-def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> PipelineTrainer:
+def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
+                  weights: str | None = None, seed: int = 0) -> PipelineTrainer:
     if model is None or not isinstance(model, torch.nn.Module):
         raise ValueError("training needs the model as an nn.Module")
     world = dist.get_world_size()
@@ -153,7 +179,8 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
     groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
-    micro = tuple(x[: plan.micro_batch] for x in example_inputs)
+    values = value_source(model, weights, seed)  # None: sharded from the model's own weights
+    micro = capture_inputs(model, tuple(x[: plan.micro_batch] for x in example_inputs))
     captured = capture(model, micro)
     layout = plan.layout()
     if len(captured.layers) != sum(layout.stage_sizes):
@@ -162,6 +189,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable) -> Pip
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     programs = rank_programs(captured, layout, groups.tp_index,
                              schedule.stages_of(groups.pp_index), groups.cp_index)
+    give_values(programs, values, captured.tied)  # a meta model, or weights=DIR
     split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
     batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
@@ -174,6 +202,15 @@ def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str
     groups = trainer.groups
     canonical = canonical_names(tuple(c.names for c in trainer.tied))
     mine = {}
+    sharded = trainer.sharded.full_tensors(grads) if trainer.sharded else contextlib.nullcontext()
+    with sharded:  # sharded data parallel: the whole parameters (and gradients) for a moment
+        _collect_full(trainer, grads, groups, canonical, mine)
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, mine)
+    return {k: v for part in everything for k, v in part.items()}
+
+
+def _collect_full(trainer, grads, groups, canonical, mine) -> None:
     for program in trainer.programs.values():
         specs = shard_specs(program.gm)
         for name, param in program.gm.named_parameters():
@@ -183,19 +220,19 @@ def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str
                 dist.all_gather(shards, value.contiguous(), group=groups.tp)
                 value = specs[name].join(shards)
             mine[canonical.get(name, name)] = value
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, mine)
-    return {k: v for part in everything for k, v in part.items()}
 
 
 def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None,
                     *, cluster: str | Cluster | None = None, global_batch: int | None = None,
                     memory_limit: float | None = None, fix: dict | None = None,
                     optimizer: Callable | None = None,
-                    loss_fn: Callable | None = None) -> ParallelModel:
+                    loss_fn: Callable | None = None, weights: str | None = None,
+                    seed: int = 0) -> ParallelModel:
     """Plan `model` for `gpus` devices (memory_limit: GiB per device, as for `plan`). Outside a
     distributed launch this only plans; inside one (world size must equal gpus) rank 0's plan is
-    shared so every rank shards the same way."""
+    shared so every rank shards the same way. weights: a Hugging Face checkpoint directory each
+    rank reads its own slices of (planner.weights); a model on the meta device without weights
+    is initialised per shard by planner.materialize's plan-independent rule from `seed`."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
     if dist.is_initialized() and dist.get_world_size() != gpus:
@@ -210,7 +247,7 @@ def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, examp
         dist.broadcast_object_list(box, src=0)
         plans = [Plan.from_json(text) for text in box[0]]
     module = model if isinstance(model, torch.nn.Module) else None
-    return ParallelModel(module, plans[0], plans[1:], example_inputs, optimizer)
+    return ParallelModel(module, plans[0], plans[1:], example_inputs, optimizer, weights, seed)
 
 
 def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
