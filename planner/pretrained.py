@@ -1,0 +1,106 @@
+"""Training a model that no rank holds whole: a meta-device preset (initialised per shard) or a
+Hugging Face checkpoint directory (each rank reads its slices), beside its one-process counterpart.
+
+Used by `fxpar run --weights DIR`, the distributed tests and examples/bench_setup_memory.py. The
+one-process counterpart of a preset is `planner.materialize.materialize_full` (the same rule, one
+parameter at a time); of a checkpoint, `transformers`' own `from_pretrained`, so that the
+comparison is with the library that wrote the files.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from planner.models import ModelConfig, build_model, example_batch
+from planner.plan import Plan
+from planner.train import RunResult, make_optimizer
+
+
+@dataclass(frozen=True)
+class Source:
+    """What to train: a preset built on the meta device (`config`), or a checkpoint directory
+    (`weights`: its config.json and safetensors), with the global batch size and the seed of
+    the init rule (presets) and of the batch."""
+
+    config: ModelConfig | None = None
+    weights: str | None = None
+    global_batch: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if (self.config is None) == (self.weights is None):
+            raise ValueError("give exactly one of config= (a preset) and weights= (a Hugging "
+                             "Face checkpoint directory)")
+
+    def meta_model(self) -> torch.nn.Module:
+        if self.config is not None:
+            return build_model(self.config, device="meta")
+        from planner.weights import hf_model
+        return hf_model(self.weights)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.config is not None:
+            return example_batch(self.config, self.global_batch, seed=self.seed)
+        from planner.hf import sequence_length, vocab_size
+        model = self.meta_model()
+        gen = torch.Generator().manual_seed(self.seed)
+        shape = (self.global_batch, sequence_length(model))
+        return tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
+
+    def full_model(self) -> torch.nn.Module:
+        """The one-process counterpart, with every weight."""
+        if self.config is not None:
+            from planner.materialize import materialize_full
+            return materialize_full(self.meta_model(), self.seed)
+        from planner.hf import HFCausalLM, _transformers
+        tf = _transformers()
+        return HFCausalLM(tf.AutoModelForCausalLM.from_pretrained(self.weights,
+                                                                  dtype=torch.float32))
+
+
+def train_one_process(source: Source, steps: int) -> RunResult:
+    """The full model trained in one process on the global batch, with planner.train's
+    optimizer; losses, gradients of every step and final parameters."""
+    model, batch = source.full_model(), source.batch()
+    opt = make_optimizer(list(model.parameters()))
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+        losses.append(loss.item())
+    return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()},
+                     tuple(grads))
+
+
+def parallel_worker(source: Source, plan_json: str, steps: int, with_grads: bool = True,
+                    on_step=None) -> RunResult:
+    """Runs on every rank: the meta model, this rank's shard given its values (init rule or
+    checkpoint slices), trained by the plan. `on_step(step, seconds, loss)` on every rank."""
+    from planner.api import ParallelModel
+
+    plan = Plan.from_json(plan_json)
+    batch = source.batch()
+    pm = ParallelModel(source.meta_model(), plan, [], batch, make_optimizer,
+                       weights=source.weights, seed=source.seed)
+    losses, grads = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        losses.append(pm.train_step(*batch))
+        if on_step is not None:
+            on_step(step + 1, time.perf_counter() - start, losses[-1])
+        if with_grads:
+            grads.append(pm.full_grad_dict())
+    return RunResult(tuple(losses), pm.full_state_dict(), tuple(grads))
+
+
+def plan_for(source: Source, gpus: int, fix: dict | None = None, cluster: str = "cpu-gloo",
+             memory_limit: float | None = None) -> Plan:
+    """The best plan for the source's model on `gpus` devices (planned on the meta device)."""
+    from planner.api import plan
+    return plan(source.meta_model(), gpus, source.batch(), cluster=cluster, fix=fix,
+                memory_limit=memory_limit)[0]

@@ -1,0 +1,182 @@
+"""Per-shard reads of safetensors checkpoints, the name map, and per-shard materialisation of a
+meta model, in one process (the multi-rank runs are in tests/dist/test_real_weights.py)."""
+import itertools
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from passes.capture import capture
+from passes.program import Layout, rank_programs
+from planner.materialize import (MaterializeError, init_value, materialize_full,
+                                 materialize_programs, init_source)
+from planner.models import build_model, example_batch, get_config
+from planner.weights import (HFTensor, ShardReader, WeightsError, hf_model, name_map,
+                             open_checkpoint, read_shard)
+from runtime.shards import ShardSpec, shard_specs
+from runtime.tied import canonical_names
+
+SPECS = [ShardSpec(d, p, i, c, pad) for d, p, c, pad in
+         [(0, 2, 1, 0), (1, 2, 1, 0), (0, 4, 1, 0), (0, 2, 3, 0), (1, 2, 3, 0), (0, 4, 1, 2),
+          (0, 2, 1, 2)] for i in range(p)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_read_shard_equals_cutting_the_whole_tensor(tmp_path, spec, transpose):
+    shape = [12 - spec.pad if spec.dim == 0 else 6, 12 - spec.pad if spec.dim == 1 else 6]
+    full = torch.randn(shape)
+    ref = HFTensor("w", transpose)
+    save_file({"w": ref.to_hf(full)}, tmp_path / "model.safetensors")
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        got = read_shard(f, ref, spec, tuple(shape), torch.float32)
+    torch.testing.assert_close(got, spec.take(full), rtol=0, atol=0)
+
+
+def _llama():
+    return get_config("llama-tiny").with_(layers=2, heads=4, kv_heads=2, hidden=32, ffn=64,
+                                          vocab=97, seq=8)
+
+
+def test_shards_of_a_meta_model_are_slices_of_the_full_model_under_every_plan():
+    """The init rule gives every tp rank the slice of the model materialize_full builds."""
+    cfg = _llama().with_(tie=True)
+    full = dict(materialize_full(build_model(cfg, device="meta"), seed=3).named_parameters())
+    tokens = example_batch(cfg, 1)
+    for tp, rank, vocab_tp in itertools.product((2, 4), range(2), (False, True)):
+        model = build_model(cfg, device="meta")
+        captured = capture(model, tuple(t.to("meta") for t in tokens))
+        strategies = tuple((b.name, "tp") for b in captured.blocks)
+        strategies += (("embed", "tp"), ("head", "tp")) if vocab_tp else ()
+        layout = Layout(tp, strategies, (2, 2), pad_vocab=True)
+        programs = rank_programs(captured, layout, rank, (0, 1))
+        materialize_programs(programs.values(), model, canonical_names(captured.tied),
+                             init_source(model, seed=3))
+        for program in programs.values():
+            specs = shard_specs(program.gm)
+            for name, p in program.gm.named_parameters():
+                want = full[canonical_names(captured.tied).get(name, name)].detach()
+                want = specs[name].take(want) if name in specs else want
+                torch.testing.assert_close(p.detach(), want, rtol=0, atol=0,
+                                           msg=lambda m, n=name: f"tp={tp} rank {rank} {n}: {m}")
+        assert all(p.is_meta for p in model.parameters()), "the user's meta model was changed"
+
+
+def test_init_rule_depends_on_name_and_seed_only():
+    cfg = _llama()
+    a = init_value(build_model(cfg, device="meta"), "blocks.1.attn.k_proj.weight", seed=5)
+    b = init_value(build_model(cfg.with_(layers=4), device="meta"),
+                   "blocks.1.attn.k_proj.weight", seed=5)
+    c = init_value(build_model(cfg, device="meta"), "blocks.1.attn.k_proj.weight", seed=6)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, c)
+    bound = 1 / cfg.hidden ** 0.5   # nn.Linear's own init: kaiming uniform, a=sqrt(5)
+    assert float(a.abs().max()) <= bound and float(a.abs().max()) > 0.9 * bound
+
+
+def test_a_meta_buffer_without_config_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.register_buffer("table", torch.ones(3, device="meta"))
+    from planner.materialize import buffer_value
+    with pytest.raises(MaterializeError, match="buffer table .*no cfg or config"):
+        buffer_value(model, "table")
+
+
+def _shifted(tokens):
+    """Hugging Face's causal-LM loss predicts labels[:, 1:] from logits[:, :-1]; fxpar's models
+    take the targets as given, so they get the labels shifted (-100: the last one ignored)."""
+    return torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+
+
+def _hf_dir(tmp_path, arch, **overrides):
+    pytest.importorskip("transformers")
+    from planner.hf import build_hf
+    torch.manual_seed(0)
+    model = build_hf(arch, **overrides)
+    model.model.save_pretrained(tmp_path)
+    return model
+
+
+def test_fxpar_llama_loads_a_hugging_face_llama(tmp_path):
+    hf = _hf_dir(tmp_path, "llama", rms_norm_eps=1e-5)
+    c = hf.model.config
+    cfg = get_config("llama-tiny").with_(layers=c.num_hidden_layers, hidden=c.hidden_size,
+                                         heads=c.num_attention_heads, vocab=c.vocab_size,
+                                         kv_heads=c.num_key_value_heads, ffn=c.intermediate_size,
+                                         seq=c.max_position_embeddings)
+    model = build_model(cfg, device="meta")
+    with ShardReader(str(tmp_path), model) as reader:
+        model = materialize_full(model, source=reader)
+    tokens = example_batch(cfg, 2)[0]
+    torch.testing.assert_close(model(tokens, _shifted(tokens)), hf(tokens, tokens), rtol=1e-5,
+                               atol=0)
+    exported = name_map(model).to_hf_state(dict(model.named_parameters()))
+    for name, value in hf.model.state_dict().items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
+
+
+def test_fxpar_gpt_loads_a_hugging_face_gpt2(tmp_path):
+    hf = _hf_dir(tmp_path, "gpt2", activation_function="gelu")
+    c = hf.model.config
+    cfg = get_config("gpt-tiny").with_(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head,
+                                       vocab=c.vocab_size, seq=c.n_positions, tie=True)
+    model = build_model(cfg, device="meta")
+    with ShardReader(str(tmp_path), model) as reader:
+        model = materialize_full(model, source=reader)
+    tokens = example_batch(cfg, 2)[0]
+    torch.testing.assert_close(model(tokens, _shifted(tokens)), hf(tokens, tokens), rtol=1e-5,
+                               atol=0)
+    names = name_map(model)
+    assert names.to_hf("blocks.0.attn.qkv.weight") == HFTensor("transformer.h.0.attn.c_attn.weight",
+                                                               transpose=True)
+    assert names.from_hf("transformer.wte.weight") == "wte.weight"
+    assert names.aliases == ("lm_head.weight",)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = _hf_dir(tmp_path / "one", "llama")
+    hf.model.save_pretrained(tmp_path / "many", max_shard_size="40KB")
+    assert os.path.exists(tmp_path / "many" / "model.safetensors.index.json")
+    files = {f for _, f, _ in open_checkpoint(str(tmp_path / "many")).tensors}
+    assert len(files) > 1
+    model = hf_model(str(tmp_path / "many"))
+    with ShardReader(str(tmp_path / "many"), model) as reader:
+        model = materialize_full(model, source=reader)
+    for name, value in hf.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], value, rtol=0, atol=0)
+
+
+def test_bad_checkpoints_name_the_tensor_the_file_and_the_shape(tmp_path):
+    hf = _hf_dir(tmp_path / "good", "llama")
+    state = {k: v.contiguous() for k, v in hf.model.state_dict().items()}
+    model = hf_model(str(tmp_path / "good"))
+
+    def write(folder, tensors):
+        os.makedirs(folder)
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        return str(folder)
+    missing = write(tmp_path / "missing", {k: v for k, v in state.items()
+                                           if k != "model.layers.1.mlp.up_proj.weight"})
+    with pytest.raises(WeightsError, match=r"missing/model.safetensors: no tensor "
+                       r"model.layers.1.mlp.up_proj.weight \(expected shape \[128, 64\]"):
+        ShardReader(missing, model)
+    extra = write(tmp_path / "extra", {**state, "model.layers.9.bias": torch.zeros(3)})
+    with pytest.raises(WeightsError, match=r"extra/model.safetensors: tensor model.layers.9.bias "
+                       r"\(shape \[3\]\) is not a parameter"):
+        ShardReader(extra, model)
+    bad = write(tmp_path / "bad", {**state, "model.norm.weight": torch.ones(65)})
+    with pytest.raises(WeightsError, match=r"bad/model.safetensors: tensor model.norm.weight "
+                       r"has shape \[65\], expected \[64\]"):
+        ShardReader(bad, model)
+    with pytest.raises(WeightsError, match="holds neither model.safetensors nor"):
+        os.makedirs(tmp_path / "empty")
+        ShardReader(str(tmp_path / "empty"), model)
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "model.safetensors.index.json").write_text(json.dumps({"x": 1}))
+    with pytest.raises(WeightsError, match="not a safetensors index with a weight_map"):
+        ShardReader(str(tmp_path / "idx"), model)
+    with pytest.raises(WeightsError, match="does not exist"):
+        ShardReader(str(tmp_path / "nowhere"), model)
