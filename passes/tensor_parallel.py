@@ -18,7 +18,8 @@ weights, partial on each rank, are summed by tp_grad_sum.
 Collectives inserted, as named call nodes:
   tp_copy(x)        before each column-parallel linear (identity forward, all-reduce backward)
   tp_all_reduce(y)  after each row-parallel linear, before its bias is added
-  tp_grad_sum(w)    on the weights of replicated k/v projections (uneven GQA only)
+  tp_grad_sum(w)    on the weights of replicated k/v projections (uneven GQA only), and on
+                    whole parameters applied to sharded values (per-head q/k norms)
 so each attention and MLP pair costs one all-reduce forward and one backward.
 
 Inserted nodes are tagged with their layer; afterwards node.meta["val"] holds local shapes
@@ -128,7 +129,43 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
                 selected.add(node)
             else:
                 _check_heads(node, layer, tp)
+            _sum_replicated_grads(gm, node, layer, group)
             sharded.add(node)
+
+
+def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str) -> None:
+    """A whole parameter applied to a sharded value (a per-head q/k norm's weight, Gemma's
+    `1 + weight`, a per-head scale) gets on each rank only its heads' part of the gradient: read
+    it, or the value computed from parameters alone, through tp_grad_sum, which sums it over the
+    group."""
+    for arg in node.all_input_nodes:
+        if arg.target is not collectives.tp_grad_sum and _from_params_only(gm, arg):
+            with gm.graph.inserting_before(node):
+                summed = gm.graph.call_function(collectives.tp_grad_sum, (arg, group, layer))
+            summed.meta = {**arg.meta, LAYER: layer}
+            node.replace_input_with(arg, summed)
+
+
+def _from_params_only(gm, node: fx.Node) -> bool:
+    """Computed from constants and at least one trained parameter, from no input."""
+    seen, stack, trained = set(), [node], False
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" or len(seen) > 64:  # an activation, or too far to be one
+            return False
+        if current.op == "get_attr":
+            trained = trained or _is_trained_param(gm, str(current.target))
+        stack.extend(current.all_input_nodes)
+    return trained
+
+
+def _is_trained_param(gm, target: str) -> bool:
+    prefix, _, name = target.rpartition(".")
+    value = getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
+    return isinstance(value, nn.Parameter) and value.requires_grad
 
 
 def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int = 0) -> None:

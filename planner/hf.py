@@ -7,22 +7,23 @@ cannot follow transformers' control flow) with the KV cache off.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 
 import torch
 
-ARCHITECTURES = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-}
-# Small sizes that train on CPU ranks; any field can be overridden.
-SMALL = {
-    "gpt2": dict(n_layer=2, n_embd=64, n_head=8, vocab_size=256, n_positions=32,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                 eos_token_id=0),
-    "llama": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                  num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
-                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0),
+# Small sizes that train on CPU ranks, by transformers' standard config names (each config's
+# `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
+SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=256,
+             max_position_embeddings=32)
+# Fields some configs have, shrunk with the sizes above when the config's constructor takes them
+# (values from the sizes); an override wins.
+_DERIVED = {
+    "intermediate_size": lambda s: 2 * s["hidden_size"],
+    "ffn_dim": lambda s: 2 * s["hidden_size"],
+    "head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
+    "num_key_value_heads": lambda s: max(1, s["num_attention_heads"] // 2),
+    "rotary_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
 }
 
 
@@ -48,16 +49,66 @@ class HFCausalLM(torch.nn.Module):
         return self.model(input_ids=tokens, labels=targets, use_cache=False).loss
 
 
-def build_hf(arch: str, **overrides) -> HFCausalLM:
-    """A randomly initialised model of a known architecture at small default sizes."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown Hugging Face architecture {arch!r}; known: "
-                         f"{', '.join(sorted(ARCHITECTURES))} (or give --hf-config FILE.json)")
+def architectures() -> list[str]:
+    """Every model_type of the installed transformers that has a causal language model."""
     tf = _transformers()
-    config_cls, model_cls = (getattr(tf, name) for name in ARCHITECTURES[arch])
-    config = config_cls(**{**SMALL[arch], **overrides})
-    config._attn_implementation = "sdpa"
-    return HFCausalLM(getattr(tf, model_cls.__name__)(config))
+    return sorted(t for t, cls in tf.CONFIG_MAPPING.items()
+                  if cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING)
+
+
+def small_config(arch: str, **overrides):
+    """`arch`'s config at the small sizes above; dropout off (as an override, any rate); token
+    ids outside the small vocabulary moved to 0."""
+    tf = _transformers()
+    if arch not in tf.CONFIG_MAPPING or tf.CONFIG_MAPPING[arch] not in \
+            tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        close = difflib.get_close_matches(arch, architectures(), n=3)
+        raise ValueError(f"unknown Hugging Face architecture {arch!r}: transformers "
+                         f"{tf.__version__} has no causal LM of that model_type"
+                         + (f"; did you mean {', '.join(close)}?" if close else "")
+                         + " (or give --hf-config FILE.json)")
+    cls = tf.CONFIG_MAPPING[arch]
+    own = {**dict(getattr(cls, "attribute_map", {}) or {})}
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    sizes = {**SMALL, **{k: v for k, v in overrides.items() if k in SMALL}}
+    kwargs = {own.get(k, k): v for k, v in sizes.items()}
+    for name, rule in _DERIVED.items():
+        if name in accepted:
+            kwargs[name] = rule(sizes)
+    defaults = cls()
+    for name, value in vars(defaults).items():
+        if name in accepted and _is_dropout(name, value):
+            kwargs[name] = 0.0
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(defaults, name, None)
+        if isinstance(value, int) and value >= sizes["vocab_size"]:
+            kwargs[name] = 0
+    kwargs.update({own.get(k, k): v for k, v in overrides.items()})
+    return tf.AutoConfig.for_model(arch, **kwargs)
+
+
+def _is_dropout(name: str, value) -> bool:
+    return (isinstance(value, float) and not isinstance(value, bool)
+            and ("dropout" in name or "pdrop" in name) and value > 0)
+
+
+def from_config(config) -> HFCausalLM:
+    """The causal LM of `config`, with PyTorch's fused attention where the architecture has it
+    (the eager one where it does not: Gemma-2's soft-capped scores, ALiBi in BLOOM and MPT)."""
+    tf = _transformers()
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as err:
+        if "scaled_dot_product_attention" not in str(err):
+            raise
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return HFCausalLM(model)
+
+
+def build_hf(arch: str, **overrides) -> HFCausalLM:
+    """A randomly initialised model of any transformers decoder-only architecture (its
+    model_type: gpt2, llama, gemma2, ...) at small default sizes."""
+    return from_config(small_config(arch, **overrides))
 
 
 def build_hf_from_file(path: str) -> HFCausalLM:
@@ -97,11 +148,10 @@ def build_hf_from_file(path: str) -> HFCausalLM:
                          f"transformers (AutoModelForCausalLM); fxpar plans models that take "
                          f"tokens and return the loss")
     try:
-        model = tf.AutoModelForCausalLM.from_config(config)
+        return from_config(config)
     except Exception as err:  # noqa: BLE001 - as above, while building the modules
         raise ValueError(f"{path}: transformers cannot build the model: {_one_line(err)}") \
             from None
-    return HFCausalLM(model)
 
 
 def _one_line(err: Exception, limit: int = 300) -> str:

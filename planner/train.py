@@ -38,12 +38,13 @@ class HFSpec:
     arch: str
     global_batch: int = 16
     overrides: tuple[tuple[str, object], ...] = ()
+    seq: int | None = None      # None: the config's maximum positions
 
     def build(self):
         from planner.hf import build_hf, sequence_length, vocab_size
         model = build_hf(self.arch, **dict(self.overrides))
         gen = torch.Generator().manual_seed(0)
-        shape = (self.global_batch, sequence_length(model))
+        shape = (self.global_batch, self.seq or sequence_length(model))
         batch = tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
         return model, batch
 
