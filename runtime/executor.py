@@ -126,6 +126,7 @@ class StageExecutor:
                               for s, prog in programs.items()}
         self._steps = self._compile()
         self.events: list[Event] = []
+        self.sharding = None  # runtime.sharded_dp.ShardedDP, set by the trainer
 
     # -- set-up -----------------------------------------------------------------------------
     def _compile(self) -> list[_Step]:
@@ -170,6 +171,8 @@ class StageExecutor:
                 self._post_receives(self._posted + self.recv_ahead - len(self._recvs))
             activity.action(step.action, step.peer)
             step.run(step.action, step.peer)
+            if self.sharding is not None and step.action.is_compute:
+                self.sharding.action_done(step.action)
             if step.finishes_stage is not None and on_stage_done is not None:
                 on_stage_done(step.finishes_stage)
         activity.now("the end of the schedule (waiting for sends)")
@@ -282,6 +285,8 @@ class StageExecutor:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
         if self.memory is not None:
             stack.enter_context(self.memory.saving(stage, ignore=data))
+        if self.sharding is not None:  # sharded parameters are gathered again for backward
+            stack.enter_context(self.sharding.saving())
         return stack
 
     def _roots(self, stage: int, mb: int, slot: _Slot):

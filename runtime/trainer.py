@@ -14,11 +14,13 @@ from runtime import activity
 from runtime.batch import BatchSpec, compare_batches
 from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
+from runtime.experts import ExpertGroups, broadcast_experts, is_expert
 from runtime.memory import SavedActivations
 from runtime.mesh import RankGroups
 from runtime.replicas import broadcast_replicas
 from runtime.schedule import Schedule
 from runtime.shards import shard_specs
+from runtime.sharded_dp import ShardedDP, ShardingSpec
 from runtime.simulator import Timeline
 from runtime.stage import StageProgram
 from runtime.tied import broadcast_tied, sum_tied_grads, tie
@@ -34,7 +36,9 @@ class TrainOptions:
     all ranks and the scale halves; it doubles after `growth_interval` good steps).
     bucket_bytes: size of the data-parallel all-reduce buckets.
     track_memory: measure saved-activation bytes per stage (runtime.memory; slows the forward).
-    recv_ahead: receives posted ahead of need (runtime.executor.StageExecutor)."""
+    recv_ahead: receives posted ahead of need (runtime.executor.StageExecutor).
+    zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
+    (runtime.sharded_dp)."""
 
     max_norm: float | None = None
     precision: str = "fp32"
@@ -43,8 +47,11 @@ class TrainOptions:
     growth_interval: int = 2000
     track_memory: bool = False
     recv_ahead: int = 2
+    zero: int = 0
+    dp_shard: int | None = None
 
     def __post_init__(self):
+        ShardingSpec(self.zero, self.dp_shard)  # checks both
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, "
                              f"got {self.precision!r}")
@@ -158,7 +165,7 @@ class PipelineTrainer:
                  input_names: Sequence[str],
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                  options: TrainOptions = TrainOptions(), tied: tuple[tuple[str, ...], ...] = (),
-                 batch: BatchSpec | None = None):
+                 batch: BatchSpec | None = None, experts: ExpertGroups | None = None):
         self.programs, self.schedule, self.groups = programs, schedule, groups
         self.input_names = tuple(input_names)
         self.options = options
@@ -167,10 +174,15 @@ class PipelineTrainer:
         unique = {id(p): p for prog in programs.values() for p in prog.gm.parameters()}
         self.params = [p for p in unique.values() if p.requires_grad]
         self._sharded = self._sharded_params()
-        broadcast_replicas(list(unique.values()), self._sharded, groups)
+        # Expert weights (runtime.experts) are replicated over the ranks holding the same experts.
+        self.experts = experts
+        broadcast_replicas([p for p in unique.values() if not is_expert(p)], self._sharded, groups)
+        broadcast_experts([p for p in unique.values() if is_expert(p)], groups, experts)
         broadcast_tied(self.tied)
         self._not_in_norm = {id(c.param) for c in self.tied if not c.counts_in_norm}
-        self.optimizer = optimizer(self.params)
+        self.sharded = self._sharding(programs, options)
+        self.optimizer = optimizer(self.sharded.optimizer_params() if self.sharded else
+                                   self.params)
         self.memory = (SavedActivations(prog.gm for prog in programs.values())
                        if options.track_memory else None)
         stage_rank = lambda stage: groups.stage_rank(schedule.stage_to_rank(stage))  # noqa: E731
@@ -179,12 +191,27 @@ class PipelineTrainer:
                                       memory=self.memory, recv_ahead=options.recv_ahead)
         self.last_rank = stage_rank(schedule.num_stages - 1)
         # Ranks holding the same weights (dp x cp) average their gradients.
-        self.sync = (_GradSync(self.executor.params, groups.replicas, options.bucket_bytes,
-                               groups.rank) if groups.replicas is not None else None)
+        dense = {s: [p for p in ps if not is_expert(p)] for s, ps in self.executor.params.items()}
+        self.sync = (_GradSync(dense, groups.replicas, options.bucket_bytes,
+                               groups.rank) if groups.replicas is not None and
+                     self.sharded is None else None)
+        self.executor.sharding = self.sharded
+        self.expert_sync = self._expert_sync(options)
         self.scaler = (_LossScale(options.init_scale, options.growth_interval)
                        if options.precision == "fp16" else None)
         self.grad_norm: float | None = None
         self.skipped = False
+
+    def _sharding(self, programs, options: TrainOptions) -> ShardedDP | None:
+        """Sharded data parallel for zero >= 1; tied and shared parameters stay whole."""
+        if options.zero == 0:
+            ShardingSpec(0, options.dp_shard).shard_size(self.groups.mesh.dp)
+            return None
+        whole = {id(c.param) for c in self.tied}
+        by_stage = {s: [p for p in prog.gm.parameters() if p.requires_grad]
+                    for s, prog in programs.items()}
+        return ShardedDP(programs, by_stage, self.groups,
+                         ShardingSpec(options.zero, options.dp_shard), self._sharded, whole)
 
     @property
     def loss_scale(self) -> float:
@@ -199,25 +226,56 @@ class PipelineTrainer:
         mesh = self.groups.mesh
         micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
                             self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
-        if self.sync is not None:
+        if self.sharded is not None:
+            self.sharded.zero()
+        elif self.sync is not None:
             self.sync.zero()
+            self.expert_sync.zero()
         else:
             self.optimizer.zero_grad(set_to_none=True)
         pending_loss = self._await_loss()
         # The mean over replicas is folded into the loss, so the all-reduce is a plain sum.
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
-        loss = self.executor.run(micro, multiplier,
-                                 self.sync.start if self.sync is not None else None)
+        done = self.sharded.stage_done if self.sharded else self._start_sync if self.sync else None
+        loss = self.executor.run(micro, multiplier, done)
+        if self.sharded is not None:
+            activity.now("waiting for the sharded data-parallel reduce-scatter")
+            self.sharded.wait()
         if self.sync is not None:
             activity.now("waiting for the data-parallel gradient all-reduce")
             self.sync.wait()
+            self.expert_sync.wait()
         sum_tied_grads(self.tied)
         self.skipped = self._unscale_and_clip()
         if not self.skipped:
             activity.now("optimizer step")
             self.optimizer.step()
+            if self.sharded is not None:
+                activity.now("sharded data-parallel all-gather of the parameters")
+                self.sharded.after_step()
         activity.now("loss broadcast")
         return self._share_loss(loss, pending_loss)
+
+    def _expert_sync(self, options: TrainOptions) -> "_GradSync":
+        """Expert gradients are summed over the ranks holding the same experts only (each one
+        already holds every EP rank's tokens' part, through the dispatch's backward); with one
+        such rank per expert the sync has no buckets and only zeroes their gradients."""
+        params = {s: [p for p in ps if is_expert(p)] for s, ps in self.executor.params.items()}
+        group = self.experts.replicas if self.experts is not None else None
+        if params and any(params.values()) and self.sharded is not None:
+            raise ValueError("sharded data parallel (zero >= 1) with expert parallelism is not "
+                             "supported yet; use zero=0 with ep > 1")
+        unsynced = [p for ps in params.values() for p in ps] if group is None else []
+        sync = _GradSync(params if group is not None else {s: [] for s in params}, group,
+                         options.bucket_bytes, self.groups.rank)
+        zero = sync.zero
+        sync.zero = lambda: (zero(), [setattr(p, "grad", None) for p in unsynced])
+        return sync
+
+    def _start_sync(self, stage: int) -> None:
+        self.sync.start(stage)
+        if self.expert_sync.group is not None:
+            self.expert_sync.start(stage)
 
     def timeline(self) -> Timeline:
         """This rank's measured compute actions of the last step (rank = pipeline index)."""
@@ -238,8 +296,9 @@ class PipelineTrainer:
         if self.options.max_norm is None and self.scaler is None:
             return False
         used_scale = self.loss_scale  # the scale this step's backward ran with
-        with_grad = [p for p in self.params if p.grad is not None]
-        grads = [p.grad for p in with_grad]
+        params = self.sharded.whole if self.sharded else self.params
+        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grad] + (self.sharded.shard_grads() if self.sharded else [])
         norm_sq, found_inf = self._global_norm_sq(with_grad)
         if self.scaler is not None:
             self.scaler.update(found_inf)
@@ -261,12 +320,18 @@ class PipelineTrainer:
         replicated (non-sharded) parameters only on tp index 0."""
         counted = [p for p in params if id(p) not in self._not_in_norm]  # tied: once
         sharded = [p.grad for p in counted if id(p) in self._sharded]
-        replicated = [p.grad for p in counted if id(p) not in self._sharded]
-        local = [_sq(sharded), _sq(replicated)]
+        replicated = [p.grad for p in counted if id(p) not in self._sharded and not is_expert(p)]
+        experts = [p.grad for p in counted if is_expert(p)]  # whole over tp, once per EP group
+        local = [_sq(sharded), _sq(replicated), _sq(experts)]
         counted = local[0] + (local[1] if self.groups.tp_index == 0 else 0.0)
         first_replica = self.groups.dp_index == 0 and self.groups.cp_index == 0
-        values = torch.tensor([counted if first_replica else 0.0,
-                               0.0 if math.isfinite(local[0] + local[1]) else 1.0],
+        in_first = self.experts is None or self.experts.first_replica
+        counted_experts = local[2] if in_first and self.groups.tp_index == 0 else 0.0
+        shards = self.sharded.norm_sq(self.groups.tp_index) if self.sharded else 0.0
+        if self.sharded is not None:  # every shard's squares, finite or not on any rank
+            local.append(_sq(self.sharded.shard_grads()))
+        values = torch.tensor([(counted if first_replica else 0.0) + shards + counted_experts,
+                               0.0 if math.isfinite(sum(local)) else 1.0],
                               dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             activity.now("gradient-norm all-reduce")
