@@ -23,6 +23,7 @@ from torch import nn
 from torch.fx import Node
 
 from cost_model import op_graph as g
+from cost_model import moe
 from cost_model import op_rules as r
 from cost_model import op_tables as t
 from cost_model.op_graph import ZERO, OpCost, saved_node_name
@@ -76,6 +77,7 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
 # cross-entropy over this rank's logits slice; its all-reduces are priced by layer_cost.
 _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
     "passes.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
+    moe.QUALNAME: ("moe_ffn", moe.moe_rule),   # a mixture-of-experts layer (cost_model.moe)
 }
 
 # Tensor attributes that are views (x.T, x.mT); other attributes are metadata.

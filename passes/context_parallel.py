@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture import propagate_shapes
+from passes.expert_parallel import sequence_refusal
 from runtime.cp_data import check_sequence, global_positions
 from runtime.ring_attention import ring_attention
 
@@ -73,6 +74,9 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
         return gm
     seq = _sequence_length(gm)
     check_sequence(seq, cp, layout)
+    refusal = sequence_refusal(gm, list(layers.values()))
+    if refusal:
+        raise ContextParallelError(refusal)
     for found, layer in find_attentions(gm, layers):
         _replace(gm, found, group, layout, layer)
     gm.graph.eliminate_dead_code()
@@ -106,6 +110,9 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
 
 def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | None:
     """None when context_parallel can rewrite this graph, else the reason it cannot."""
+    refusal = sequence_refusal(gm, list(layers.values()))
+    if refusal:
+        return refusal
     try:
         return None if find_attentions(gm, layers) else "the graph has no attention to ring"
     except ContextParallelError as err:

@@ -3,6 +3,8 @@
 `rewrite` applies the rewrite passes for this rank's tensor-parallel index, always in this order,
 each reading what the previous ones left in the graph:
 
+  0. expert_parallel    ep > 1: each rank keeps E/ep experts of every MoE layer (first; it changes
+                        no shape, only the stacked expert weights and the moe_ffn call's ep)
   1. vocab_parallel     "embed"/"head" layers with tp: vocabulary-sharded embedding and loss
   2. tensor_parallel    block layers with tp: column/row-parallel linears, tp_copy / tp_all_reduce
   3. sequence_parallel  layers with sp: those collectives become sequence all-gather /
@@ -26,6 +28,7 @@ import torch.fx as fx
 
 from passes.capture import Captured
 from passes.context_parallel import context_parallel, local_inputs
+from passes.expert_parallel import expert_parallel
 from passes.pipeline_split import split_stages
 from passes.recompute import recompute
 from passes.sequence_parallel import sequence_parallel
@@ -51,6 +54,7 @@ class Layout:
     stage_sizes: tuple[int, ...]              # in layer order; len = number of stages
     pad_vocab: bool = False
     cp: int = 1
+    ep: int = 1                               # expert-parallel size (passes.expert_parallel)
 
     def __post_init__(self):
         for layer, text in self.strategies:
@@ -69,12 +73,15 @@ class Layout:
         return frozenset(layer for layer, text in self.strategies if part in text.split("+"))
 
 
-def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0) -> fx.GraphModule:
-    """Apply the rewrite passes of `layout` to captured.gm for tp index `tp_rank` and cp index
-    `cp_rank`; in place."""
+def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0,
+            ep_rank: int = 0) -> fx.GraphModule:
+    """Apply the rewrite passes of `layout` to captured.gm for tp index `tp_rank`, cp index
+    `cp_rank` and expert-parallel index `ep_rank`; in place."""
     gm = captured.gm
     layers = {layer.name: layer.nodes for layer in captured.layers}
     tag_layers(gm, layers)
+    if layout.ep > 1:  # cuts expert weights only: no shape in the graph changes
+        expert_parallel(gm, layout.ep, ep_rank)
     ends = {layer.name for layer in captured.layers if layer.kind != "block"}
     tp_layers = layout.layers_with("tp")
     vocab_parallel(gm, {name: layers[name] for name in sorted(tp_layers & ends)}, layout.tp,
@@ -91,10 +98,11 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0) 
 
 
 def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
-                  stages: tuple[int, ...], cp_rank: int = 0) -> dict[int, StageProgram]:
-    """The stage programs for `stages` on the rank with tensor-parallel index `tp_rank` and
-    context-parallel index `cp_rank`."""
-    gm = rewrite(captured, layout, tp_rank, cp_rank)
+                  stages: tuple[int, ...], cp_rank: int = 0,
+                  ep_rank: int = 0) -> dict[int, StageProgram]:
+    """The stage programs for `stages` on the rank with tensor-parallel index `tp_rank`,
+    context-parallel index `cp_rank` and expert-parallel index `ep_rank`."""
+    gm = rewrite(captured, layout, tp_rank, cp_rank, ep_rank)
     order = [layer.name for layer in captured.layers]
     if sum(layout.stage_sizes) != len(order) or min(layout.stage_sizes) < 1:
         raise ValueError(f"stage sizes {layout.stage_sizes} do not cover {len(order)} layers")

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from passes.expert_parallel import sequence_refusal
 from passes.sharding import LAYER, ShardingError, is_sdpa, localize_shapes, tag_layers
 from runtime import collectives as c
 
@@ -52,6 +53,9 @@ def sequence_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
     tag_layers(gm, layers)
     if tp == 1 or not sp:
         return gm
+    refusal = sequence_refusal(gm, [layers[name] for name in sp if name in layers], sp=True)
+    if refusal:
+        raise ShardingError(f"sequence parallel: {refusal}")
     walk = _Walk(gm, frozenset(sp), tp, group, dim, cp)
     for node in list(gm.graph.nodes):
         walk.visit(node)

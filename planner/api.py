@@ -20,6 +20,7 @@ from planner.costs import ModelCosts, PlanningError
 from planner.refusals import why_nothing_plans
 from planner.search import Request, check_fix, search, smallest_memory
 from runtime.batch import BatchSpec
+from runtime.experts import bind_ep_group, expert_groups
 from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups
 from runtime.shards import shard_specs
@@ -187,13 +188,16 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
         raise ValueError(f"the plan covers {sum(layout.stage_sizes)} layers, the model has "
                          f"{len(captured.layers)}")
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+    experts = expert_groups(groups.mesh, plan.ep) if plan.ep > 1 else None
+    bind_ep_group(experts.group if experts else None)
     programs = rank_programs(captured, layout, groups.tp_index,
-                             schedule.stages_of(groups.pp_index), groups.cp_index)
+                             schedule.stages_of(groups.pp_index), groups.cp_index,
+                             experts.index if experts else 0)
     give_values(programs, values, captured.tied)  # a meta model, or weights=DIR
     split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
     batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
-                           tied=captured.tied, batch=batch)
+                           tied=captured.tied, batch=batch, experts=experts)
 
 
 def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -219,7 +223,17 @@ def _collect_full(trainer, grads, groups, canonical, mine) -> None:
                 shards = [torch.empty_like(value) for _ in range(groups.mesh.tp)]
                 dist.all_gather(shards, value.contiguous(), group=groups.tp)
                 value = specs[name].join(shards)
+            expert = getattr(param, "fxpar_expert", None)
+            if expert is not None and trainer.experts.group is not None:
+                value = expert.join(_gather(value, trainer.experts))
             mine[canonical.get(name, name)] = value
+
+
+def _gather(value: torch.Tensor, experts) -> list[torch.Tensor]:
+    """Every EP rank's experts of one weight, in EP-index order."""
+    parts = [torch.empty_like(value) for _ in range(experts.ep)]
+    dist.all_gather(parts, value.contiguous(), group=experts.group)
+    return parts
 
 
 def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None,

@@ -17,6 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planner.moe_config import check_moe
+from planner.moe_models import MoELlama
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -54,7 +57,6 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.experts:
-            from planner.moe_config import check_moe
             check_moe(self)
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"model arch must be 'gpt' or 'llama', got {self.arch!r}")
@@ -142,10 +144,8 @@ def build_model(config: str | ModelConfig, device: str | torch.device = "cpu",
     """Instantiate a model; on device="meta" no memory is allocated for weights."""
     config = get_config(config)
     cls = GPT if config.arch == "gpt" else Llama
-    if config.experts:
-        from planner.moe_models import MoELlama as cls
     with torch.device(device):
-        model = cls(config)
+        model = MoELlama(config, LlamaAttention) if config.experts else cls(config)
     return model.to(dtype)
 
 

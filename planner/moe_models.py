@@ -21,7 +21,6 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planner.models import LlamaAttention, ModelConfig
 from planner.moe_config import expert_width
 from runtime.experts import moe_ffn
 
@@ -42,7 +41,7 @@ class SwiGLU(nn.Module):
 class MoELayer(nn.Module):
     """Router [E, h] and stacked experts; passes.expert_parallel cuts w_gate/w_up/w_down on dim 0."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         width, h, e = expert_width(cfg), cfg.hidden, cfg.experts
@@ -69,10 +68,10 @@ def _uniform(shape, fan_in: int) -> torch.Tensor:
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool):
+    def __init__(self, cfg, moe: bool, attention: type[nn.Module]):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.hidden, eps=1e-5)
-        self.attn = LlamaAttention(cfg)
+        self.attn = attention(cfg)
         self.norm2 = nn.RMSNorm(cfg.hidden, eps=1e-5)
         self.mlp = MoELayer(cfg) if moe else SwiGLU(cfg.hidden, cfg.ffn_hidden)
 
@@ -86,11 +85,14 @@ class MoEBlock(nn.Module):
 
 
 class MoELlama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`attention`: the block's attention class (planner.models.LlamaAttention, which
+    build_model passes: this module sits below planner.models)."""
+
+    def __init__(self, cfg, attention: type[nn.Module]):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.blocks = nn.ModuleList(MoEBlock(cfg, i >= cfg.dense_layers)
+        self.blocks = nn.ModuleList(MoEBlock(cfg, i >= cfg.dense_layers, attention)
                                     for i in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.hidden, eps=1e-5)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)

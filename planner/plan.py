@@ -73,6 +73,7 @@ class Plan:
     # What varies from run to run (solve_s: seconds of the plan's ILP, search_s: of the whole
     # search); equality, --diff and the JSON without timing leave it out.
     timing: dict = field(default_factory=dict, compare=False)
+    ep: int = 1                        # expert-parallel ranks (carved from dp x cp) per MoE layer
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -81,14 +82,18 @@ class Plan:
                            for layer, s in zip(st.layers, st.strategies) if s != "none")
         vocab = any(s == "vocab-tp" for st in self.stages for s in st.strategies)
         return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages),
-                      pad_vocab=vocab, cp=self.cp)
+                      pad_vocab=vocab, cp=self.cp, ep=self.ep)
 
     def to_json(self, timing: bool = True) -> dict:
         """The plan as JSON data; "timing" comes last and only with timing=True: the rest is the
         same for the same request, byte for byte."""
         data = asdict(self)
         del data["timing"]
+        if self.ep == 1:  # plans without expert parallelism read as they always have
+            del data["ep"]
         data["mesh"] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+        if self.ep > 1:
+            data["mesh"]["ep"] = self.ep
         if timing:
             data["timing"] = dict(self.timing)
         return data
@@ -129,7 +134,8 @@ class Plan:
         head = [
             f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster})",
             f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}"
-            f"{f' x cp={self.cp}' if self.cp > 1 else ''}   schedule {self.schedule}"
+            f"{f' x cp={self.cp}' if self.cp > 1 else ''}"
+            f"{f' (ep={self.ep} of dp x cp)' if self.ep > 1 else ''}   schedule {self.schedule}"
             f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}   "
             f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
             f"micro-batches x {self.micro_batch}   seq {self.seq}",

@@ -219,3 +219,24 @@ def _join(mine: dict, name: str, ranks: list[int], rank: int) -> None:
 def is_expert(param: torch.Tensor) -> bool:
     """Whether a parameter holds some experts' weights, cut by passes.expert_parallel."""
     return getattr(param, "fxpar_expert", None) is not None
+
+
+def broadcast_experts(params: list[torch.Tensor], groups, experts: ExpertGroups | None) -> None:
+    """Make the copies of each expert weight equal at set-up (runtime.replicas does the rest of
+    the model): from tensor-parallel index 0 over tp (experts are whole on every tp rank), then
+    from the first EP group over the ranks holding the same experts. `params` in the same order
+    on every rank of a group."""
+    if not params:
+        return
+    if experts is None:
+        raise ValueError("expert weights cut for expert parallelism need the ExpertGroups of the "
+                         "mesh (runtime.experts.expert_groups)")
+    mesh, c = groups.mesh, groups
+    with torch.no_grad():
+        if groups.tp is not None:
+            src = mesh.rank(c.pp_index, c.dp_index, 0, c.cp_index)
+            for p in params:
+                dist.broadcast(p.data, src=src, group=groups.tp)
+        if experts.replicas is not None:
+            for p in params:
+                dist.broadcast(p.data, src=experts.replica_root, group=experts.replicas)

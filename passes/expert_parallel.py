@@ -1,0 +1,85 @@
+"""Expert-parallel rewrite: each rank keeps E/ep of every mixture-of-experts layer's experts.
+
+A MoE layer is one `runtime.experts.moe_ffn` call node whose weights are read by get_attr: the
+router [E, h] (kept whole: every rank routes its own tokens over all experts) and the stacked
+expert weights w_gate, w_up [E, f, h] and w_down [E, h, f]. The rewrite replaces each stacked
+weight by rows [i E/ep, (i+1) E/ep) for the rank at index i of its expert-parallel group, marks
+it (`param.fxpar_expert`, a runtime.shards.ShardSpec on dim 0, so the runtime joins the experts
+of a full state dict and reduces their gradients over the ranks holding the same experts only),
+and sets the node's `ep` (dispatch and combine over the EP group) and `tag` (its layer, under
+which the all-to-all bytes are counted).
+
+The graph's shapes do not change: moe_ffn maps [b, s, h] to [b, s, h] whatever ep is.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+import torch.nn as nn
+
+from passes.sharding import LAYER, ShardingError, get_param, replace_param
+from runtime.experts import moe_ffn
+from runtime.shards import ShardSpec
+
+_EXPERT_ARGS = (2, 3, 4)   # w_gate, w_up, w_down among moe_ffn's positional arguments
+
+
+def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
+
+
+def expert_parallel(gm: fx.GraphModule, ep: int, rank: int) -> list[str]:
+    """Cut every MoE layer's experts for EP index `rank` of `ep`; in place. Returns the names of
+    the parameters cut. Raises ShardingError when ep does not divide a layer's expert count or
+    the model has no MoE layer."""
+    nodes = moe_nodes(gm)
+    if ep > 1 and not nodes:
+        raise ShardingError(f"expert parallel ep={ep} needs mixture-of-experts layers; the model "
+                            f"has none (use ep=1)")
+    cut = []
+    for node in nodes:
+        layer = node.meta.get(LAYER, node.name)
+        experts = _param(gm, node.args[1], layer).shape[0]
+        if experts % ep:
+            raise ShardingError(f"layer {layer}: {experts} experts do not divide over ep={ep}; "
+                                f"use an ep that divides {experts}")
+        if ep > 1:
+            for i in _EXPERT_ARGS:
+                cut.append(_cut(gm, node.args[i], ShardSpec(0, ep, rank), layer))
+        node.kwargs = {**node.kwargs, "ep": ep, "tag": layer}
+    return cut
+
+
+def _param(gm, arg, layer: str):
+    if not isinstance(arg, fx.Node) or arg.op != "get_attr":
+        raise ShardingError(f"layer {layer}: moe_ffn's weights must be parameters read by "
+                            f"get_attr, got {arg}")
+    return get_param(gm, str(arg.target))
+
+
+def _cut(gm, arg, spec: ShardSpec, layer: str) -> str:
+    full = _param(gm, arg, layer)
+    if getattr(full, "fxpar_expert", None) is not None:   # read twice: cut once
+        return str(arg.target)
+    param = nn.Parameter(spec.take(full.detach()), full.requires_grad)
+    param.fxpar_expert = spec
+    replace_param(gm, str(arg.target), param)
+    return str(arg.target)
+
+
+def sequence_refusal(gm: fx.GraphModule, layers, sp: bool = False) -> str | None:
+    """Why the sequence of these layers' MoE nodes cannot be split, or None. Context parallel
+    (sp=False): the balance loss is a per-sequence statistic (counts and mean scores over the
+    whole sequence) a sequence shard does not see; without one, tokens are routed one by one and
+    the split is exact. Sequence parallel (sp=True) is not implemented for MoE layers: their
+    tokens would need the tp ranks' shards regathered around the experts."""
+    names = {n for layer_nodes in layers for n in layer_nodes}
+    for node in moe_nodes(gm):
+        layer = node.meta.get(LAYER, node.name)
+        if node.name in names and sp:
+            return (f"{layer}: a mixture-of-experts layer is run with its sequence whole on every "
+                    f"tp rank (use tp without sp there)")
+        if node.name in names and node.kwargs.get("aux_coef"):
+            return (f"{layer}: the mixture-of-experts balance loss is computed per whole "
+                    f"sequence, so the sequence cannot be split (set the model's aux_loss to 0, "
+                    f"or keep cp=1)")
+    return None
