@@ -1,0 +1,82 @@
+"""Checkpoints (runtime.checkpoint, torch.distributed.checkpoint) on real gloo ranks: a resumed run
+continues bit for bit in new processes; a checkpoint saved under dp=2 x tp=2 x pp=2 resumes under
+other tp, pp, cp and numbers of ranks as one process would have continued; a save killed mid-write
+leaves the previous checkpoint the one a resume picks."""
+import os
+
+import pytest
+import torch
+
+from planner.api import plan
+from planner.models import get_config
+from planner.resume import reference_steps, run_with_checkpoints
+from runtime import checkpoint
+from runtime.launch import RankFailure, run_local
+
+# A GPT with a fused QKV weight (3 chunks per tp shard), a head tied to the embedding (held by the
+# first and last stages), and a vocabulary of 250, which tp=4 pads to 252.
+CONFIG = get_config("gpt-tiny").with_(layers=4, vocab=250, tie=True, global_batch=8)
+SAVED_AT, STEPS = 2, 4
+
+
+def fixed(config, **mesh):
+    gpus = mesh["dp"] * mesh["tp"] * mesh["pp"] * mesh.get("cp", 1)
+    return plan(config, gpus, cluster="cpu-gloo", fix={**mesh, "mb": 1, "strategy": "tp"})[0]
+
+
+def assert_same(got: dict, want: dict, **tolerance):
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, **tolerance,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.dist
+def test_resume_in_new_processes_is_bit_identical(pool4, tmp_path):
+    """4 steps in one go == 2 steps, save, and 2 more in freshly started processes (AdamW, so
+    the optimizer's step count and both moments must come back)."""
+    chosen = fixed(CONFIG, dp=1, tp=2, pp=2)
+    whole = run_with_checkpoints(CONFIG, chosen, STEPS, None, optimizer="adamw", pool=pool4)
+    first = run_with_checkpoints(CONFIG, chosen, SAVED_AT, str(tmp_path), save_every=SAVED_AT,
+                                 optimizer="adamw", pool=pool4)
+    assert first.saved == (checkpoint.step_dir(str(tmp_path), SAVED_AT),)
+    args = (CONFIG, chosen.dumps(), STEPS, str(tmp_path), 0, True, "adamw")
+    from planner.resume import checkpoint_worker
+    resumed = run_local(checkpoint_worker, 4, args)[0]   # new processes
+    assert resumed.first_step == SAVED_AT
+    assert first.losses + resumed.losses == whole.losses       # bit for bit
+    for name, value in whole.state.items():
+        assert torch.equal(resumed.state[name], value), name
+
+
+@pytest.fixture(scope="module")
+def saved_8(tmp_path_factory):
+    """2 steps under dp=2 x tp=2 x pp=2, saved; and 4 steps of the same run in one process."""
+    from conftest import rank_pool
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    run_with_checkpoints(CONFIG, fixed(CONFIG, dp=2, tp=2, pp=2), SAVED_AT, root,
+                         save_every=SAVED_AT, pool=rank_pool(8))
+    return root, reference_steps(CONFIG, STEPS)
+
+
+RESHARD = {
+    "tp4-pp2": dict(dp=1, tp=4, pp=2),          # vocabulary padded; other tp shards
+    "tp2-pp4": dict(dp=1, tp=2, pp=4),          # other stage cuts
+    "cp2-tp2-pp2": dict(dp=1, tp=2, pp=2, cp=2),
+    "4-ranks-dp2-pp2": dict(dp=2, tp=1, pp=2),  # whole tensors joined from tp shards
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_resume_under_another_mesh_continues_as_one_process(saved_8, name):
+    from conftest import rank_pool
+    root, reference = saved_8
+    mesh = RESHARD[name]
+    chosen = fixed(CONFIG, **mesh)
+    resumed = run_with_checkpoints(CONFIG, chosen, STEPS, root, resume=True,
+                                   pool=rank_pool(chosen.gpus))
+    assert resumed.first_step == SAVED_AT
+    torch.testing.assert_close(torch.tensor(resumed.losses),
+                               torch.tensor(reference.losses[SAVED_AT:]), rtol=1e-5, atol=0)
+    assert_same(resumed.state, reference.state, rtol=1e-5, atol=1e-6)
