@@ -10,8 +10,9 @@ The rules and their conventions (Narayanan et al. 2021 FLOPs, Korthikanti et al.
 2022 saved activations) live in ``cost_model.op_rules`` (matmuls, attention,
 norms, embedding, loss) and ``cost_model.op_tables`` (pointwise ops, views,
 casts), over the graph facts of ``cost_model.op_graph``; this module maps nodes
-to rules and refuses to guess: an op without a rule raises UnknownOpError rather
-than being priced as free.
+to rules. An op without a rule is never priced as free nor refused: it gets
+``cost_model.op_fallback``'s conservative memory-bound cost and one
+UnpricedOpWarning naming it (once per op per process).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.fx import Node
 
+from cost_model import op_fallback
 from cost_model import op_graph as g
 from cost_model import moe
 from cost_model import op_rules as r
@@ -102,7 +104,7 @@ def node_cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:
     if cost is None and _index_arithmetic(node):
         return _index_cost(node)
     if cost is None:
-        raise _unknown(node, module)
+        return op_fallback.priced(node, modules, str(_unknown(node, module)))
     return cost
 
 

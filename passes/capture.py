@@ -4,9 +4,10 @@
 rewrite passes handle directly); when it cannot trace, `torch.export` is used (its graph is FX too).
 Shapes come from FakeTensorProp, so a model on the meta device is captured without allocating weights.
 
-Layers: the largest `nn.ModuleList` whose children are all of one class is the list of repeated
-blocks; each block is one layer, everything before the first block is the "embed" layer and
-everything after the last one the "head" layer.
+Layers: the largest outermost `nn.ModuleList` is the list of repeated blocks (its children need
+not be alike: passes.block_runs groups them into runs of identical blocks); each block is one
+layer, everything before the first block is the "embed" layer and everything after the last one
+the "head" layer.
 """
 from __future__ import annotations
 
@@ -140,11 +141,17 @@ def _where(err: BaseException, root: torch.nn.Module) -> str:
 
 
 def _block_list_name(model: torch.nn.Module) -> str | None:
+    """The outermost nn.ModuleList with the most children. Outermost: a list inside an element
+    of another list (the experts of a mixture-of-experts block, per-head modules) is part of a
+    block, however long it is. Its children need not be alike (passes.block_runs groups them)."""
+    lists = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    def nested(name: str) -> bool:
+        return any(name.startswith(f"{outer}.") for outer in lists if outer != name)
     best, size = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > size:
-            if len({type(child) for child in module}) == 1:
-                best, size = name, len(module)
+    for name in lists:
+        module = model.get_submodule(name)
+        if not nested(name) and len(module) > size:
+            best, size = name, len(module)
     return best
 
 
@@ -218,6 +225,7 @@ def _signature(nodes: list[fx.Node], layer: str) -> str:
     parts = []
     for n in nodes:
         target = str(n.target).replace(layer, "").replace(strip, "")
+        target = re.sub(r"lifted_tensor_\d+", "lifted_tensor", target)  # numbered model-wide
         val = n.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
         parts.append(f"{n.op}:{target}:{shape}")

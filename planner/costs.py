@@ -9,7 +9,9 @@ import torch
 from cost_model.cluster import Cluster
 from cost_model.layer_cost import LayerCost, LayerProfile, price, profile_layer
 from cost_model.memory import TrainingMemory
+from cost_model.sharding import Sharding
 from cost_model.strategy import Strategy
+from passes.block_runs import block_kinds, block_runs, describe
 from passes.capture import Captured
 from passes.context_parallel import why_not
 from passes.sharding import get_param
@@ -21,8 +23,33 @@ class PlanningError(ValueError):
     """No plan satisfies the request; the message says what would."""
 
 
+def _captured_runs(captured: Captured, kinds, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    if len(kinds) == 1:
+        return ((0, num_blocks),)
+    if num_blocks != len(captured.blocks):
+        raise PlanningError(f"{num_blocks} blocks asked of a model captured with "
+                            f"{len(captured.blocks)} blocks of {len(kinds)} kinds "
+                            f"({describe(captured.blocks)}); capture every block or pass runs=")
+    return tuple((r.kind, r.count) for r in block_runs(captured.blocks))
+
+
+def _check_runs(runs, kinds, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    runs = tuple((int(k), int(n)) for k, n in runs)
+    if any(not 0 <= k < len(kinds) or n < 1 for k, n in runs) or \
+            sum(n for _, n in runs) != num_blocks:
+        raise PlanningError(f"runs={runs} must be (kind, count) pairs with kinds in "
+                            f"0..{len(kinds) - 1} (the captured kinds) and counts >= 1 summing "
+                            f"to the {num_blocks} blocks")
+    return runs
+
+
 class ModelCosts:
-    """Layer profiles of one captured model whose repeated block occurs `num_blocks` times.
+    """Layer profiles of one captured model whose repeated block occurs `num_blocks` times, or,
+    when its blocks are not all alike, of each kind of block (passes.block_runs): `runs` lists
+    (kind, count) in model order, and every per-block method takes the kind (default 0). A
+    model captured with fewer blocks than it has (a preset: one block per kind keeps planning
+    fast) states its runs: `runs=((0, 3), (1, 58))` is 3 blocks of the first captured kind then
+    58 of the second (kinds numbered in order of first appearance among the captured blocks).
 
     Memory of parameters follows `training` (cost_model.memory); by default the training precision
     decides: a 16-bit model is trained with mixed-precision Adam (16-bit weights and gradients,
@@ -32,19 +59,14 @@ class ModelCosts:
     """
 
     def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int,
-                 training: TrainingMemory | None = None):
-        signatures = {b.signature for b in captured.blocks}
+                 training: TrainingMemory | None = None,
+                 runs: tuple[tuple[int, int], ...] | None = None):
         if not captured.blocks:
-            raise PlanningError("found no repeated blocks (an nn.ModuleList of identical modules) "
-                                "to distribute")
-        if len(signatures) > 1:
-            first = captured.blocks[0]
-            other = next(b for b in captured.blocks if b.signature != first.signature)
-            raise PlanningError(
-                f"the model's repeated blocks differ in structure or shape: {other.name} has "
-                f"{len(other.nodes)} graph nodes, {first.name} {len(first.nodes)}; fxpar plans "
-                f"chains of identical blocks (keep each block's work, its residual add too, "
-                f"inside the block's forward)")
+            raise PlanningError("found no repeated blocks (an nn.ModuleList of blocks) to "
+                                "distribute; hold the model's layers in one nn.ModuleList")
+        self.kinds = block_kinds(captured.blocks)
+        self.runs = _check_runs(runs, self.kinds, num_blocks) if runs is not None else \
+            _captured_runs(captured, self.kinds, num_blocks)
         self.captured = captured
         self.num_blocks = num_blocks
         self.dtype_bytes = dtype_bytes
@@ -53,7 +75,10 @@ class ModelCosts:
         self.block_prefix = self.block.name.rsplit(".", 1)[0]
         self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
                      if l.kind != "block"}
-        self._profiles: dict[int, LayerProfile] = {1: profile_layer(captured, self.block)}
+        # (kind, tp) -> the block of that kind rewritten for tp; kind 0 also under the key tp
+        self._kind_profiles: dict[tuple[int, int], LayerProfile] = {
+            (k, 1): profile_layer(captured, layer) for k, layer in enumerate(self.kinds)}
+        self._profiles: dict[int, LayerProfile] = {1: self._kind_profiles[0, 1]}
         self.tp_errors: dict[int, str] = {}
         # The search asks for the same prices once per mesh and schedule. Per-instance caches:
         # they go with the ModelCosts instead of keeping every instance alive.
@@ -62,24 +87,38 @@ class ModelCosts:
         self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
         self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
 
+    @property
+    def block_sequence(self) -> tuple[int, ...]:
+        """The kind of every block, in model order."""
+        return tuple(kind for kind, n in self.runs for _ in range(n))
+
     def has(self, kind: str) -> bool:
         return kind in self.ends
 
-    def block_profile(self, tp: int) -> LayerProfile | None:
-        """The block rewritten for tensor-parallel size tp, or None when it does not divide."""
+    def block_profile(self, tp: int, kind: int | None = None) -> LayerProfile | None:
+        """The block of `kind` rewritten for tensor-parallel size tp, or None when it does not
+        divide. Without a kind: kind 0's, and None unless every kind divides (a mesh's tp
+        applies to all blocks that use it)."""
         if tp not in self._profiles and tp not in self.tp_errors:
-            try:
-                self._profiles[tp] = profile_layer(self.captured, self.block, tp)
-            except ShardingError as err:
-                self.tp_errors[tp] = str(err)
-        return self._profiles.get(tp)
+            for k, layer in enumerate(self.kinds):
+                try:
+                    self._kind_profiles[k, tp] = profile_layer(self.captured, layer, tp)
+                except ShardingError as err:
+                    where = f"{layer.name}: " if len(self.kinds) > 1 else ""
+                    self.tp_errors[tp] = f"{where}{err}"
+                    break
+            else:
+                self._profiles[tp] = self._kind_profiles[0, tp]
+        if kind is None or tp not in self._profiles:
+            return self._profiles.get(tp)
+        return self._kind_profiles[kind, tp]
 
     def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
-                    tp: int, cp: int = 1) -> LayerCost:
-        return self._price(strategy, micro_batch, cluster, tp, cp)
+                    tp: int, cp: int = 1, kind: int = 0) -> LayerCost:
+        return self._price(strategy, micro_batch, cluster, tp, cp, kind)
 
-    def _price_uncached(self, strategy, micro_batch, cluster, tp, cp) -> LayerCost:
-        return price(self.block_profile(tp if strategy.tp else 1), strategy, micro_batch,
+    def _price_uncached(self, strategy, micro_batch, cluster, tp, cp, kind=0) -> LayerCost:
+        return price(self.block_profile(tp if strategy.tp else 1, kind), strategy, micro_batch,
                      cluster, tp, cp)
 
     def supports_cp(self, cp: int, seq: int) -> bool:
@@ -91,15 +130,19 @@ class ModelCosts:
         """Sequence parallel needs the block's sequence-parallel rewrite to apply at tp (its
         profile then holds the collectives) and each rank's seq/cp positions to split over the
         tp ranks (passes.sequence_parallel refuses the rest)."""
-        profile = self.block_profile(tp) if tp > 1 else None
-        return (profile is not None and profile.sp_collectives is not None
+        if tp == 1 or self.block_profile(tp) is None:
+            return False
+        return (all(self.block_profile(tp, k).sp_collectives is not None
+                    for k in range(len(self.kinds)))
                 and seq % cp == 0 and (seq // cp) % tp == 0)
 
     @cached_property
     def cp_error(self) -> str | None:
         """Why passes.context_parallel cannot rewrite this model, or None when it can."""
-        if self._profiles[1].kv_bytes <= 0:
-            return "no attention keys/values to pass around a ring"
+        for k, layer in enumerate(self.kinds):
+            if self._kind_profiles[k, 1].kv_bytes <= 0:
+                where = f" in {layer.name}" if len(self.kinds) > 1 else ""
+                return f"no attention keys/values{where} to pass around a ring"
         return why_not(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
 
     def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1,
@@ -144,9 +187,15 @@ class ModelCosts:
         return tuple(price(self._end_profile(k, tp), Strategy(tp=True), micro_batch, cluster, tp,
                            cp) if k in self.ends else None for k in ("embed", "head"))
 
-    def static_per_param(self, dp: int = 1) -> tuple[float, float]:
-        """(weight + gradient bytes, optimizer bytes) per parameter on one rank of a dp group."""
+    def static_per_param(self, dp=1) -> tuple[float, float]:
+        """(weight + gradient bytes, optimizer bytes) per parameter on one rank of a dp group;
+        `dp` may be a cost_model.sharding.Sharding (the ZeRO level's shares)."""
         t = self.training
+        if isinstance(dp, Sharding):
+            fw, fg, fo = dp.fractions()
+            if t.zero1 and dp.level == 0:  # the --zero1 pricing of a fixed configuration
+                fo = 1 / dp.n
+            return t.weight_bytes * fw + t.grad_bytes * fg, t.optimizer_bytes() * fo
         return t.weight_bytes + t.grad_bytes, t.optimizer_bytes(dp)
 
     def split_static(self, static_bytes: float, dp: int = 1) -> tuple[float, float]:
@@ -186,12 +235,14 @@ class ModelCosts:
         return sum(n for key, n in embed.items() if key in head)
 
     def boundary_bytes(self, micro_batch: int) -> float:
-        one = self._profiles[1]
-        return one.output_bytes * micro_batch / one.batch
+        """Bytes a stage boundary carries: the largest block output of any kind."""
+        return max(p.output_bytes * micro_batch / p.batch
+                   for (_, tp), p in self._kind_profiles.items() if tp == 1)
 
     def flops_per_sample(self) -> float:
         """Model FLOPs (forward + backward, no recompute) of one sample."""
-        profiles = [self._profiles[1]] * self.num_blocks + list(self.ends.values())
+        profiles = [self._kind_profiles[k, 1] for k, n in self.runs for _ in range(n)]
+        profiles += list(self.ends.values())
         return sum(sum(op.fwd_flops + op.bwd_flops for op in p.ops) / p.batch for p in profiles)
 
     def notes(self) -> tuple[str, ...]:
@@ -200,6 +251,9 @@ class ModelCosts:
             first = min(self.tp_errors)
             notes.append(f"planned without tensor parallelism: no tp size above 1 can shard "
                          f"the model ({self.tp_errors[first]})")
+        if len(self.kinds) > 1:
+            notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
+                         f"contiguous stages: {describe(self.captured.blocks)}")
         if self.training.zero1:
             notes.append("optimizer states priced as sharded over data parallel (ZeRO-1); the "
                          "fxpar runtime keeps them whole, so use an optimizer that shards them "

@@ -21,16 +21,19 @@ from dataclasses import dataclass, field, replace
 from cost_model.cluster import Cluster
 from cost_model.comm import collective_time
 from cost_model.layer_cost import LayerCost
+from cost_model.sharding import transient_bytes as zero_transient
 from cost_model.strategy import RECOMPUTE, Strategy, strategy_space
 from planner import ilp
 from planner.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
 from planner.plan import Plan, Predicted, StagePlan
+from planner import zero as zero_axis
 from runtime.generators import SCHEDULES as RUNTIME_SCHEDULES
 from runtime.generators import peak_inflight, schedule_error
 
 # (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
-FIX_KEYS = ("dp", "tp", "pp", "cp", "mb", "v", "schedule", "strategy", "recompute")
+FIX_KEYS = ("dp", "tp", "pp", "cp", "mb", "v", "schedule", "strategy", "recompute", "zero",
+            "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class Candidate:
     v: int
     lower_bound: float
     cp: int = 1
+    zero: int = 0          # sharded data parallel level (planner.zero)
+    dp_shard: int = 0      # ranks per shard group; 0: dp (no hybrid sharding)
 
 
 def divisors(n: int) -> list[int]:
@@ -70,6 +75,7 @@ MESH_KEYS = ("dp", "tp", "pp", "cp")
 
 def check_fix(fix: dict) -> None:
     """Refuse fixed settings that no plan can have, naming the key and its legal values."""
+    zero_axis.check_zero_fix(fix)
     for key, value in fix.items():
         if key not in FIX_KEYS:
             raise ValueError(f"unknown fixed setting {key!r}; known: {', '.join(FIX_KEYS)}")
@@ -213,13 +219,16 @@ def configurations(costs: ModelCosts, req: Request):
                 continue
             m = req.global_batch // (dp * b)
             for name, v in _schedules(req, pp, m, costs.num_blocks):
-                yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp)
+                for level, shard in zero_axis.zero_options(req.fix, dp, cp):
+                    yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
+                                    shard if shard != dp else 0)
 
 
 def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
     result, least = [], {}
     for cand in configurations(costs, req):
-        key = (cand.tp, cand.cp, cand.micro_batch, cand.dp)
+        memory = replace(zero_axis.sharding_of(cand), m=1, backward_actions=1)
+        key = (cand.tp, cand.cp, cand.micro_batch, memory)
         if key not in least:
             least[key] = _least_costs(costs, req, *key)
         if least[key].static_bytes / cand.pp > req.memory_limit:
@@ -244,20 +253,24 @@ def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,
     return space
 
 
-def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1) -> list[LayerCost]:
-    return [costs.price_block(s, b, req.cluster, tp, cp) for s in _strategies(req, tp, costs, cp)]
+def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1,
+                kind: int = 0) -> list[LayerCost]:
+    return [costs.price_block(s, b, req.cluster, tp, cp, kind)
+            for s in _strategies(req, tp, costs, cp)]
 
 
 @dataclass(frozen=True)
 class _Least:
     """Per-term minima over a mesh's strategies (each may come from a different strategy) and the
     end layers' terms: what every plan of the mesh and micro-batch pays at least."""
-    block_s: float
+    block_s: float        # the least over every kind
     grad_bytes: float
     static_bytes: float   # all blocks and both ends
     embed_s: float
     head_s: float
     end_grad_bytes: float
+    blocks_s: float = 0.0          # Σ over the blocks of their own kind's least time
+    blocks_grad_bytes: float = 0.0  # likewise for gradient bytes
 
 
 def _least_costs(costs: ModelCosts, req: Request, tp: int, cp: int, b: int, dp: int) -> _Least:
@@ -266,34 +279,41 @@ def _least_costs(costs: ModelCosts, req: Request, tp: int, cp: int, b: int, dp: 
     strategies rather than 12 at tp > 1) bounds every candidate at a quarter of the cost.
     tests/unit/test_search_bounds.py holds the cost model to that."""
     twins = sorted({replace(s, recompute="none") for s in _strategies(req, tp, costs, cp)})
-    options = [costs.block_option(costs.price_block(s, b, req.cluster, tp, cp), dp) for s in twins]
+    least = []  # per kind: (time, static bytes, gradient bytes), each at its minimum
+    for kind in range(len(costs.kinds)):
+        options = [costs.block_option(costs.price_block(s, b, req.cluster, tp, cp, kind), dp)
+                   for s in twins]
+        least.append((min(o.time_s for o in options), min(o.static_bytes for o in options),
+                      min(o.grad_bytes for o in options)))
     embed, head = (costs.end_layer(c, dp)
                    for c in costs.end_costs(b, req.cluster, padded=True, cp=cp, tp=tp))
-    static = costs.num_blocks * min(o.static_bytes for o in options)
-    return _Least(min(o.time_s for o in options), min(o.grad_bytes for o in options),
-                  static + embed.static_bytes + head.static_bytes, embed.time_s, head.time_s,
-                  embed.grad_bytes + head.grad_bytes)
+    def total(term: int) -> float:
+        return sum(n * least[kind][term] for kind, n in costs.runs)
+    return _Least(min(t for t, _, _ in least), min(g for _, _, g in least),
+                  total(1) + embed.static_bytes + head.static_bytes, embed.time_s, head.time_s,
+                  embed.grad_bytes + head.grad_bytes, total(0), total(2))
 
 
 def _lower_bound(costs: ModelCosts, req: Request, c: Candidate, least: _Least) -> float:
     """A bound no plan of the candidate beats: the ILP objective α·Σ_s T_s + β·ρ + σ with every
     block at its cheapest (t_min, g_min: minima over the strategies), where
 
-      Σ_s T_s ≥ N·t_min + E + H + 2(S − 1)·c     (every stage boundary is crossed twice)
+      Σ_s T_s ≥ Σ_j N_j·t_min,j + E + H + 2(S − 1)·c   (each run at its kind's cheapest; every
+                                                  stage boundary is crossed twice)
       ρ       ≥ max(Σ_s T_s / p,  ρ*)             (ρ*: ilp.busiest_rank_floor, whole blocks)
-      σ       ≥ a + b·(N·g_min + g_E + g_H) / p   (the busiest rank holds ≥ the average)
+      σ       ≥ a + b·(Σ_j N_j·g_min,j + g_E + g_H) / p   (the busiest rank holds ≥ the average)
 
     ρ* is what makes it tight for deep pipelines — 96 blocks on 64 ranks put 2 blocks on some
     rank, not 1.5 — and with it the first candidate is usually the optimum (gpt3-175b on 1024
     GPUs: within 0.01% of the ILP optimum on sampled candidates)."""
     blocks, stages = costs.num_blocks, c.pp * c.v
     p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
-    total = (blocks * least.block_s + least.embed_s + least.head_s
+    total = (least.blocks_s + least.embed_s + least.head_s
              + 2 * (stages - 1) * p2p)
     floor = ilp.busiest_rank_floor(blocks, c.pp, stages, least.block_s, least.embed_s,
                                    least.head_s, p2p)
     rho = max(total / c.pp, floor)
-    grads = (blocks * least.grad_bytes + least.end_grad_bytes) / c.pp
+    grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
     sync = sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
     alpha, beta = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     return alpha * total + beta * rho + sync
@@ -313,25 +333,49 @@ def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
 
 
 def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: float):
-    """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option."""
-    blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp)
-    options = [costs.block_option(cost, c.dp) for cost in blocks]
-    keep = _prune_dominated(options)
-    options, blocks = [options[i] for i in keep], [blocks[i] for i in keep]
+    """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option; with
+    blocks of several kinds, one ilp.BlockRun per run and the LayerCosts in the problem's
+    (flattened) option order."""
+    per_kind = []
+    for kind in range(len(costs.kinds)):
+        blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp, kind)
+        options = [costs.block_option(cost, zero_axis.sharding_of(c)) for cost in blocks]
+        keep = _prune_dominated(options)
+        per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
     ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
-    return stage_problem(costs, req, c, tuple(options), ends, memory_limit), blocks
+    memory_limit -= transient_bytes(costs, req, c)  # whole-sized buffers of levels 2-3
+    if len(costs.runs) == 1:
+        options, blocks = per_kind[0]
+        return stage_problem(costs, req, c, tuple(options), ends, memory_limit), blocks
+    runs = tuple(ilp.BlockRun(costs.kinds[kind].name, n, tuple(per_kind[kind][0]))
+                 for kind, n in costs.runs)
+    blocks = [cost for kind, _ in costs.runs for cost in per_kind[kind][1]]
+    return stage_problem(costs, req, c, (), ends, memory_limit, runs), blocks
 
 
 def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple, ends,
-                  memory_limit: float) -> ilp.StageProblem:
-    """The stage ILP of a candidate for given block options and end-layer costs (embed, head)."""
-    embed, head = (costs.end_layer(cost, c.dp) for cost in ends)
+                  memory_limit: float, runs: tuple = ()) -> ilp.StageProblem:
+    """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
+    ilp.BlockRun) and end-layer costs (embed, head)."""
+    embed, head = (costs.end_layer(cost, zero_axis.sharding_of(c)) for cost in ends)
     p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
     return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
                             p2p, memory_limit, sync_alpha, sync_slope, phi, needs_tp=c.tp > 1,
-                            tie_s=tie_time(costs, req, c))
+                            tie_s=tie_time(costs, req, c), runs=runs)
+
+
+def transient_bytes(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """Whole-sized buffers of one or two layers that ZeRO levels 2-3 hold for a moment
+    (cost_model.sharding.transient_bytes), for the largest layers the candidate may have."""
+    if c.zero < 2:
+        return 0.0
+    layers = [cost.params for cost in block_costs(costs, req, c.tp, c.micro_batch, c.cp)]
+    layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
+                                                       tp=c.tp)]
+    t = costs.training
+    return zero_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
 
 
 def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
@@ -356,6 +400,11 @@ def _comm_terms(costs, req, c: Candidate) -> tuple[float, float, float]:
         p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
     else:
         p2p = 0.0
+    if c.zero or c.dp_shard:  # sharded data parallel: reduce-scatters and all-gathers
+        units = -(-(costs.num_blocks + len(costs.ends)) // c.pp)
+        t = costs.training
+        return (p2p, *zero_axis.comm_terms(req.cluster, c, zero_axis.sharding_of(c),
+                                           t.weight_bytes / t.grad_bytes, units))
     group = dp * cp
     alpha = collective_time(req.cluster, "all_reduce", 0.0, group, stride=tp)
     slope = (collective_time(req.cluster, "all_reduce", 2.0**30, group, stride=tp) - alpha) / 2**30
@@ -433,7 +482,8 @@ def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate |
     seen = set()
     unlimited = replace(req, memory_limit=math.inf)
     for cand in sorted(candidates(costs, unlimited), key=lambda c: c.micro_batch):
-        kind = (cand.dp, cand.tp, cand.pp, cand.cp, cand.schedule, cand.v)
+        kind = (cand.dp, cand.tp, cand.pp, cand.cp, cand.schedule, cand.v, cand.zero,
+                cand.dp_shard)
         if kind in seen:  # a larger micro-batch only adds activation memory
             continue
         seen.add(kind)
@@ -464,16 +514,19 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
             names.append("head")
             strategies.append(end)
         stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies),
-                                  cand.dp, parts.stage_s[s]))
+                                  zero_axis.sharding_of(cand), parts.stage_s[s],
+                                  transient_bytes(costs, req, cand)))
     return Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts),
                 costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
-                {"solve_s": round(solution.seconds, 4)})
+                {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
+                dp_shard=cand.dp_shard or None)
 
 
-def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s) -> StagePlan:
+def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
+                transient: float = 0.0) -> StagePlan:
     phi = problem.act_factor[problem.rank_of(s)]
     ends = ilp._ends(problem, s)
     static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
@@ -481,21 +534,22 @@ def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s) -> Sta
     weights, opt = costs.split_static(static, dp)
     act = phi * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
                  + sum(e.act_bytes for e in ends))
-    return StagePlan(names, strategies, time_s, weights, opt, act)
+    return StagePlan(names, strategies, time_s, weights + transient, opt, act)
 
 
 def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown) -> Predicted:
     """Split the ILP's iteration time (from ilp.breakdown) into compute, exposed communication
     and bubble on the busiest rank."""
     m, busiest = cand.microbatches, parts.busiest
-    comm = {o.name: b.comm_s for o, b in zip(problem.options, blocks)}
-    comm_per_mb = sum(c * comm[o.name] for s in problem.stages_of(busiest)
-                      for c, o in zip(counts[s], problem.options))
+    comm = [b.comm_s for b in blocks]  # per option: names repeat across kinds
+    comm_per_mb = sum(c * comm[k] for s in problem.stages_of(busiest)
+                      for k, c in enumerate(counts[s]))
     comm_per_mb += sum(ilp._p2p(problem, s) for s in problem.stages_of(busiest))
     busy = m * parts.rank_s[busiest]
     iteration = parts.iteration_s
     bubble = max(iteration - busy - parts.sync_s, 0.0)  # rounding can leave -1e-19
     flops = req.global_batch * costs.flops_per_sample()
     return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
-                     bubble / busy, max(parts.rank_bytes), req.global_batch * req.seq / iteration,
+                     bubble / busy, max(parts.rank_bytes) + transient_bytes(costs, req, cand),
+                     req.global_batch * req.seq / iteration,
                      flops / iteration / req.gpus / 1e12)

@@ -82,14 +82,16 @@ class ParentResidual(torch.nn.Module):
         return _loss(self.head(x), targets)
 
 
-def test_ops_between_blocks_go_with_the_block_before_and_uneven_blocks_are_named():
+def test_ops_between_blocks_go_with_the_block_before_and_uneven_blocks_are_planned():
+    """The last residual add falls after the last block, so blocks.2 differs from the others:
+    two runs of blocks of two kinds, planned, and the plan's note says so."""
     tokens = torch.randint(0, 32, (4, 8))
     captured = capture(ParentResidual(), (tokens[:1], tokens[:1]))
     layer_of = captured.layer_of()
     assert layer_of["add"] == "blocks.0" and layer_of["add_1"] == "blocks.1"
-    from planner.costs import PlanningError
-    with pytest.raises(PlanningError, match=r"blocks.2 has 1 graph nodes, blocks.0 2.*residual"):
-        plan(ParentResidual(), 2, (tokens, tokens), cluster="cpu-gloo")
+    chosen = plan(ParentResidual(), 2, (tokens, tokens), cluster="cpu-gloo")[0]
+    assert any("blocks 0-1 (kind 0, 2 nodes), block 2 (kind 1, 1 nodes)" in n
+               for n in chosen.notes)
 
 
 class ReadsEmbeddingInHead(torch.nn.Module):

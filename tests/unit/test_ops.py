@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from cost_model.ops import OpCost, UnknownOpError, node_cost, saved_node_name
+from cost_model import op_fallback
+from cost_model.op_fallback import UnpricedOpWarning
+from cost_model.ops import OpCost, node_cost, saved_node_name
 
 BF16 = torch.bfloat16
 S, B, H, A = 16, 2, 64, 4  # sequence, batch, hidden, heads
@@ -360,7 +362,10 @@ def test_embedding_and_cross_entropy_in_aten_graphs():
 # ---------------------------------------------------------------- errors, collectives, leaves
 
 
-def test_unknown_op_raises_naming_node_and_op():
+def test_unknown_op_is_priced_memory_bound_with_one_warning_naming_it(monkeypatch):
+    """cumprod has no rule: it reads x and writes y (bytes), one FLOP per element, backward
+    twice that, and keeps x; the warning names node, op and module, once per op."""
+    monkeypatch.setattr(op_fallback, "_WARNED", set())
     class Block(nn.Module):
         def forward(self, x):
             return torch.cumprod(x, dim=1)
@@ -373,9 +378,18 @@ def test_unknown_op_raises_naming_node_and_op():
         def forward(self, x):
             return self.block(x)
 
-    gm = fake_trace(Outer(), meta(4, 8))
-    with pytest.raises(UnknownOpError, match=r"'cumprod'.*cumprod.*'block'"):
-        costs(gm)
+    x = meta(4, 8).requires_grad_()
+    gm = fake_trace(Outer(), x)
+    with pytest.warns(UnpricedOpWarning, match=r"'cumprod'.*cumprod.*'block'.*memory-bound"):
+        priced = costs(gm)
+    (cost,) = [c for name, c in priced.items() if "cumprod" in name]
+    assert (cost.fwd_flops, cost.bwd_flops) == (32.0, 64.0)
+    assert cost.fwd_bytes == 2 * 32 * 2
+    assert cost.saved == (("x", 64.0),)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second pricing of the same op does not warn again
+        costs(fake_trace(Outer(), x))
 
 
 def user_scale(x):
@@ -385,12 +399,14 @@ def user_scale(x):
 torch.fx.wrap("user_scale")
 
 
-def test_user_functions_are_not_priced_by_name():
+def test_user_functions_are_not_priced_by_name(monkeypatch):
+    monkeypatch.setattr(op_fallback, "_WARNED", set())
+
     class M(nn.Module):
         def forward(self, x):
             return user_scale(x)
 
-    with pytest.raises(UnknownOpError, match="user_scale"):
+    with pytest.warns(UnpricedOpWarning, match="user_scale"):
         costs(fake_trace(M(), meta(4, 8)))
 
 

@@ -1,0 +1,96 @@
+"""Capture finds the blocks of models whose blocks differ, groups them into runs of identical
+blocks, and the planner prices each kind and lays the runs out in contiguous stages."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from passes.block_runs import block_runs
+from passes.capture import capture
+from planner.api import plan
+from planner.costs import ModelCosts, PlanningError
+from planner.mixed_models import MixedSpec, parse_block
+from planner.models import get_config
+
+BASE = get_config("llama-tiny").with_(layers=1, hidden=32, heads=4, kv_heads=2, vocab=61, seq=8)
+
+
+class Experts(torch.nn.Module):
+    """A block holding a longer ModuleList (experts) than the model's list of blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x):
+        return x + sum(e(x) for e in self.experts) / len(self.experts)
+
+
+class ExpertModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16), Experts(), Experts()])
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_the_outermost_list_is_the_blocks_even_when_an_experts_list_is_longer():
+    tokens = torch.randint(0, 32, (1, 8))
+    captured = capture(ExpertModel(), (tokens, tokens))
+    assert [b.name for b in captured.blocks] == ["layers.0", "layers.1", "layers.2"]
+    assert [(r.kind, r.first, r.count) for r in block_runs(captured.blocks)] == [(0, 0, 1),
+                                                                                (1, 1, 2)]
+
+
+def test_runs_of_an_alternating_pattern():
+    spec = MixedSpec(BASE, ("gpt:32", "llama:32", "gpt:32", "llama:32", "llama:32"))
+    model, batch = spec.build()
+    captured = capture(model, tuple(x[:1] for x in batch))
+    runs = [(r.kind, r.count) for r in block_runs(captured.blocks)]
+    assert runs == [(0, 1), (1, 1), (0, 1), (1, 2)]
+    assert ModelCosts(captured, 5, 4).block_sequence == (0, 1, 0, 1, 1)
+
+
+def test_stages_follow_the_blocks_and_each_kind_is_priced_on_its_own():
+    """Four narrow blocks and four 512 times as wide on two stages: the wide blocks cost
+    more, so the stage holding them holds fewer blocks; the layers stay in model order."""
+    spec = MixedSpec(BASE, ("llama:16",) * 4 + ("llama:8192",) * 4)
+    model, batch = spec.build()
+    chosen = plan(model, 2, example_inputs=batch, cluster="cpu-gloo",
+                  fix={"pp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 1})[0]
+    layers = [layer for st in chosen.stages for layer in st.layers]
+    assert layers == ["embed"] + [f"blocks.{i}" for i in range(8)] + ["head"]
+    first, second = (sum(l.startswith("blocks") for l in st.layers) for st in chosen.stages)
+    assert first > second
+    captured = capture(model, tuple(x[:1] for x in batch))
+    costs = ModelCosts(captured, 8, 4)
+    from cost_model.cluster import get_cluster
+    from cost_model.strategy import Strategy
+    narrow, wide = (costs.price_block(Strategy(), 1, get_cluster("cpu-gloo"), 1, kind=k)
+                    for k in (0, 1))
+    assert wide.params > 50 * narrow.params and wide.fwd_s > 2 * narrow.fwd_s
+
+
+def test_stated_runs_extend_a_capture_of_one_block_per_kind():
+    spec = MixedSpec(BASE, ("llama:16", "llama:64"))
+    model, batch = spec.build()
+    captured = capture(model, tuple(x[:1] for x in batch))
+    costs = ModelCosts(captured, 7, 4, runs=((0, 3), (1, 4)))
+    assert costs.block_sequence == (0, 0, 0, 1, 1, 1, 1)
+    with pytest.raises(PlanningError, match="capture every block or pass runs="):
+        ModelCosts(captured, 7, 4)
+    with pytest.raises(PlanningError, match=r"counts >= 1 summing to the 7 blocks"):
+        ModelCosts(captured, 7, 4, runs=((0, 3), (1, 3)))
+    with pytest.raises(PlanningError, match=r"kinds in 0..1"):
+        ModelCosts(captured, 7, 4, runs=((0, 3), (2, 4)))
+
+
+def test_block_texts_are_checked():
+    assert parse_block("gpt:128") == ("gpt", 128)
+    with pytest.raises(ValueError, match="ARCH:FFN_WIDTH"):
+        parse_block("mamba:12")
