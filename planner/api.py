@@ -149,9 +149,10 @@ class ParallelModel:
         """Save parameters, optimizer state, step, data position, RNG states, the loss scale and
         `extra` (picklable) as a torch.distributed.checkpoint folder that loads under any plan
         (runtime.checkpoint; collective: every rank calls it). Returns its absolute path."""
+        from planner.export import model_files
         from runtime import checkpoint
         info = {"step": self.step, "data_position": self.data_position, "extra": extra}
-        return checkpoint.save(self.shard(), path, info)
+        return checkpoint.save(self.shard(), path, info, model_files(self.model))
 
     def load(self, path: str) -> dict:
         """Load a checkpoint folder, or the latest complete one under a folder of step-N

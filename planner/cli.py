@@ -19,6 +19,7 @@ EXAMPLES = {
                 "fxpar simulate --plan plan.json\n",
     "bench": "examples:\n  fxpar bench --model gpt-tiny --gpus 4 --cluster cpu-gloo\n"
              "  fxpar bench --model gpt2-small --gpus 8 --cluster profile.json --top-k 5\n",
+    "export": "examples:\n  fxpar export --checkpoint ckpt/ --out out/model.safetensors",
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
            "  fxpar run --model llama2-7b --gpus 64 --cluster h100-sxm-dgx --torchrun job/\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
@@ -197,6 +198,11 @@ def cmd_run(args) -> int:
     if args.torchrun:
         print(torchrun_command(best, _config(args), args.steps, args.torchrun))
         return 0
+    if args.checkpoint or args.save_every or args.resume:  # planner.resume
+        from planner.resume import compare_resumed
+        compare_resumed(_config(args), best, args.steps, args.checkpoint, args.save_every,
+                        args.resume)
+        return 0
     compare_with_reference(_config(args), best, steps=args.steps)
     return 0
 
@@ -283,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--torchrun", metavar="FOLDER",
                    help="for a cluster: write the plan to FOLDER and print the torchrun command "
                         "that trains it, instead of training on local gloo ranks")
+    r.add_argument("--checkpoint", metavar="DIR", help="folder of step-N checkpoints "
+                   "(torch.distributed.checkpoint) to save into and resume from")
+    r.add_argument("--save-every", type=_positive_int, default=0, metavar="N",
+                   help="save a checkpoint into --checkpoint DIR every N steps")
+    r.add_argument("--resume", action="store_true", help="continue from the latest complete "
+                   "checkpoint in --checkpoint DIR, under this run's plan (any mesh)")
     r.set_defaults(func=cmd_run, cluster="cpu-gloo")
     b = sub.add_parser("bench", help="run the top plans on the devices here, predicted vs "
                        "measured", epilog=EXAMPLES["bench"],
@@ -293,6 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
     b.set_defaults(func=cmd_bench)
+    e = sub.add_parser("export", help="a checkpoint saved under any plan as one safetensors "
+                       "file (Hugging Face names for Hugging Face models)",
+                       epilog=EXAMPLES["export"],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder, or "
+                   "a folder of step-N checkpoints (the latest complete one is read)")
+    e.add_argument("--out", required=True, metavar="FILE.safetensors")
+    e.set_defaults(func=_cmd_export)
     sub.add_parser("calibrate", help="measure this machine and write a cluster profile "
                    "(fxpar calibrate --help)")
     return parser
@@ -305,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(calibrate_main, argv[1:])
     args = build_parser().parse_args(argv)
     return _guarded(args.func, args)
+
+
+def _cmd_export(args) -> int:
+    from planner.export import cmd_export
+    return cmd_export(args)
 
 
 def _summary(err: Exception):

@@ -110,3 +110,50 @@ def reference_steps(config: ModelConfig | HFSpec, steps: int, optimizer: str = "
         position += tokens[0].shape[0]
     return ResumeResult(0, tuple(losses),
                         {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+def check_resume_request(root: str | None, save_every: int, resume: bool, steps: int) -> int:
+    """The step a run with these checkpoint options starts from; a one-line error for a request
+    that cannot do what it says."""
+    from runtime import checkpoint
+    if (save_every or resume) and not root:
+        flag = "--save-every" if save_every else "--resume"
+        raise ValueError(f"{flag} needs --checkpoint DIR (the folder of step-N checkpoints)")
+    if not resume:
+        return 0
+    start = checkpoint.read_marker(root)["step"]
+    if start >= steps:
+        raise ValueError(f"the latest checkpoint in {root} is at step {start}, which --steps "
+                         f"{steps} does not pass; ask for more steps")
+    return start
+
+
+def compare_resumed(config, plan: Plan, steps: int, root: str | None, save_every: int = 0,
+                    resume: bool = False) -> float:
+    """`fxpar run --checkpoint`: train on local gloo ranks (from the latest checkpoint with
+    resume), saving every save_every steps, and print each step's loss beside one process
+    trained from step 0 on the same batches; returns the largest relative difference."""
+    from tabulate import tabulate
+
+    start = check_resume_request(root, save_every, resume, steps)
+    print(f"training steps {start + 1}-{steps} on {plan.gpus} gloo CPU processes (dp={plan.dp} "
+          f"tp={plan.tp} pp={plan.pp} cp={plan.cp})"
+          + (f", from the checkpoint of step {start} in {root}" if resume else "")
+          + (f", saving every {save_every} steps into {root}" if save_every else "")
+          + "; and steps 1-{0} in one process ...".format(steps), flush=True)
+    parallel = run_with_checkpoints(config, plan, steps, root, save_every, resume,
+                                    progress=True)
+    ref = reference_steps(config, steps)
+    rows, worst = [], 0.0
+    for step, (a, b) in enumerate(zip(parallel.losses, ref.losses[start:]), start + 1):
+        rel = abs(a - b) / abs(b)
+        worst = max(worst, rel)
+        rows.append([step, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
+    print(tabulate(rows, headers=["step", f"loss on {plan.gpus} ranks", "loss in one process",
+                                  "relative difference"]))
+    params = max(float((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
+                 for k, v in ref.state.items())
+    print(f"largest relative parameter difference after step {steps}: {params:.2e}")
+    for path in parallel.saved:
+        print(f"saved {path}")
+    return max(worst, params)

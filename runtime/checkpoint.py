@@ -111,10 +111,11 @@ def _trainer_state(trainer, info: dict) -> dict:
 
 
 # -- save ------------------------------------------------------------------------------------------
-def save(trainer, path: str, info: dict) -> str:
+def save(trainer, path: str, info: dict, files: dict[str, str] | None = None) -> str:
     """Save this rank's part of the trainer's state into the checkpoint folder `path` (collective:
-    every rank calls it). `info` holds step, data_position and extra values (picklable); it is
-    written to MARKER as JSON too, without extra. Returns the absolute path."""
+    every rank calls it). `info` holds step, data_position and extra values (picklable); step and
+    data position go to MARKER too. `files`: name -> text rank 0 writes into the folder (what
+    an export needs to know of the model). Returns the absolute path."""
     path = os.path.abspath(path)
     partial, rank = path + ".partial", dist.get_rank()
     if rank == 0:
@@ -131,6 +132,9 @@ def save(trainer, path: str, info: dict) -> str:
     dcp.save(state, storage_writer=FileSystemWriter(partial), planner=SlicesSavePlanner())
     dist.barrier()  # every rank's files are written and DCP's metadata with them
     if rank == 0:
+        for name, text in (files or {}).items():
+            with open(os.path.join(partial, name), "w") as f:
+                f.write(text)
         _finish(partial, path, trainer, info)
     dist.barrier()
     return path

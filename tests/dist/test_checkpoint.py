@@ -80,3 +80,66 @@ def test_resume_under_another_mesh_continues_as_one_process(saved_8, name):
     torch.testing.assert_close(torch.tensor(resumed.losses),
                                torch.tensor(reference.losses[SAVED_AT:]), rtol=1e-5, atol=0)
     assert_same(resumed.state, reference.state, rtol=1e-5, atol=1e-6)
+
+
+CLI_CONFIG = get_config("gpt-tiny").with_(layers=2, global_batch=8)
+CLI_MESH = ["--model", "gpt-tiny", "--layers", "2", "--global-batch", "8", "--gpus", "4",
+            "--fix", "dp=1,tp=2,pp=2,mb=1,strategy=tp"]
+
+
+@pytest.mark.dist
+def test_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, capsys):
+    """Rank 1 dies while writing the checkpoint of step 4: step 2 stays the latest complete
+    one, and `fxpar run --resume` continues from it as one process would."""
+    from planner.checkpoint_faults import killed_mid_save_worker
+    from planner.cli import main
+    root = str(tmp_path)
+    chosen = fixed(CLI_CONFIG, dp=1, tp=2, pp=2)
+    with pytest.raises(RankFailure) as failure:
+        run_local(killed_mid_save_worker, 4, (CLI_CONFIG, chosen.dumps(), 4, root, 2, 1, 4),
+                  timeout_s=12)
+    assert failure.value.summary.startswith("rank 1 died: killed by SIGKILL"), \
+        failure.value.summary
+    partial = checkpoint.step_dir(root, 4) + ".partial"
+    assert os.path.isdir(partial) and not checkpoint.is_complete(partial)
+    assert checkpoint.latest(root) == checkpoint.step_dir(root, 2)
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete checkpoint"):
+        checkpoint.resolve(partial)
+    assert main(["run", *CLI_MESH, "--steps", "4", "--checkpoint", root, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"from the checkpoint of step 2 in {root}" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["3"], ["4"])]
+    reference = reference_steps(CLI_CONFIG, 4)
+    assert [int(r[0]) for r in rows] == [3, 4]
+    torch.testing.assert_close(torch.tensor([float(r[1]) for r in rows]),
+                               torch.tensor(reference.losses[2:]), rtol=1e-5, atol=0)
+    assert all(float(r[3]) < 1e-5 for r in rows)
+
+
+@pytest.mark.dist
+def test_export_loads_in_transformers_with_the_same_loss(pool4, tmp_path):
+    """A Hugging Face GPT-2 trained 2 steps under tp=2 x pp=2 and saved; `fxpar export` writes
+    one safetensors file that from_pretrained loads: the trained weights, the same loss."""
+    transformers = pytest.importorskip("transformers")
+    from planner.cli import main
+    from planner.hf import HFCausalLM
+    from planner.resume import batch_at
+    from planner.train import HFSpec, build
+    spec = HFSpec("gpt2", global_batch=8, overrides=(("n_layer", 2),))
+    torch.manual_seed(0)
+    model, batch = build(spec)
+    chosen = plan(model, 4, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 2, "mb": 1, "strategy": "tp"})[0]
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf" / "model.safetensors")
+    run = run_with_checkpoints(spec, chosen, 2, root, save_every=2, pool=pool4)
+    assert main(["export", "--checkpoint", root, "--out", out]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    exported = dict(loaded.named_parameters())
+    for name, value in run.state.items():
+        assert torch.equal(exported[name.removeprefix("model.")], value), name
+    reference = reference_steps(spec, 2)
+    model.load_state_dict(reference.state, strict=False)
+    tokens = batch_at(batch, model.model.config.vocab_size, 16)
+    with torch.no_grad():
+        want, got = model(*tokens), HFCausalLM(loaded)(*tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
