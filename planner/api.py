@@ -25,7 +25,7 @@ from runtime.generators import make_schedule
 from runtime.mesh import Mesh, mesh_groups
 from runtime.shards import shard_specs
 from runtime.tied import canonical_names
-from runtime.trainer import PipelineTrainer
+from runtime.trainer import PipelineTrainer, TrainOptions
 
 
 def _check_gpus(gpus) -> int:
@@ -50,6 +50,9 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     hw = get_cluster(cluster or default_cluster())
     limit = _memory_limit_bytes(memory_limit, hw)
     fix = dict(fix or {})
+    if zero1:  # ZeRO stage 1, as the sharded-data-parallel level of the search
+        if fix.setdefault("zero", 1) != 1:
+            raise ValueError(f"zero1 contradicts zero={fix['zero']}; give one of them")
     check_fix(fix)
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1)
     req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k)
@@ -197,8 +200,9 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     give_values(programs, values, captured.tied)  # a meta model, or weights=DIR
     split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
     batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
+    options = TrainOptions(zero=plan.zero, dp_shard=plan.dp_shard)  # runtime.sharded_dp
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
-                           tied=captured.tied, batch=batch, experts=experts)
+                           tied=captured.tied, batch=batch, experts=experts, options=options)
 
 
 def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:

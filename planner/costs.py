@@ -254,8 +254,4 @@ class ModelCosts:
         if len(self.kinds) > 1:
             notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
                          f"contiguous stages: {describe(self.captured.blocks)}")
-        if self.training.zero1:
-            notes.append("optimizer states priced as sharded over data parallel (ZeRO-1); the "
-                         "fxpar runtime keeps them whole, so use an optimizer that shards them "
-                         "(e.g. torch.distributed.optim.ZeroRedundancyOptimizer)")
         return tuple(notes)

@@ -74,6 +74,8 @@ class Plan:
     # search); equality, --diff and the JSON without timing leave it out.
     timing: dict = field(default_factory=dict, compare=False)
     ep: int = 1                        # expert-parallel ranks (carved from dp x cp) per MoE layer
+    zero: int = 0                      # sharded data parallel level 0-3 (runtime.sharded_dp)
+    dp_shard: int | None = None        # dp ranks per shard group (hybrid sharding); None: all
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -84,6 +86,14 @@ class Plan:
         return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages),
                       pad_vocab=vocab, cp=self.cp, ep=self.ep)
 
+    def _zero_text(self) -> str:
+        """The sharded-data-parallel level in the mesh line (nothing for level 0)."""
+        if self.zero == 0:
+            return ""
+        hybrid = (f", shard {self.dp_shard} x replicate {self.dp // self.dp_shard}"
+                  if self.dp_shard and self.dp_shard != self.dp else "")
+        return f"   zero={self.zero}{hybrid}"
+
     def to_json(self, timing: bool = True) -> dict:
         """The plan as JSON data; "timing" comes last and only with timing=True: the rest is the
         same for the same request, byte for byte."""
@@ -91,6 +101,8 @@ class Plan:
         del data["timing"]
         if self.ep == 1:  # plans without expert parallelism read as they always have
             del data["ep"]
+        if self.zero == 0 and self.dp_shard is None:  # likewise without sharded dp
+            del data["zero"], data["dp_shard"]
         data["mesh"] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp}
         if self.ep > 1:
             data["mesh"]["ep"] = self.ep
@@ -135,7 +147,8 @@ class Plan:
             f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster})",
             f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}"
             f"{f' x cp={self.cp}' if self.cp > 1 else ''}"
-            f"{f' (ep={self.ep} of dp x cp)' if self.ep > 1 else ''}   schedule {self.schedule}"
+            f"{f' (ep={self.ep} of dp x cp)' if self.ep > 1 else ''}{self._zero_text()}"
+            f"   schedule {self.schedule}"
             f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}   "
             f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
             f"micro-batches x {self.micro_batch}   seq {self.seq}",

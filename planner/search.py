@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from cost_model.cluster import Cluster
 from cost_model.comm import collective_time
 from cost_model.layer_cost import LayerCost
-from cost_model.sharding import transient_bytes as zero_transient
+from cost_model.sharding import Sharding, transient_bytes as zero_transient
 from cost_model.strategy import RECOMPUTE, Strategy, strategy_space
 from planner import ilp
 from planner.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
@@ -219,22 +219,39 @@ def configurations(costs: ModelCosts, req: Request):
                 continue
             m = req.global_batch // (dp * b)
             for name, v in _schedules(req, pp, m, costs.num_blocks):
-                for level, shard in zero_axis.zero_options(req.fix, dp, cp):
+                for level, shard in zero_axis.zero_options(req.fix, dp, cp, tp,
+                                                           req.cluster.gpus_per_node):
                     yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
                                     shard if shard != dp else 0)
 
 
 def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
-    result, least = [], {}
+    result, least, bounds = [], {}, {}
     for cand in configurations(costs, req):
-        memory = replace(zero_axis.sharding_of(cand), m=1, backward_actions=1)
+        sharding = zero_axis.sharding_of(cand)  # its memory shares only
+        memory = Sharding(sharding.level, sharding.n if sharding.level else 1)
         key = (cand.tp, cand.cp, cand.micro_batch, memory)
         if key not in least:
             least[key] = _least_costs(costs, req, *key)
         if least[key].static_bytes / cand.pp > req.memory_limit:
             continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
-        result.append(replace(cand, lower_bound=_lower_bound(costs, req, cand, least[key])))
+        base = (cand.dp, cand.tp, cand.pp, cand.micro_batch, cand.schedule, cand.v, cand.cp)
+        if base not in bounds:  # the ZeRO levels of a configuration differ only in σ
+            plain = replace(cand, zero=0, dp_shard=0)
+            bounds[base] = (_lower_bound(costs, req, plain, least[key]),
+                            _sync_bound(costs, req, plain, least[key]))
+        bound, sync = bounds[base]
+        if cand.zero or cand.dp_shard:
+            bound += _sync_bound(costs, req, cand, least[key]) - sync
+        result.append(replace(cand, lower_bound=bound))
     return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
+
+
+def _sync_bound(costs: ModelCosts, req: Request, c: Candidate, least: "_Least") -> float:
+    """σ of `_lower_bound`: the data-parallel collectives of the average rank."""
+    _, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
+    return sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
 
 
 def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,
