@@ -43,6 +43,8 @@ def _fix(text: str) -> dict:
                 raise argparse.ArgumentTypeError(f"bad item {item!r}: {key} must be a positive "
                                                  f"integer (1, 2, 3, ...)")
             value = int(value)
+        elif key in ("zero", "dp_shard") and value.isdigit():  # planner.zero checks the rest
+            value = int(value)
         result[key] = value
         try:
             check_fix({key: value})
@@ -75,7 +77,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--fix", type=_fix, default={},
                    help="fix part of the plan, e.g. tp=8,pp=8,mb=1 or cp=2,schedule=1f1b")
     p.add_argument("--zero1", action="store_true",
-                   help="price optimizer states sharded over data parallel (ZeRO stage 1)")
+                   help="shard optimizer states over data parallel: the same as --fix zero=1")
     p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (gpt2, llama) at "
                    "small sizes, built from its config; needs the hf extra")
     p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
