@@ -193,6 +193,9 @@ def _preset_only(args, command: str) -> None:
 
 def cmd_run(args) -> int:
     from planner.train import compare_with_reference
+    if args.weights:  # a Hugging Face checkpoint directory, read per shard
+        from planner.pretrained import cmd_run_weights
+        return cmd_run_weights(args)
     _preset_only(args, "run")
     best = _plans(args)[0]
     print(best)
@@ -291,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--torchrun", metavar="FOLDER",
                    help="for a cluster: write the plan to FOLDER and print the torchrun command "
                         "that trains it, instead of training on local gloo ranks")
+    r.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint directory "
+                   "(config.json, model.safetensors or its index): plan its model, each rank "
+                   "reads only its slices, compared with transformers' from_pretrained")
     r.add_argument("--checkpoint", metavar="DIR", help="folder of step-N checkpoints "
                    "(torch.distributed.checkpoint) to save into and resume from")
     r.add_argument("--save-every", type=_positive_int, default=0, metavar="N",

@@ -278,12 +278,19 @@ def _program_buffer(model, name: str, b: torch.Tensor, device, built) -> torch.T
 
 
 def retarget(gm: fx.GraphModule, device) -> None:
-    """Nodes that name the meta device (constants torch.export recorded) name `device`."""
+    """Nodes that name the meta device (constants torch.export recorded, as a keyword or as an
+    argument: `aten.to.device(x, meta, ...)`) name `device`."""
     device, changed = torch.device(device), False
-    for node in gm.graph.nodes:
-        if node.kwargs.get("device") == META:
-            node.kwargs = {**node.kwargs, "device": device}
+
+    def swap(arg):
+        nonlocal changed
+        if isinstance(arg, torch.device) and arg.type == "meta":
             changed = True
+            return device
+        return arg
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
     if changed:
         gm.recompile()
 

@@ -43,11 +43,20 @@ class Source:
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.config is not None:
             return example_batch(self.config, self.global_batch, seed=self.seed)
-        from planner.hf import sequence_length, vocab_size
-        model = self.meta_model()
+        config = self._hf_config()   # no model built: the batch needs two sizes only
+        seq = config.get("n_positions") or config.get("max_position_embeddings")
+        if not seq:
+            raise ValueError(f"{self.weights}/config.json has neither n_positions nor "
+                             f"max_position_embeddings: the sequence length is unknown")
         gen = torch.Generator().manual_seed(self.seed)
-        shape = (self.global_batch, sequence_length(model))
-        return tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
+        return tuple(torch.randint(0, config["vocab_size"], (self.global_batch, seq),
+                                   generator=gen) for _ in "xy")
+
+    def _hf_config(self) -> dict:
+        import json
+        import os
+        with open(os.path.join(self.weights, "config.json"), encoding="utf-8") as f:
+            return json.load(f)
 
     def full_model(self) -> torch.nn.Module:
         """The one-process counterpart, with every weight."""
@@ -104,3 +113,55 @@ def plan_for(source: Source, gpus: int, fix: dict | None = None, cluster: str = 
     from planner.api import plan
     return plan(source.meta_model(), gpus, source.batch(), cluster=cluster, fix=fix,
                 memory_limit=memory_limit)[0]
+
+
+def run_parallel(source: Source, plan: Plan, steps: int, pool=None,
+                 with_grads: bool = True) -> RunResult:
+    """Train on the plan's number of local gloo ranks (or a test pool); rank 0's result."""
+    from runtime.launch import run_local
+    args = (source, plan.dumps(), steps, with_grads)
+    results = pool.run(parallel_worker, *args) if pool else run_local(parallel_worker,
+                                                                      plan.gpus, args)
+    return results[0]
+
+
+def compare(source: Source, plan: Plan, steps: int) -> float:
+    """Train on local gloo ranks and in one process; print the losses side by side and return
+    the largest relative difference (losses and final parameters)."""
+    from tabulate import tabulate
+    what = source.weights or source.config.name
+    print(f"training {what} for {steps} steps on {plan.gpus} gloo CPU processes (dp={plan.dp} "
+          f"tp={plan.tp} pp={plan.pp} cp={plan.cp}), each rank materialising only its shard, "
+          f"and in one process ...", flush=True)
+    parallel = run_parallel(source, plan, steps, with_grads=False)
+    ref = train_one_process(source, steps)
+    rows, worst = [], 0.0
+    for i, (a, b) in enumerate(zip(parallel.losses, ref.losses)):
+        rel = abs(a - b) / abs(b)
+        worst = max(worst, rel)
+        rows.append([i + 1, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
+    print(tabulate(rows, headers=["step", f"loss on {plan.gpus} ranks", "loss in one process",
+                                  "relative difference"]))
+    params = max(float((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
+                 for k, v in ref.state.items())
+    print(f"largest relative parameter difference after {steps} steps: {params:.2e}")
+    return max(worst, params)
+
+
+def cmd_run_weights(args) -> int:
+    """`fxpar run --weights DIR`: plan the checkpoint's model, train it on local gloo ranks (each
+    reading its slices of the files) beside transformers' from_pretrained in one process."""
+    given = [f"--{k.replace('_', '-')}" for k in ("layers", "hidden", "heads", "kv_heads",
+                                                  "vocab", "seq") if getattr(args, k, None)]
+    if args.hf or args.hf_config or given:
+        raise ValueError(f"--weights DIR takes the model and its sizes from DIR/config.json; "
+                         f"leave out {', '.join(given) or '--hf / --hf-config'}")
+    if args.torchrun:
+        raise ValueError("--weights trains on local gloo ranks; for a cluster, call "
+                         "autoparallelize(model, gpus, batch, weights=DIR) under torchrun")
+    source = Source(weights=args.weights, global_batch=args.global_batch or 16)
+    best = plan_for(source, args.gpus, args.fix, args.cluster, args.memory_limit)
+    print(best)
+    print()
+    compare(source, best, args.steps)
+    return 0
