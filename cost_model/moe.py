@@ -14,8 +14,12 @@ Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype
   all-to-all bytes  4 T k h d r                  per micro-batch on each rank: dispatch and
                                                  combine forward, both again in backward; r is
                                                  the fraction of slots routed to other ranks,
-                                                 (ep - 1) / ep for uniform routing. Exactly what
-                                                 runtime.experts counts (kind "all_to_all").
+                                                 (ep - 1) / ep for uniform routing. What
+                                                 runtime.experts counts (kind "all_to_all") is
+                                                 2 (S_out + S_in) h d for the S_out slots a rank
+                                                 sends to other ranks' experts and the S_in it
+                                                 receives: the same bytes with T k r = the mean
+                                                 of the two (tests/dist/test_expert_parallel.py).
   expert weights    3 E h f d / ep               per rank (and their gradients and optimizer
                                                  states, as for any weight)
 

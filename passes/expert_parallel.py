@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.sharding import LAYER, ShardingError, get_param, replace_param
+from runtime import collectives
 from runtime.experts import moe_ffn
 from runtime.shards import ShardSpec
 
@@ -83,3 +84,16 @@ def sequence_refusal(gm: fx.GraphModule, layers, sp: bool = False) -> str | None
                     f"sequence, so the sequence cannot be split (set the model's aux_loss to 0, "
                     f"or keep cp=1)")
     return None
+
+
+def read_replicated(gm: fx.GraphModule) -> None:
+    """After the tensor-parallel rewrite: a MoE node reading its input through tp_copy (the
+    column-parallel shared expert beside it shares the input) reads the value itself. moe_ffn
+    is replicated over tp, so its input gradient is whole on every rank; through tp_copy's
+    backward all-reduce it would be counted tp times."""
+    for node in moe_nodes(gm):
+        source = node.args[0]
+        if isinstance(source, fx.Node) and source.target is collectives.tp_copy:
+            node.replace_input_with(source, source.args[0])
+    gm.graph.lint()
+    gm.recompile()

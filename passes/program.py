@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from passes.capture import Captured
 from passes.context_parallel import context_parallel, local_inputs
-from passes.expert_parallel import expert_parallel
+from passes.expert_parallel import expert_parallel, read_replicated
 from passes.pipeline_split import split_stages
 from passes.recompute import recompute
 from passes.sequence_parallel import sequence_parallel
@@ -88,6 +88,7 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0,
                    tp_rank, pad=layout.pad_vocab, localize=False)
     tensor_parallel(gm, {name: layers[name] for name in sorted(tp_layers - ends)}, layout.tp,
                     tp_rank, localize=False)
+    read_replicated(gm)  # MoE nodes are replicated over tp: not behind a tp_copy
     sequence_parallel(gm, layers, layout.layers_with("sp") & tp_layers, layout.tp, localize=False,
                       cp=layout.cp)
     context_parallel(gm, layers, layout.cp, cp_rank, localize=False)
