@@ -13,7 +13,7 @@ import torch
 
 from planner.models import ModelConfig
 from planner.plan import Plan
-from planner.train import HFSpec, build, make_optimizer
+from planner.train import build, make_optimizer
 from runtime.launch import run_local
 from runtime.progress import Progress
 
@@ -39,8 +39,26 @@ def batch_at(batch: tuple[torch.Tensor, ...], vocab: int, position: int):
 def _vocab(config, model) -> int:
     if isinstance(config, ModelConfig):
         return config.vocab
+    if getattr(config, "config", None) is not None:  # planner.pretrained.Source of a preset
+        return config.config.vocab
     from planner.hf import vocab_size
     return vocab_size(model)
+
+
+def _is_source(config) -> bool:
+    from planner.pretrained import Source
+    return isinstance(config, Source)
+
+
+def _model(config, full: bool):
+    """(model, batch, ParallelModel keyword arguments) of a preset, an HFSpec, or a
+    planner.pretrained.Source (a meta model whose ranks read a Hugging Face checkpoint directory
+    or the per-parameter init rule; `full`: its one-process counterpart)."""
+    if _is_source(config):
+        model = config.full_model() if full else config.meta_model()
+        return model, config.batch(), {"weights": config.weights, "seed": config.seed}
+    model, batch = build(config)
+    return model, batch, {}
 
 
 @dataclass(frozen=True)
@@ -51,10 +69,11 @@ class ResumeResult:
     saved: tuple[str, ...] = ()    # checkpoint folders written
 
 
-def checkpoint_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int, root: str | None,
+def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
                       save_every: int = 0, resume: bool = False, optimizer: str = "sgd",
                       seed: int = 0, progress: bool = False) -> ResumeResult:
-    """On every rank: build the model, shard it by the plan, with `resume` load the latest
+    """On every rank: build the model (`config`: a preset, an HFSpec or a
+    planner.pretrained.Source), shard it by the plan, with `resume` load the latest
     complete checkpoint under `root` (saved under any plan), train until step `steps`, saving
     into root/step-N every `save_every` steps."""
     import torch.distributed as dist
@@ -63,10 +82,10 @@ def checkpoint_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int, 
     from runtime import checkpoint
 
     torch.manual_seed(seed)
-    model, batch = build(config)
+    model, batch, source = _model(config, full=False)
     vocab = _vocab(config, model)
     plan = Plan.from_json(plan_json)
-    pm = ParallelModel(model, plan, [], batch, optimizer_factory(optimizer))
+    pm = ParallelModel(model, plan, [], batch, optimizer_factory(optimizer), **source)
     if resume:
         pm.load(root)
     first, losses, saved = pm.step, [], []
@@ -92,11 +111,11 @@ def run_with_checkpoints(config, plan: Plan, steps: int, root: str | None, save_
     return results[0]
 
 
-def reference_steps(config: ModelConfig | HFSpec, steps: int, optimizer: str = "sgd",
+def reference_steps(config, steps: int, optimizer: str = "sgd",
                     seed: int = 0) -> ResumeResult:
     """The same steps in one process: the same initial model, batches and optimizer."""
     torch.manual_seed(seed)
-    model, batch = build(config)
+    model, batch, _ = _model(config, full=True)
     vocab = _vocab(config, model)
     opt = optimizer_factory(optimizer)(list(model.parameters()))
     losses, position = [], 0

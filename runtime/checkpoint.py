@@ -68,12 +68,28 @@ def local_parameters(trainer) -> dict[str, tuple[torch.nn.Parameter, Callable]]:
     return found
 
 
+def _check_layout(trainer) -> None:
+    """Refuse what this module cannot yet describe rather than save it wrong: under sharded data
+    parallel the optimizer steps flat shards (runtime.sharded_dp), whose ranges
+    dcp_slices.flat_range_pieces will describe once they are mapped to full names."""
+    sharded = getattr(trainer, "sharded", None)
+    if sharded is not None and getattr(sharded, "level", 0) > 0:
+        raise CheckpointError(f"checkpoints of sharded data parallel (zero={sharded.level}) are "
+                              f"not supported yet; train with zero=0 to save and resume")
+
+
 def _optimizer_entries(trainer, params) -> dict[str, object]:
     entries: dict[str, object] = {}
     for name, (param, describe) in params.items():
         for key, value in trainer.optimizer.state.get(param, {}).items():
             if torch.is_tensor(value) and value.shape == param.shape:
                 entries[f"optim/{name}/{key}"] = describe(value)
+            elif torch.is_tensor(value) and value.numel() > 1:
+                # replicas would name the same key with different values: refuse, not lose
+                raise CheckpointError(f"optimizer state {key!r} of {name} has shape "
+                                      f"{tuple(value.shape)}, neither its parameter's "
+                                      f"{tuple(param.shape)} nor a scalar; describe it with "
+                                      f"runtime.dcp_slices")
             else:
                 entries[f"optim/{name}/{key}"] = value
     return entries
@@ -116,6 +132,7 @@ def save(trainer, path: str, info: dict, files: dict[str, str] | None = None) ->
     every rank calls it). `info` holds step, data_position and extra values (picklable); step and
     data position go to MARKER too. `files`: name -> text rank 0 writes into the folder (what
     an export needs to know of the model). Returns the absolute path."""
+    _check_layout(trainer)
     path = os.path.abspath(path)
     partial, rank = path + ".partial", dist.get_rank()
     if rank == 0:
@@ -202,6 +219,7 @@ def load(trainer, path: str) -> dict:
     """Load a checkpoint saved under any mesh into this rank's trainer, in place (collective).
     Returns the saved info (step, data_position, extra). Under the same mesh every rank takes
     its own RNG states; under another, every rank takes those of rank 0."""
+    _check_layout(trainer)
     path = resolve(path)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     params = local_parameters(trainer)
