@@ -163,5 +163,9 @@ def cmd_run_weights(args) -> int:
     best = plan_for(source, args.gpus, args.fix, args.cluster, args.memory_limit)
     print(best)
     print()
+    if args.checkpoint or args.save_every or args.resume:  # planner.resume
+        from planner.resume import compare_resumed
+        compare_resumed(source, best, args.steps, args.checkpoint, args.save_every, args.resume)
+        return 0
     compare(source, best, args.steps)
     return 0

@@ -46,8 +46,8 @@ def _vocab(config, model) -> int:
 
 
 def _is_source(config) -> bool:
-    from planner.pretrained import Source
-    return isinstance(config, Source)
+    """A planner.pretrained.Source (known by its methods: planner.pretrained calls this module)."""
+    return hasattr(config, "meta_model") and hasattr(config, "full_model")
 
 
 def _model(config, full: bool):
