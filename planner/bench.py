@@ -109,10 +109,10 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     with open(config_path) as f:
         config = ModelConfig(**json.load(f))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model = build_model(config, device=device)
+    # Built on the meta device: each rank materialises only its shard (planner.materialize).
+    model = build_model(config, device="meta")
     batch = example_batch(config, config.global_batch, device=device)
-    pm = ParallelModel(model, plan, [], batch, make_optimizer)
+    pm = ParallelModel(model, plan, [], batch, make_optimizer, seed=0)
     times, losses = [], []
     for step in range(warmup + steps):
         dist.barrier()
