@@ -12,7 +12,9 @@ from cost_model.cluster import Cluster, get_cluster
 from cost_model.memory import TrainingMemory
 from passes.capture import capture
 from passes.program import rank_programs
+from planner.expert_search import search_experts
 from planner.loss import with_loss
+from planner.moe_config import captured_config, preset_runs
 from planner.materialize import capture_inputs, give_values, value_source
 from planner.models import ModelConfig, build_model, get_config
 from planner.plan import GiB, Plan, gib
@@ -41,7 +43,8 @@ def default_cluster() -> str:
 def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=None, *,
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
-         top_k: int = 1, zero1: bool = False, loss_fn: Callable | None = None) -> list[Plan]:
+         top_k: int = 1, zero1: bool = False, loss_fn: Callable | None = None,
+         moe_imbalance: float | None = None) -> list[Plan]:
     """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
     device memory). Raises PlanningError, saying why, when none fits. loss_fn: see
     planner.loss (for a module whose forward does not return the loss)."""
@@ -56,7 +59,7 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     check_fix(fix)
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1)
     req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k)
-    plans = search(costs, req)
+    plans = search_experts(costs, req, search, moe_imbalance)  # every ep size (dense: ep=1)
     if not plans:
         raise _infeasible(costs, req)
     return plans
@@ -97,11 +100,12 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False):
     so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds."""
     if isinstance(model, (str, ModelConfig)):
         cfg = get_config(model, seq=seq)
-        meta = build_model(cfg.with_(layers=1), device="meta", dtype=torch.bfloat16)
+        _, runs = preset_runs(cfg)  # one block per kind (MoE: dense first blocks, then MoE)
+        meta = build_model(captured_config(cfg), device="meta", dtype=torch.bfloat16)
         tokens = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
         captured = capture(meta, (tokens, tokens))
         training = TrainingMemory.for_dtype(2, zero1=zero1)
-        return (ModelCosts(captured, cfg.layers, 2, training), cfg.name,
+        return (ModelCosts(captured, cfg.layers, 2, training, runs=runs), cfg.name,
                 global_batch or cfg.global_batch, cfg.seq)
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "

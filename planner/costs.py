@@ -83,6 +83,9 @@ class ModelCosts:
         # The search asks for the same prices once per mesh and schedule. Per-instance caches:
         # they go with the ModelCosts instead of keeping every instance alive.
         self._price = lru_cache(maxsize=None)(self._price_uncached)
+        # Expert parallelism (planner.expert_search): the EP size the search is at and the hook
+        # that prices a MoE block for it (None: as captured, ep = 1).
+        self.ep, self.ep_pricing = 1, None
         self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
         self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
         self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
@@ -115,7 +118,10 @@ class ModelCosts:
 
     def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
                     tp: int, cp: int = 1, kind: int = 0) -> LayerCost:
-        return self._price(strategy, micro_batch, cluster, tp, cp, kind)
+        cost = self._price(strategy, micro_batch, cluster, tp, cp, kind)
+        if self.ep_pricing is not None:
+            cost = self.ep_pricing(cost, micro_batch, cluster, tp if strategy.tp else 1, kind)
+        return cost
 
     def _price_uncached(self, strategy, micro_batch, cluster, tp, cp, kind=0) -> LayerCost:
         return price(self.block_profile(tp if strategy.tp else 1, kind), strategy, micro_batch,
@@ -139,11 +145,14 @@ class ModelCosts:
     @cached_property
     def cp_error(self) -> str | None:
         """Why passes.context_parallel cannot rewrite this model, or None when it can."""
+        why = why_not(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
+        if why:  # the rewrite's own reason first: it names the node and the construct
+            return why
         for k, layer in enumerate(self.kinds):
             if self._kind_profiles[k, 1].kv_bytes <= 0:
                 where = f" in {layer.name}" if len(self.kinds) > 1 else ""
                 return f"no attention keys/values{where} to pass around a ring"
-        return why_not(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
+        return None
 
     def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1,
                   tp: int = 1):

@@ -22,3 +22,19 @@ def check_moe(cfg) -> None:
 
 def expert_width(cfg) -> int:
     return cfg.expert_ffn or cfg.ffn_hidden
+
+
+def preset_runs(cfg) -> tuple[int, tuple[tuple[int, int], ...] | None]:
+    """(blocks to capture, runs for planner.costs.ModelCosts) of a preset: one block of each
+    kind. A dense model or one of MoE blocks only: one block, runs=None (every block alike);
+    dense first blocks: a dense and a MoE block, runs ((0, dense), (1, the rest))."""
+    if not getattr(cfg, "experts", 0) or not cfg.dense_layers:
+        return 1, None
+    return 2, ((0, cfg.dense_layers), (1, cfg.layers - cfg.dense_layers))
+
+
+def captured_config(cfg):
+    """The config preset_runs captures: its first `kinds` blocks, one dense where it has any."""
+    kinds, _ = preset_runs(cfg)
+    return cfg.with_(layers=kinds, dense_layers=min(cfg.dense_layers, 1)) if cfg.experts \
+        else cfg.with_(layers=kinds)

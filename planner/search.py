@@ -33,7 +33,7 @@ from runtime.generators import peak_inflight, schedule_error
 # (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
 FIX_KEYS = ("dp", "tp", "pp", "cp", "mb", "v", "schedule", "strategy", "recompute", "zero",
-            "dp_shard")
+            "dp_shard", "ep")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Request:
     top_k: int = 5
     time_limit_s: float = 1.0      # per ILP: a stopped search reports its plan with the gap
     schedules: tuple[tuple[str, int], ...] = SCHEDULES
+    cutoff_s: float = math.inf     # plans no faster than this are not wanted (expert_search)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-FIX_NUMBERS = ("dp", "tp", "pp", "cp", "mb", "v")
+FIX_NUMBERS = ("dp", "tp", "pp", "cp", "mb", "v", "ep")
 MESH_KEYS = ("dp", "tp", "pp", "cp")
 
 
@@ -150,6 +151,8 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
                           f"embed and head): every stage needs one", ("pp",))
     if req.global_batch % dp:
         return Refusal(5, f"global batch {req.global_batch} is not divisible by dp={dp}", ("dp",))
+    if (dp * cp) % costs.ep:  # expert parallel ranks are carved from dp x cp (expert_search)
+        return Refusal(5, f"ep={costs.ep} does not divide dp x cp = {dp * cp}", ("ep", "dp"))
     if tp > 1 and not _strategies(req, tp, costs, cp):
         split = (f"each rank's {req.seq // cp} positions do not split over tp={tp} ranks"
                  if (req.seq // cp) % tp else "the block's sequence-parallel rewrite fails")
@@ -444,7 +447,7 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     heapq.heapify(queue)  # already sorted, so already a heap; (bound, i) are unique keys
     while queue:
         bound, i, cand, built = heapq.heappop(queue)
-        cutoff = found[-1].predicted.iteration_s if len(found) >= req.top_k else math.inf
+        cutoff = found[-1].predicted.iteration_s if len(found) >= req.top_k else req.cutoff_s
         if bound >= cutoff:
             break  # every bound left is at least this one: nothing left can enter the list
         if built is None:
