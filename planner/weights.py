@@ -295,6 +295,9 @@ def hf_model(folder: str):
     nothing allocated until each rank materialises its shard from the files."""
     from planner.hf import build_hf_from_file
     config = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise WeightsError(f"weights directory {folder} does not exist; give a folder written "
+                           f"by save_pretrained")
     if not os.path.exists(config):
         raise WeightsError(f"{folder} has no config.json; give a folder written by "
                            f"save_pretrained")

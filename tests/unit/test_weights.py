@@ -180,3 +180,13 @@ def test_bad_checkpoints_name_the_tensor_the_file_and_the_shape(tmp_path):
         ShardReader(str(tmp_path / "idx"), model)
     with pytest.raises(WeightsError, match="does not exist"):
         ShardReader(str(tmp_path / "nowhere"), model)
+
+
+def test_run_weights_refuses_what_it_would_ignore(tmp_path, capsys):
+    from planner.cli import main
+    assert main(["run", "--weights", str(tmp_path / "nowhere"), "--gpus", "2"]) == 2
+    assert "weights directory" in capsys.readouterr().err
+    assert main(["run", "--weights", str(tmp_path), "--gpus", "2", "--layers", "3"]) == 2
+    assert "takes the model and its sizes from" in capsys.readouterr().err
+    assert main(["run", "--weights", str(tmp_path), "--gpus", "2"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
