@@ -57,6 +57,17 @@ def _fix(text: str) -> dict:
     return result
 
 
+def _imbalance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a factor >= 1 (the most loaded rank's "
+                                         f"tokens over the mean, e.g. 1.2), got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -66,7 +77,8 @@ def _positive_int(text: str) -> int:
 def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", default=None if not required else "gpt-tiny",
                    help="preset: gpt-tiny, gpt2-small, gpt2-xl, gpt3-175b, llama-tiny, "
-                        "llama2-7b, llama2-70b")
+                        "llama2-7b, llama2-70b, mixtral-tiny, mixtral-8x7b, deepseek-tiny, "
+                        "deepseek-v3")
     p.add_argument("--gpus", type=_positive_int, required=required, help="number of devices")
     p.add_argument("--cluster", default=None,
                    help="cluster preset (cpu-gloo, a100-80g-dgx, h100-sxm-dgx, h200-sxm-dgx) "
@@ -78,6 +90,9 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="fix part of the plan, e.g. tp=8,pp=8,mb=1 or cp=2,schedule=1f1b")
     p.add_argument("--zero1", action="store_true",
                    help="shard optimizer states over data parallel: the same as --fix zero=1")
+    p.add_argument("--moe-imbalance", type=_imbalance, default=None, metavar="FACTOR",
+                   help="mixture of experts: the most loaded expert-parallel rank's tokens over "
+                        "the mean (>= 1; default: the expected maximum of uniform routing)")
     p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (gpt2, llama) at "
                    "small sizes, built from its config; needs the hf extra")
     p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
@@ -111,7 +126,8 @@ def _plans(args, top_k: int = 1):
     from planner.api import plan
     model, inputs = _hf_model(args) if args.hf or args.hf_config else (_config(args), None)
     return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
-                memory_limit=args.memory_limit, fix=args.fix, top_k=top_k, zero1=args.zero1)
+                memory_limit=args.memory_limit, fix=args.fix, top_k=top_k, zero1=args.zero1,
+                moe_imbalance=args.moe_imbalance)
 
 
 def _load_plan(path: str):
