@@ -185,12 +185,11 @@ class _Bucket:
 
     # parameters (level 3)
     def free(self) -> None:
-        if self.pending is not None:
+        if self.pending is not None:  # a prefetch: its storage is allocated too
             self.pending.wait()
             self.pending = None
-        if self.gathered:
-            self.full.untyped_storage().resize_(0)
-            self.gathered = False
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def start_gather(self, group) -> None:
         if self.gathered or self.pending is not None:
@@ -563,23 +562,38 @@ def _submodule_params(gm, target):
     return list(module.named_parameters()) if isinstance(module, torch.nn.Module) else []
 
 
-def _unit_order(gm: fx.GraphModule) -> list[str]:
-    order = []
+def _unit_spans(gm: fx.GraphModule) -> dict[str, tuple[fx.Node, fx.Node]]:
+    """Layer -> (first, last) node reading its parameters: a call_module of its modules, or a
+    get_attr of its parameters and the nodes using what it fetched (where the data is read)."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    spans: dict[str, list] = {}
     for node in gm.graph.nodes:
         layer = node.meta.get(LAYER)
-        if layer is not None and layer not in order:
-            order.append(layer)
-    return order
+        if layer is None or node.op not in ("get_attr", "call_module"):
+            continue
+        if node.op == "get_attr" and not _submodule_params(gm, node.target) and \
+                node.target not in dict(gm.named_parameters()):
+            continue  # a buffer or a constant
+        users = [node, *node.users] if node.op == "get_attr" else [node]
+        span = spans.setdefault(layer, [node, node])
+        span[0] = min(span[0], node, key=order.get)
+        span[1] = max([span[1], *users], key=order.get)
+    return {layer: (a, b) for layer, (a, b) in spans.items()}
+
+
+def _unit_order(gm: fx.GraphModule) -> list[str]:
+    """Layers in the order the forward first reads their parameters."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    spans = _unit_spans(gm)
+    return sorted(spans, key=lambda layer: order[spans[layer][0]])
 
 
 def insert_gathers(gm: fx.GraphModule, key: str, stage: int, units: list[str]) -> None:
-    """Before the first node of each unit, a call gathering its parameters; after its last
-    node, one freeing them. Both are tagged with the unit's layer."""
-    nodes = [n for n in gm.graph.nodes if n.meta.get(LAYER) in units]
-    first, last = {}, {}
-    for node in nodes:
-        first.setdefault(node.meta[LAYER], node)
-        last[node.meta[LAYER]] = node
+    """Before the first node reading a unit's parameters, a call gathering them; after the
+    last, one freeing them. Both are tagged with the unit's layer."""
+    spans = _unit_spans(gm)
+    first = {unit: spans[unit][0] for unit in units}
+    last = {unit: spans[unit][1] for unit in units}
     for unit in units:
         with gm.graph.inserting_before(first[unit]):
             gm.graph.call_function(zero3_gather, (key, stage, unit)).meta[LAYER] = unit
