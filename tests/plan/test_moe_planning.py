@@ -1,0 +1,81 @@
+"""Planning mixtures of experts: expert parallelism as a search axis, heterogeneous blocks
+(dense first blocks, then MoE), the planner against hand-tuned configurations priced by --fix,
+and what ep changes in a MoE block's price against cost_model.moe's formulas."""
+import dataclasses
+
+import pytest
+
+from cost_model.cluster import get_cluster
+from cost_model.comm import collective_time
+from cost_model.strategy import Strategy
+from planner import api, expert_search
+from planner.api import plan
+
+H100 = "h100-sxm-dgx"
+
+
+def test_deepseek_v3_on_1024_gpus_beats_the_hand_tuned_configuration():
+    best = plan("deepseek-v3", 1024, cluster=H100)[0]
+    assert best.ep > 1 and (best.dp * best.cp) % best.ep == 0
+    assert sum(len(s.layers) for s in best.stages) == 61 + 2
+    hand = plan("deepseek-v3", 1024, cluster=H100,
+                fix=dict(tp=2, pp=8, v=4, schedule="interleaved-1f1b", ep=64, mb=1, zero=1))[0]
+    assert (hand.tp, hand.pp, hand.virtual_stages, hand.ep, hand.dp) == (2, 8, 4, 64, 64)
+    assert best.predicted.iteration_s <= hand.predicted.iteration_s
+
+
+def test_mixtral_8x7b_on_64_gpus_beats_tp1_pp4_ep8():
+    best = plan("mixtral-8x7b", 64, cluster=H100)[0]
+    hand = plan("mixtral-8x7b", 64, cluster=H100, fix=dict(tp=1, pp=4, ep=8, mb=1))[0]
+    assert (hand.tp, hand.pp, hand.ep) == (1, 4, 8)
+    assert best.predicted.iteration_s <= hand.predicted.iteration_s
+
+
+def test_dense_first_blocks_then_moe_plan_in_order():
+    best = plan("deepseek-tiny", 8, cluster="cpu-gloo", fix={"pp": 2})[0]
+    layers = [name for stage in best.stages for name in stage.layers]
+    assert layers == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+
+
+def test_ep_prices_all_to_all_weights_and_imbalance_by_formula():
+    costs, *_ = api._model_costs("mixtral-8x7b", None, None, None)
+    cluster, ep, b = get_cluster(H100), 8, 1
+    (facts,) = expert_search.moe_facts(costs)[0]
+    base = costs.price_block(Strategy(), b, cluster, 1)
+    costs.ep_pricing = expert_search.EPPricing(ep, expert_search.moe_facts(costs), 1, 1.25)
+    try:
+        priced = costs.price_block(Strategy(), b, cluster, 1)
+    finally:
+        costs.ep_pricing = None
+    t, h, k, f, d = facts.tokens, facts.hidden, facts.top_k, facts.ffn, facts.dtype_bytes
+    assert (t, h, k, f) == (4096, 4096, 2, 14336)
+    assert base.params - priced.params == 3 * 8 * h * f * (1 - 1 / ep)
+    assert dict(priced.comm_bytes)["all_to_all"] == 4 * t * k * h * d * (ep - 1) / ep
+    a2a = collective_time(cluster, "all_to_all", t * k * h * d, ep)
+    extra = 0.25 * 6 * t * k * h * f / (cluster.peak_flops * cluster.matmul_eff)
+    assert priced.fwd_s - base.fwd_s == pytest.approx(2 * a2a + extra)
+    assert priced.bwd_s - base.bwd_s == pytest.approx(2 * a2a + 2 * extra)
+    assert priced.act_bytes - base.act_bytes == pytest.approx(0.25 * t * k * (2 * h + 4 * f) * d)
+
+
+def test_imbalance_override_slows_the_plan():
+    fix = dict(tp=1, pp=4, ep=8)
+    even = plan("mixtral-8x7b", 64, cluster=H100, fix=fix, moe_imbalance=1.0)[0]
+    skewed = plan("mixtral-8x7b", 64, cluster=H100, fix=fix, moe_imbalance=1.5)[0]
+    assert skewed.predicted.iteration_s > even.predicted.iteration_s
+
+
+def test_bad_ep_is_refused_with_the_legal_sizes():
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8 experts.*legal ep: 1, 2, 4, 8"):
+        plan("mixtral-8x7b", 64, cluster=H100, fix={"ep": 3})
+    with pytest.raises(ValueError, match="no mixture-of-experts layer"):
+        plan("llama-tiny", 4, cluster="cpu-gloo", fix={"ep": 2})
+
+
+def test_plan_json_round_trips_ep():
+    best = plan("mixtral-tiny", 4, cluster="cpu-gloo", fix={"ep": 4})[0]
+    assert best.ep == 4 and best.to_json()["mesh"]["ep"] == 4
+    again = type(best).from_json(best.dumps())
+    assert again == best and again.layout().ep == 4
+    dense = dataclasses.replace(best, ep=1)
+    assert "ep" not in dense.to_json() and "ep" not in dense.to_json()["mesh"]
