@@ -113,6 +113,20 @@ def attention(call: Call) -> OpCost:
     return finish("attention", flops, SDPA_BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved, flops)
 
 
+def convolution(call: Call) -> OpCost:
+    """conv1d/2d/3d (and aten.convolution): every output element is a dot product over the
+    weight's C_in/groups × kernel elements, so FLOPs are 2·numel(out)·numel(w)/C_out, backward
+    twice that (input and weight grads), as for a matmul; keeps the input and the weight."""
+    x = call.arg(0, "input")
+    weight, bias = param(call, 1, "weight"), param(call, 2, "bias")
+    tx, out = tensor_of(x), out_tensor(call.node)
+    flops = 2 * numel(out) * numel(weight) / max(weight.shape[0], 1)
+    fwd_bytes = nbytes(tx) + nbytes(weight) + nbytes(bias) + nbytes(out)
+    saved = keep(x, call.modules)  # the weight is a parameter: never counted as saved
+    return finish("matmul", flops, BWD_FACTOR * flops, fwd_bytes, BWD_FACTOR * fwd_bytes, saved,
+                  flops)
+
+
 # ---------------------------------------------------------------- norms, dropout, embedding, loss
 
 # layer_norm: mean, subtract, square, sum, scale by rstd, weight, bias.

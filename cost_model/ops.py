@@ -41,8 +41,12 @@ class UnknownOpError(ValueError):
 
 _RULES: dict[str, Rule] = {
     "linear": r.linear,
-    **dict.fromkeys(("mm", "bmm", "matmul", "addmm", "baddbmm"), r.matmul),
+    **dict.fromkeys(("mm", "bmm", "matmul", "addmm", "baddbmm", "mv", "dot", "vdot",
+                     "_grouped_mm", "grouped_mm"), r.matmul),
     "einsum": r.einsum,
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "convolution", "_convolution"),
+                    r.convolution),
+    **dict.fromkeys(("view_as_complex", "view_as_real"), t.view),
     "scaled_dot_product_attention": r.attention,
     "layer_norm": r.norm,
     "rms_norm": r.norm,
@@ -72,6 +76,8 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
     nn.LogSoftmax: ("log_softmax", t.pointwise),
     nn.CrossEntropyLoss: ("cross_entropy", r.cross_entropy),
     nn.Identity: ("identity", t.view),
+    nn.Conv1d: ("conv1d", r.convolution),
+    nn.Conv2d: ("conv2d", r.convolution),
 }
 
 # Functions the rewrite passes insert, by qualified name (importing the passes here would tie the
@@ -80,6 +86,12 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
 _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
     "passes.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
     moe.QUALNAME: ("moe_ffn", moe.moe_rule),   # a mixture-of-experts layer (cost_model.moe)
+}
+
+# Custom ops of other libraries that are matmuls in disguise, by "namespace.name": a grouped
+# matmul (a [M, K] by the group's [K, N]) costs 2·M·N·K = 2·numel(out)·K, the matmul rule's count.
+_CUSTOM_OPS: dict[str, tuple[str, Rule]] = {
+    "transformers.grouped_mm_fallback": ("matmul", r.matmul),
 }
 
 # Tensor attributes that are views (x.T, x.mT); other attributes are metadata.
@@ -133,6 +145,11 @@ def _resolve(node: Node, modules: Mapping[str, nn.Module],
     if node.op == "call_function" and qualified in _PASS_FUNCTIONS:
         name, rule = _PASS_FUNCTIONS[qualified]
         return g.Call(node, name, modules), rule
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = str(getattr(target, "overloadpacket", target))
+        if packet in _CUSTOM_OPS:
+            name, rule = _CUSTOM_OPS[packet]
+            return g.Call(node, name, modules), rule
     name = g.op_name(node)
     if name == "getattr":  # x.T, x.mT are views; other tensor attributes are not ops
         return (g.Call(node, name, modules), t.view) if node.args[1] in _VIEW_ATTRS else None

@@ -1,4 +1,6 @@
-"""How long planning takes: presets on 8 to 1024 GPUs and synthetic models of 24 to 1000 layers.
+"""How long planning takes: presets on 8 to 1024 GPUs, synthetic models of 24 to 1000 layers, and
+a 61-block model of three block kinds on 1024 GPUs (planner.mixed_models: 3 wide Llama blocks,
+57 narrow ones, 1 GPT-2 block, DeepSeek-V3's sizes; captured whole on the meta device).
 
     python examples/bench_planner.py [--repeat 3] [--only gpt3-175b/1024 "1000 layers"]
 
@@ -12,15 +14,33 @@ import os
 import statistics
 import time
 
+import torch
 from tabulate import tabulate
 
 from planner import ilp
 from planner.api import plan
 from planner.costs import PlanningError
+from planner.mixed_models import MixedSpec
 from planner.models import get_config
 
 PRESET_CASES = [(m, g) for m in ("gpt2-xl", "llama2-70b", "gpt3-175b") for g in (8, 64, 512, 1024)]
 SYNTHETIC_LAYERS = (24, 96, 384, 1000)
+MIXED_LABEL = "61 blocks, 3 kinds"
+MIXED = MixedSpec(get_config("llama2-70b").with_(layers=1, hidden=7168, heads=56, kv_heads=8,
+                                                 vocab=129280, seq=4096),
+                  ("llama:18432",) * 3 + ("llama:2048",) * 57 + ("gpt:7168",), global_batch=1536)
+
+
+class _Mixed:
+    """Plans MIXED as a user would: the whole model on the meta device, capture included."""
+    global_batch = MIXED.global_batch
+    cluster = "h100-sxm-dgx"
+
+    def plan(self, gpus):
+        model = MIXED.model(device="meta", dtype=torch.bfloat16)
+        tokens = torch.zeros(1, MIXED.base.seq, dtype=torch.long, device="meta")
+        return plan(model, gpus, (tokens, tokens), cluster=self.cluster,
+                    global_batch=self.global_batch)
 
 
 def _timed(config, gpus, repeat):
@@ -38,8 +58,9 @@ def _timed(config, gpus, repeat):
         for _ in range(repeat):
             solves.clear()
             start, cpu = time.perf_counter(), time.process_time()
-            best = plan(config, gpus, cluster="a100-80g-dgx", global_batch=max(
-                config.global_batch, gpus))[0]
+            best = (config.plan(gpus) if isinstance(config, _Mixed) else plan(
+                config, gpus, cluster="a100-80g-dgx",
+                global_batch=max(config.global_batch, gpus)))[0]
             walls.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu)
     finally:
@@ -51,6 +72,7 @@ def _cases(only):
     cases = [(get_config(m), g, f"{m}/{g}") for m, g in PRESET_CASES]
     cases += [(get_config("gpt2-xl", layers=n).with_(name=f"synthetic-{n}"), 64, f"{n} layers")
               for n in SYNTHETIC_LAYERS]
+    cases += [(_Mixed(), 1024, MIXED_LABEL)]
     return [c for c in cases if not only or c[2] in only]
 
 
@@ -76,7 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=[],
-                        help='case labels to run, e.g. gpt3-175b/1024 "1000 layers"')
+                        help='case labels to run, e.g. gpt3-175b/1024 "1000 layers" '
+                             f'"{MIXED_LABEL}"')
     args = parser.parse_args()
     plan("gpt-tiny", 8, cluster="cpu-gloo")  # warm up imports and lazy torch initialisation
     rows = []
