@@ -1,0 +1,136 @@
+"""Sharded data parallel, measured beside its price: for ZeRO levels 0-3 on a few meshes of 4
+gloo ranks, the bytes each rank holds after a step (parameters, gradients, optimizer states, read
+from the tensors) and the bytes it sends per collective kind in one step (runtime.sharded_dp's
+counters; level 0 from the all-reduce buckets' sizes), each beside cost_model.sharding's figure
+for the plan's layers, and the step time measured relative to level 0.
+
+    python examples/bench_sharded_dp.py            # gpt-tiny, 4 layers; about a minute
+    python examples/bench_sharded_dp.py --layers 8 --meshes dp4
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+import torch
+from tabulate import tabulate
+
+from cost_model.sharding import Sharding, held_bytes, step_traffic
+from planner.api import plan
+from planner.models import build_model, example_batch, get_config
+from planner.train import make_optimizer
+from runtime.launch import run_local
+
+MESHES = {"dp4": dict(dp=4, mb=2), "dp2-pp2-zb": dict(dp=2, pp=2, mb=2, schedule="zb-h1"),
+          "hsdp2x2": dict(dp=4, mb=2)}
+STEPS = 3
+
+
+def _layer_of(name: str) -> str:
+    if name.startswith("blocks."):
+        return ".".join(name.split(".")[:2])
+    return "embed" if name.startswith(("wte", "wpe")) else "head"
+
+
+def worker(config, plan_jsons: list[str]):
+    """Per plan: (pp index, held bytes, bytes sent per kind in the last step, seconds per step)."""
+    from planner.api import ParallelModel
+    from planner.plan import Plan
+    from runtime import sharded_dp
+
+    torch.set_num_threads(1)
+    out = []
+    for text in plan_jsons:
+        torch.manual_seed(0)
+        chosen = Plan.from_json(text)
+        cfg = config.with_(global_batch=chosen.global_batch)
+        model, batch = build_model(cfg), example_batch(cfg, chosen.global_batch)
+        pm = ParallelModel(model, chosen, [], batch, make_optimizer)
+        pm.train_step(*batch)  # warm-up: the optimizer's states appear on the first step
+        start = time.perf_counter()
+        for _ in range(STEPS - 1):
+            sharded_dp.TRAFFIC.clear()
+            pm.train_step(*batch)
+        seconds = (time.perf_counter() - start) / (STEPS - 1)
+        trainer = pm.shard()
+        states = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()
+                     for t in s.values() if torch.is_tensor(t))
+        if trainer.sharded is not None:
+            held = {"params": trainer.sharded.param_bytes(),
+                    "grads": trainer.sharded.grad_bytes(), "optimizer": states}
+            sent = dict(sharded_dp.TRAFFIC)
+        else:  # level 0: the all-reduce buckets (runtime.trainer._GradSync)
+            params = [p for prog in trainer.programs.values() for p in prog.gm.parameters()]
+            buckets = [b for bs in (trainer.sync.buckets.values() if trainer.sync else [])
+                       for b in bs]
+            held = {"params": sum(p.numel() * p.element_size() for p in params),
+                    "grads": sum(b.flat.numel() * b.flat.element_size() for b in buckets),
+                    "optimizer": states}
+            n = trainer.groups.num_replicas
+            sent = {"all_reduce": sum(2 * (n - 1) / n * b.flat.numel() * b.flat.element_size()
+                                      for b in buckets)}
+        out.append((trainer.groups.pp_index, held, sent, seconds))
+    return out
+
+
+def priced(config, chosen, stage: int):
+    numels: dict[str, int] = {}
+    for name, p in build_model(config).named_parameters():
+        numels[_layer_of(name)] = numels.get(_layer_of(name), 0) + p.numel()
+    layers = chosen.stages[stage].layers
+    shard = chosen.dp_shard or chosen.dp
+    backward = 2 if chosen.schedule == "zb-h1" else 1
+    sharding = Sharding(chosen.zero, shard * chosen.cp, chosen.dp // shard,
+                        chosen.num_microbatches, backward)
+    gathers = 1 if chosen.schedule == "zb-h1" and stage == 0 else backward  # stage 0's I is free
+    held = held_bytes([(numels[l], 4, 4) for l in layers], sharding, optimizer_states=1)
+    sent = step_traffic([(numels[l], 4, 4, gathers) for l in layers], sharding)
+    return held, sent
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--meshes", default=",".join(MESHES), help=f"of {', '.join(MESHES)}")
+    args = ap.parse_args(argv)
+    config = get_config("gpt-tiny").with_(layers=args.layers)
+    cases, plans = [], []
+    for mesh in args.meshes.split(","):
+        fix = MESHES[mesh]
+        batch = fix["dp"] * fix["mb"] * (4 if "pp" in fix else 1)
+        base = plan(config.with_(global_batch=batch), 4, cluster="cpu-gloo",
+                    fix={"tp": 1, "pp": 1, "cp": 1, **fix, "zero": 0})[0]
+        for level in ((1, 2, 3) if mesh.startswith("hsdp") else (0, 1, 2, 3)):
+            shard = 2 if mesh.startswith("hsdp") else None
+            cases.append((mesh, level))
+            plans.append(replace(base, zero=level, dp_shard=shard))
+    results = run_local(worker, 4, (config, [p.dumps() for p in plans]))
+    rows, timing = [], {}
+    for i, ((mesh, level), chosen) in enumerate(zip(cases, plans)):
+        for rank, per_rank in enumerate(results):
+            stage, held, sent, seconds = per_rank[i]
+            want_held, want_sent = priced(config, chosen, stage)
+            timing.setdefault((mesh, level), []).append(seconds)
+            if rank not in (0, 3):
+                continue  # ranks 0 and 3: the first and (with pp) the last stage
+            cells = [f"{held[k]:,.0f} / {want_held[k]:,.0f}" for k in
+                     ("params", "grads", "optimizer")]
+            cells += [f"{sent.get(k, 0):,.0f} / {want_sent.get(k, 0):,.0f}"
+                      for k in ("reduce_scatter", "all_gather", "all_reduce")]
+            exact = all(held[k] == want_held[k] for k in held) and all(
+                abs(sent.get(k, 0) - want_sent.get(k, 0)) < 1e-6 for k in want_sent)
+            rows.append([mesh, level, rank, *cells, "yes" if exact else "NO"])
+    print("bytes per rank, measured / priced (cost_model.sharding)")
+    print(tabulate(rows, headers=["mesh", "zero", "rank", "params", "grads", "optimizer",
+                                  "reduce-scatter/step", "all-gather/step", "all-reduce/step",
+                                  "equal"], disable_numparse=True))
+    print("\nstep time relative to zero=0 on the same mesh (slowest rank, 2 timed steps)")
+    base = {mesh: max(t) for (mesh, level), t in timing.items() if level == 0}
+    print(tabulate([[mesh, level, f"{max(t) / base[mesh]:.2f}" if mesh in base else "-"]
+                    for (mesh, level), t in timing.items()],
+                   headers=["mesh", "zero", "time / zero=0"], disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
