@@ -181,8 +181,10 @@ class PipelineTrainer:
         broadcast_tied(self.tied)
         self._not_in_norm = {id(c.param) for c in self.tied if not c.counts_in_norm}
         self.sharded = self._sharding(programs, options)
-        self.optimizer = optimizer(self.sharded.optimizer_params() if self.sharded else
-                                   self.params)
+        # Expert weights stay out of sharded data parallel: they are replicated over fewer ranks.
+        self._experts = [p for p in self.params if is_expert(p)]
+        self.optimizer = optimizer(self.sharded.optimizer_params() + self._experts
+                                   if self.sharded else self.params)
         self.memory = (SavedActivations(prog.gm for prog in programs.values())
                        if options.track_memory else None)
         stage_rank = lambda stage: groups.stage_rank(schedule.stage_to_rank(stage))  # noqa: E731
@@ -208,7 +210,7 @@ class PipelineTrainer:
             ShardingSpec(0, options.dp_shard).shard_size(self.groups.mesh.dp)
             return None
         whole = {id(c.param) for c in self.tied}
-        by_stage = {s: [p for p in prog.gm.parameters() if p.requires_grad]
+        by_stage = {s: [p for p in prog.gm.parameters() if p.requires_grad and not is_expert(p)]
                     for s, prog in programs.items()}
         return ShardedDP(programs, by_stage, self.groups,
                          ShardingSpec(options.zero, options.dp_shard), self._sharded, whole)
@@ -228,6 +230,7 @@ class PipelineTrainer:
                             self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
         if self.sharded is not None:
             self.sharded.zero()
+            self.expert_sync.zero()
         elif self.sync is not None:
             self.sync.zero()
             self.expert_sync.zero()
@@ -236,11 +239,12 @@ class PipelineTrainer:
         pending_loss = self._await_loss()
         # The mean over replicas is folded into the loss, so the all-reduce is a plain sum.
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
-        done = self.sharded.stage_done if self.sharded else self._start_sync if self.sync else None
+        done = self._sharded_done if self.sharded else self._start_sync if self.sync else None
         loss = self.executor.run(micro, multiplier, done)
         if self.sharded is not None:
             activity.now("waiting for the sharded data-parallel reduce-scatter")
             self.sharded.wait()
+            self.expert_sync.wait()
         if self.sync is not None:
             activity.now("waiting for the data-parallel gradient all-reduce")
             self.sync.wait()
@@ -262,15 +266,17 @@ class PipelineTrainer:
         such rank per expert the sync has no buckets and only zeroes their gradients."""
         params = {s: [p for p in ps if is_expert(p)] for s, ps in self.executor.params.items()}
         group = self.experts.replicas if self.experts is not None else None
-        if params and any(params.values()) and self.sharded is not None:
-            raise ValueError("sharded data parallel (zero >= 1) with expert parallelism is not "
-                             "supported yet; use zero=0 with ep > 1")
         unsynced = [p for ps in params.values() for p in ps] if group is None else []
         sync = _GradSync(params if group is not None else {s: [] for s in params}, group,
                          options.bucket_bytes, self.groups.rank)
         zero = sync.zero
         sync.zero = lambda: (zero(), [setattr(p, "grad", None) for p in unsynced])
         return sync
+
+    def _sharded_done(self, stage: int) -> None:
+        self.sharded.stage_done(stage)
+        if self.expert_sync.group is not None:
+            self.expert_sync.start(stage)
 
     def _start_sync(self, stage: int) -> None:
         self.sync.start(stage)
@@ -296,7 +302,7 @@ class PipelineTrainer:
         if self.options.max_norm is None and self.scaler is None:
             return False
         used_scale = self.loss_scale  # the scale this step's backward ran with
-        params = self.sharded.whole if self.sharded else self.params
+        params = self.sharded.whole + self._experts if self.sharded else self.params
         with_grad = [p for p in params if p.grad is not None]
         grads = [p.grad for p in with_grad] + (self.sharded.shard_grads() if self.sharded else [])
         norm_sq, found_inf = self._global_norm_sq(with_grad)

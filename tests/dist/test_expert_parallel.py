@@ -16,30 +16,32 @@ MIXTRAL = get_config("mixtral-tiny").with_(layers=2, global_batch=8)
 DEEPSEEK = get_config("deepseek-tiny").with_(layers=3, global_batch=8)
 
 
-def _plan(config, gpus, ep, dp, tp=1, pp=1, schedule="1f1b"):
+def _plan(config, gpus, ep, dp, tp=1, pp=1, schedule="1f1b", zero=0):
     """A plan fixed but for ep (captured from the whole model: dense and MoE blocks)."""
     per_replica = config.global_batch // dp
     fix = {"dp": dp, "tp": tp, "pp": pp, "mb": 1 if pp > 1 else min(2, per_replica),
-           "schedule": schedule}
+           "schedule": schedule, "zero": zero}
     if tp > 1:
         fix["strategy"] = "tp"
     model, batch = build_model(config), example_batch(config, config.global_batch)
     return dataclasses.replace(plan(model, gpus, batch, cluster="cpu-gloo", fix=fix)[0], ep=ep)
 
 
-CASES = [  # (config, gpus, ep, dp, tp, pp, schedule)
-    pytest.param(MIXTRAL, 4, 2, 4, 1, 1, "1f1b", id="ep2-of-dp4"),
-    pytest.param(MIXTRAL, 4, 4, 4, 1, 1, "1f1b", id="ep4"),
-    pytest.param(MIXTRAL, 4, 2, 2, 1, 2, "zb-h1", id="ep2-pp2-zb"),
-    pytest.param(DEEPSEEK, 8, 2, 2, 2, 2, "1f1b", id="ep2-tp2-pp2-deepseek"),
-    pytest.param(DEEPSEEK, 8, 8, 8, 1, 1, "1f1b", id="ep8-deepseek"),
+CASES = [  # (config, gpus, ep, dp, tp, pp, schedule, zero)
+    pytest.param(MIXTRAL, 4, 2, 4, 1, 1, "1f1b", 0, id="ep2-of-dp4"),
+    pytest.param(MIXTRAL, 4, 4, 4, 1, 1, "1f1b", 0, id="ep4"),
+    pytest.param(MIXTRAL, 4, 2, 2, 1, 2, "zb-h1", 0, id="ep2-pp2-zb"),
+    pytest.param(MIXTRAL, 4, 2, 4, 1, 1, "1f1b", 3, id="ep2-of-zero3-dp4"),
+    pytest.param(DEEPSEEK, 8, 2, 2, 2, 2, "1f1b", 1, id="ep2-tp2-pp2-zero1-deepseek"),
+    pytest.param(DEEPSEEK, 8, 8, 8, 1, 1, "1f1b", 0, id="ep8-deepseek"),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("config,gpus,ep,dp,tp,pp,schedule", CASES)
-def test_expert_parallel_matches_one_process(config, gpus, ep, dp, tp, pp, schedule):
-    chosen = _plan(config, gpus, ep, dp, tp, pp, schedule)
+@pytest.mark.parametrize("config,gpus,ep,dp,tp,pp,schedule,zero", CASES)
+def test_expert_parallel_matches_one_process(config, gpus, ep, dp, tp, pp, schedule, zero):
+    chosen = _plan(config, gpus, ep, dp, tp, pp, schedule, zero)
+    assert (chosen.ep, chosen.zero) == (ep, zero)
     parallel = run_parallel(config, chosen, STEPS, rank_pool(gpus))
     assert_same_run(parallel, reference_run(config, STEPS))
 
