@@ -108,10 +108,52 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
     with mode:  # fake inputs on the weights' device: only shapes and dtypes matter
         fakes = [torch.empty(x.shape, dtype=x.dtype, device=device)
                  if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    prop = _TrackingProp(gm, mode)
     try:
-        FakeTensorProp(gm, mode).propagate(*fakes)
+        prop.propagate(*fakes)
     except Exception as err:  # noqa: BLE001 - re-raised with the module and op named
-        raise CaptureError(f"shape propagation failed: {_where(err, gm)}") from err
+        where = _node_where(prop.current) if prop.current is not None else _where(err, gm)
+        raise CaptureError(f"shape propagation failed {where}: {_first_line(err)}; "
+                           f"{_hint(err)}") from err
+
+
+class _TrackingProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, to name it when one fails."""
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        return super().run_node(n)
+
+
+def _node_where(node: fx.Node) -> str:
+    """"at node X (target) in module 'a.b', from `source line`"."""
+    paths = _module_paths(node)
+    target = getattr(node.target, "__name__", None) or str(node.target)
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = trace[-1].strip() if trace else ""
+    return (f"at node {node.name} ({target}) in module '{paths[-1] if paths else '<root>'}'"
+            + (f", from `{line}`" if line else ""))
+
+
+def _first_line(err: BaseException) -> str:
+    message = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {message[0] if message else ''}"
+
+
+def _hint(err: BaseException) -> str:
+    """What to change, by the kind of failure."""
+    text = f"{type(err).__name__} {err}"
+    if "DataDependent" in text or "data-dependent" in text or "_local_scalar_dense" in text:
+        return ("a tensor's values decide a shape or a branch there (.item(), .tolist(), "
+                "nonzero, boolean-mask indexing, torch.unique); fxpar captures on fake tensors, "
+                "so compute such sizes from the config or the inputs' shapes (e.g. a fixed "
+                "capacity per expert, a mask multiplied in instead of indexed with)")
+    if "Guard" in text or "Unsupported" in text or "control flow" in text:
+        return ("a Python branch or call there cannot be traced: keep control flow on sizes "
+                "and config values, not on tensor values")
+    return ("check that the example inputs have the shapes and dtypes forward expects (the "
+            "global batch on dim 0; fxpar captures with one sample)")
 
 
 def _export(model, example_inputs, trace_error) -> fx.GraphModule:
@@ -120,9 +162,14 @@ def _export(model, example_inputs, trace_error) -> fx.GraphModule:
     except Exception as err:  # noqa: BLE001
         raise CaptureError(
             f"cannot capture {type(model).__name__}: torch.fx.symbolic_trace failed "
-            f"({_where(trace_error, model)}) and torch.export failed ({_where(err, model)})"
-        ) from err
-    return exported.module()
+            f"({_where(trace_error, model)}) and torch.export failed ({_where(err, model)}); "
+            f"{_hint(err)}") from err
+    # No guards on the example's shapes: the rewrites run the graph at other shapes (a
+    # context-parallel rank sees seq/cp tokens), which the shape checks of each pass cover.
+    try:
+        return exported.module(check_guards=False)
+    except TypeError:  # a torch without the option
+        return exported.module()
 
 
 def _where(err: BaseException, root: torch.nn.Module) -> str:

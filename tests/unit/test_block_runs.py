@@ -94,3 +94,29 @@ def test_block_texts_are_checked():
     assert parse_block("gpt:128") == ("gpt", 128)
     with pytest.raises(ValueError, match="ARCH:FFN_WIDTH"):
         parse_block("mamba:12")
+
+
+class DataDependent(torch.nn.Module):
+    """A block whose shapes follow a tensor's values (an expert's token count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            keep = int((x[..., 0] > 0).sum().item())
+            x = block(x)[..., :max(keep, 1)].sum(-1, keepdim=True) + x
+        return F.cross_entropy(x.flatten(0, 1), targets.flatten())
+
+
+def test_a_data_dependent_shape_is_refused_with_the_module_the_line_and_the_fix():
+    from passes.capture import CaptureError
+    tokens = torch.randint(0, 16, (1, 8))
+    with pytest.raises(CaptureError) as caught:
+        capture(DataDependent(), (tokens, tokens))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "item" in message and ".item()" in message and "compute such sizes" in message
