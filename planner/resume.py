@@ -67,6 +67,7 @@ class ResumeResult:
     losses: tuple[float, ...]      # of steps first_step + 1 ... last
     state: dict                    # full parameters after the last step
     saved: tuple[str, ...] = ()    # checkpoint folders written
+    draw: float = 0.0              # a draw from torch's generator after the last step
 
 
 def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
@@ -98,7 +99,8 @@ def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
                    loss=losses[-1], label=f"{plan.gpus} ranks, step {pm.step}")
         if save_every and pm.step % save_every == 0:
             saved.append(pm.save(checkpoint.step_dir(root, pm.step)))
-    return ResumeResult(first, tuple(losses), pm.full_state_dict(), tuple(saved))
+    state = pm.full_state_dict()
+    return ResumeResult(first, tuple(losses), state, tuple(saved), float(torch.rand(())))
 
 
 def run_with_checkpoints(config, plan: Plan, steps: int, root: str | None, save_every: int = 0,

@@ -33,18 +33,22 @@ def assert_same(got: dict, want: dict, **tolerance):
 
 @pytest.mark.dist
 def test_resume_in_new_processes_is_bit_identical(pool4, tmp_path):
-    """4 steps in one go == 2 steps, save, and 2 more in freshly started processes (AdamW, so
-    the optimizer's step count and both moments must come back)."""
-    chosen = fixed(CONFIG, dp=1, tp=2, pp=2)
-    whole = run_with_checkpoints(CONFIG, chosen, STEPS, None, optimizer="adamw", pool=pool4)
-    first = run_with_checkpoints(CONFIG, chosen, SAVED_AT, str(tmp_path), save_every=SAVED_AT,
-                                 optimizer="adamw", pool=pool4)
-    assert first.saved == (checkpoint.step_dir(str(tmp_path), SAVED_AT),)
-    args = (CONFIG, chosen.dumps(), STEPS, str(tmp_path), 0, True, "adamw")
+    """4 steps in one go (saving at step 2) == the checkpoint of step 2 loaded in freshly started
+    processes and 2 more steps (AdamW, so the optimizer's step count and both moments must come
+    back)."""
     from planner.resume import checkpoint_worker
-    resumed = run_local(checkpoint_worker, 4, args)[0]   # new processes
+    chosen = fixed(CONFIG, dp=1, tp=2, pp=2)
+    root = str(tmp_path)
+    whole = run_with_checkpoints(CONFIG, chosen, STEPS, root, save_every=SAVED_AT,
+                                 optimizer="adamw", pool=pool4)
+    saved = checkpoint.step_dir(root, SAVED_AT)
+    assert whole.saved == (saved, checkpoint.step_dir(root, STEPS))
+    # New processes, seeded otherwise: weights, optimizer and generator all come from step 2.
+    args = (CONFIG, chosen.dumps(), STEPS, saved, 0, True, "adamw", 1)
+    resumed = run_local(checkpoint_worker, 4, args)[0]
     assert resumed.first_step == SAVED_AT
-    assert first.losses + resumed.losses == whole.losses       # bit for bit
+    assert resumed.losses == whole.losses[SAVED_AT:]       # bit for bit
+    assert resumed.draw == whole.draw
     for name, value in whole.state.items():
         assert torch.equal(resumed.state[name], value), name
 
