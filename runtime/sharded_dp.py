@@ -295,6 +295,7 @@ class ShardedDP:
                 order = [u for u in _unit_order(program.gm) if u in held]
                 self._unit_order[stage] = order
                 insert_gathers(program.gm, self.key, stage, order)
+                _regather_recomputed(program.gm, self.key, stage, set(order))
             _REGISTRY[self.key] = self
             for bucket in self.buckets:
                 bucket.free()
@@ -418,6 +419,15 @@ class ShardedDP:
                     b.start_gather(self.group)
         self._note()
 
+    def backward_gather(self, stage: int, unit: str) -> None:
+        """Gather a unit the backward needs (a saved parameter unpacked, or a checkpointed
+        region recomputed) and prefetch the one before it. The backward walks the units in
+        reverse: the one it gathered before is done (were it not, it would be gathered again)."""
+        if self._backward_unit not in (None, (stage, unit)):
+            self.free_unit(*self._backward_unit)
+        self._backward_unit = (stage, unit)
+        self.gather_unit(stage, unit, prefetch=-1)
+
     def free_unit(self, stage: int, unit: str) -> None:
         for b in self.by_stage[stage]:
             if b.unit == f"{stage}:{unit}":
@@ -438,12 +448,7 @@ class ShardedDP:
             bucket, t = packed
             if bucket is not None and not bucket.gathered:
                 stage, unit = bucket.unit.split(":", 1)
-                # The backward walks the units in reverse: the one it unpacked before is done
-                # (were it not, its next unpack would gather it again).
-                if self._backward_unit not in (None, (int(stage), unit)):
-                    self.free_unit(*self._backward_unit)
-                self._backward_unit = (int(stage), unit)
-                self.gather_unit(int(stage), unit, prefetch=-1)
+                self.backward_gather(int(stage), unit)
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -586,6 +591,35 @@ def _unit_order(gm: fx.GraphModule) -> list[str]:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     spans = _unit_spans(gm)
     return sorted(spans, key=lambda layer: order[spans[layer][0]])
+
+
+class _Regathering(torch.nn.Module):
+    """A checkpointed region's body that gathers its unit first: when the backward recomputes
+    the region, the unit's parameters may have been freed since the forward."""
+
+    def __init__(self, body: torch.nn.Module, key: str, stage: int, unit: str):
+        super().__init__()
+        self.body, self.key, self.stage, self.unit = body, key, stage, unit
+
+    def forward(self, *args):
+        sharded = _REGISTRY[self.key]
+        if torch.is_grad_enabled() and not all(
+                b.gathered for b in sharded.by_stage[self.stage]
+                if b.unit == f"{self.stage}:{self.unit}"):
+            sharded.backward_gather(self.stage, self.unit)
+        return self.body(*args)
+
+
+def _regather_recomputed(gm: fx.GraphModule, key: str, stage: int, units: set[str]) -> None:
+    """Wrap the body of every checkpointed region (passes.recompute's call_module shells, which
+    hold it as `.body`) of a level-3 unit in _Regathering."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.meta.get(LAYER) not in units:
+            continue
+        shell = gm.get_submodule(node.target)
+        if isinstance(getattr(shell, "body", None), torch.nn.Module) and \
+                not isinstance(shell.body, _Regathering):
+            shell.body = _Regathering(shell.body, key, stage, node.meta[LAYER])
 
 
 def insert_gathers(gm: fx.GraphModule, key: str, stage: int, units: list[str]) -> None:

@@ -2,8 +2,8 @@
 against the cost model.
 
 Numerics: ZeRO levels 1, 2 and 3 on the meshes dp=8; dp=4 x tp=2; dp=2 x tp=2 x pp=2 (1F1B,
-ZB-H1, interleaved); dp_shard=2 x dp_replicate=2 x tp=2; dp=2 x cp=2 x pp=2; plus gradient
-clipping and bf16. Each is planned with its mesh and level fixed, trained through
+ZB-H1, interleaved); dp_shard=2 x dp_replicate=2 x tp=2; dp=2 x cp=2 x pp=2; ZeRO-3 with full and
+selective recomputation; plus gradient clipping and bf16. Each is planned with its mesh and level fixed, trained through
 autoparallelize's path, and its per-step losses, every gradient of every step and the final
 parameters must equal the same model trained on the whole batch in one process (rtol 1e-5).
 
@@ -65,6 +65,10 @@ def _cases():
                 continue  # level 2 runs the zb-h1 pipeline; 1 and 3 cover these schedules
             shard = 2 if name.startswith("hsdp") else None
             cases.append((f"{name}-zero{level}", level, shard, fix))
+    # Recomputation under ZeRO-3: a checkpointed region gathers its unit again to recompute.
+    cases.append(("dp2-tp2-pp2-zb-full-zero3", 3, None,
+                  {**MESHES["dp2-tp2-pp2-zb"], "strategy": "tp+full"}))
+    cases.append(("dp8-selective-zero3", 3, None, {**MESHES["dp8"], "recompute": "selective"}))
     return cases
 
 
