@@ -147,3 +147,16 @@ def test_export_loads_in_transformers_with_the_same_loss(pool4, tmp_path):
     with torch.no_grad():
         want, got = model(*tokens), HFCausalLM(loaded)(*tokens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.dist
+def test_loading_into_another_model_names_the_parameter(saved_8):
+    """A checkpoint of a vocabulary of 250 loaded into a model of 256: refused on every rank with
+    the parameter and both shapes, before anything is read."""
+    from conftest import rank_pool
+    root, _ = saved_8
+    other = CONFIG.with_(vocab=256)
+    with pytest.raises(RankFailure, match=r"parameter wte\.weight: checkpoint .* holds shape "
+                                          r"\(250, 64\), the model \(256, 64\)"):
+        run_with_checkpoints(other, fixed(other, dp=2, tp=1, pp=2), STEPS, root, resume=True,
+                             pool=rank_pool(4))
