@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import rank_pool
 
 from planner.models import get_config
 from planner.pretrained import Source, plan_for, run_parallel, train_one_process
@@ -40,11 +41,11 @@ PRESETS = [  # (config, mesh): grouped-query heads and a prime vocabulary; a tie
 
 @pytest.mark.dist
 @pytest.mark.parametrize("config,mesh", PRESETS, ids=["llama-tp2-pp2", "gpt-tied-dp2-tp2-pp2"])
-def test_meta_model_materialised_per_shard_matches_one_process(pool4, pool8, config, mesh):
+def test_meta_model_materialised_per_shard_matches_one_process(config, mesh):
     source = Source(config=config, global_batch=8, seed=7)
     gpus = mesh[0] * mesh[1] * mesh[2]
     plan = _fixed(source, gpus, *mesh)
-    parallel = run_parallel(source, plan, 2, pool4 if gpus == 4 else pool8)
+    parallel = run_parallel(source, plan, 2, rank_pool(gpus))
     assert_same_run(parallel, train_one_process(source, 2), what=config.name)
 
 
@@ -68,13 +69,13 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("mesh", [(1, 2, 2), (2, 2, 2)], ids=["tp2-pp2", "dp2-tp2-pp2"])
-def test_pretrained_weights_read_per_shard(pool4, pool8, checkpoints, arch, mesh):
+def test_pretrained_weights_read_per_shard(checkpoints, arch, mesh):
     source = Source(weights=checkpoints[arch], global_batch=8)
     gpus = mesh[0] * mesh[1] * mesh[2]
     # Hugging Face heads upcast the logits before the loss, which the vocabulary-parallel loss
     # does not follow (the planner never picks it for them): their ends stay whole.
     plan = _fixed(source, gpus, *mesh, vocab=False)
-    parallel = run_parallel(source, plan, 2, pool4 if gpus == 4 else pool8)
+    parallel = run_parallel(source, plan, 2, rank_pool(gpus))
     reference = train_one_process(source, 2)   # transformers' from_pretrained
     torch.testing.assert_close(parallel.losses[0], reference.losses[0], rtol=1e-5, atol=0,
                                msg=lambda m: f"the checkpoint's own loss: {m}")
