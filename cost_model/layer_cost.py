@@ -178,9 +178,9 @@ def _sp_collectives(captured: Captured, layer: Layer, tp: int) -> tuple[Collecti
     try:
         tensor_parallel(sub, layers, tp, 0, localize=False)
         sequence_parallel(sub, layers, {layer.name}, tp, localize=False)
+        localize_shapes(sub)  # a rewrite that does not run on its shapes: no sp either
     except ShardingError:
         return None
-    localize_shapes(sub)
     return _collectives(sub, layer.name)
 
 

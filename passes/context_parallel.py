@@ -275,14 +275,21 @@ def _replace(gm: fx.GraphModule, found: Attention, group: str, layout: str, laye
 
 
 def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
-    """narrow(table, 0, 0, seq) -> index_select(table, 0, this rank's global positions)."""
+    """narrow(table, 0, 0, seq) -> index_select(table, 0, this rank's global positions);
+    arange(seq) (position ids built in the graph, as Hugging Face models do) -> those positions."""
     for node in list(gm.graph.nodes):
+        if _is_position_range(node, seq):
+            _positions_buffer(gm, seq, cp, rank, layout)
+            with gm.graph.inserting_before(node):
+                positions = gm.graph.get_attr(POSITIONS_BUFFER)
+                if node.meta["val"].dtype != torch.int64:
+                    positions = gm.graph.call_method("to", (positions, node.meta["val"].dtype))
+            node.replace_all_uses_with(positions)
+            gm.graph.erase_node(node)
+            continue
         if not _is_position_prefix(node, seq):
             continue
-        if not hasattr(gm, POSITIONS_BUFFER):
-            device = _attr(gm, node.args[0].target).device
-            gm.register_buffer(POSITIONS_BUFFER, global_positions(seq, cp, rank, layout, device),
-                               persistent=False)
+        _positions_buffer(gm, seq, cp, rank, layout)
         # One read of the buffer per use, next to it, like the model's own tables: a pipeline
         # split then keeps it in the stage of its user instead of sending it across stages.
         with gm.graph.inserting_before(node):
@@ -291,6 +298,29 @@ def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str
         node.replace_all_uses_with(rows)
         gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()  # the size() nodes that fed the narrows
+
+
+def _positions_buffer(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
+    if not hasattr(gm, POSITIONS_BUFFER):
+        device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
+        gm.register_buffer(POSITIONS_BUFFER, global_positions(seq, cp, rank, layout, device),
+                           persistent=False)
+
+
+_ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+           torch.ops.aten.arange.start_step}
+
+
+def _is_position_range(node: fx.Node, seq: int) -> bool:
+    """arange(0, seq, 1) of integers: the positions of a whole sequence."""
+    if not (node.op == "call_function" and node.target in _ARANGE):
+        return False
+    numbers = [a for a in node.args if isinstance(a, (int, float))]
+    start, end, step = ((0, *numbers, 1) if len(numbers) == 1 else (*numbers, 1)
+                        if len(numbers) == 2 else numbers if len(numbers) == 3 else (None,) * 3)
+    val = node.meta.get("val")
+    return (len(numbers) == len(node.args) and (start, end, step) == (0, seq, 1)
+            and isinstance(val, torch.Tensor) and not val.dtype.is_floating_point)
 
 
 def _is_position_prefix(node: fx.Node, seq: int) -> bool:

@@ -249,9 +249,14 @@ class _Localize(FakeTensorProp):
     def __init__(self, gm, full):
         super().__init__(gm, FakeTensorMode(allow_non_fake_inputs=True))
         self.full = full
+        first = next((v for n, v in full.items() if n.op == "placeholder"
+                      and isinstance(v, torch.Tensor) and v.dim()), None)
+        self.batch = int(first.shape[0]) if first is not None else 1
 
     def run_node(self, n: fx.Node):
-        if n.target in _VIEWS or n.target in _EXPANDS:
+        # (by op: a placeholder may be named like one, as OPT's "expand" input is)
+        if n.op in ("call_function", "call_method") and (n.target in _VIEWS
+                                                          or n.target in _EXPANDS):
             self._fix_sizes(n)
         try:
             return super().run_node(n)
@@ -275,7 +280,7 @@ class _Localize(FakeTensorProp):
         tail = _constant_tail(rest[0]) if computed else tuple(sizes)
         literal = range(len(sizes) - len(tail), len(sizes))
         new = _local_sizes(n, tuple(full_in.shape), tuple(local.shape), tuple(full_out.shape),
-                           list(sizes), n.target in _EXPANDS, literal)
+                           list(sizes), n.target in _EXPANDS, literal, self.batch)
         if new == list(sizes):
             return
         if computed:
@@ -292,7 +297,8 @@ def _constant_tail(sizes: fx.Node) -> tuple:
     return ()
 
 
-def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: range) -> list[int]:
+def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: range,
+                 batch: int = 1) -> list[int]:
     """`sizes` with each output dimension that holds a cut input dimension divided by its cut
     (tensor parallel cuts heads or features, context parallel the sequence, both at once); only
     the `literal` indices of sizes are full-size constants, the others are local already."""
@@ -300,7 +306,7 @@ def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: r
         if full_in[d] == local_in[d] or full_in[d] % local_in[d]:
             continue
         factor = full_in[d] // local_in[d]
-        j = _output_dim(full_in, full_out, d, expand)
+        j = _output_dim(full_in, full_out, d, expand, batch)
         if j is None or j not in literal or sizes[j] == -1:
             continue
         if sizes[j] % factor:
@@ -310,14 +316,18 @@ def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: r
     return sizes
 
 
-def _output_dim(full_in, full_out, d: int, expand: bool) -> int | None:
+def _output_dim(full_in, full_out, d: int, expand: bool, batch: int = 1) -> int | None:
     """The output dimension holding input dimension d: the same one counted from the end for an
-    expand, the one holding the first element of d for a view."""
+    expand, the one holding the first element of d for a view - but for the batch, which no
+    pass cuts: a flattened [batch * seq] (GPT-2's Conv1D) viewed back as [batch, seq] is cut
+    in its sequence."""
     if expand:
         return d + len(full_out) - len(full_in)
     before, prefix = math.prod(full_in[:d]), 1
     for i, size in enumerate(full_out):
         if size > 1 and prefix <= before < prefix * size:
+            if i == 0 and batch > 1 and size == batch and full_in[d] > size:
+                return next((k for k in range(1, len(full_out)) if full_out[k] > 1), None)
             return i
         prefix *= size
     return None

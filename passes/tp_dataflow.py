@@ -134,7 +134,8 @@ class _Flow:
                  "transpose": self._transpose, "swapaxes": self._transpose, "t": self._transpose,
                  "permute": self._permute, "expand": self._expand,
                  "repeat_interleave": self._keep, "chunk": self._split, "split": self._split,
-                 "cat": self._cat, "scaled_dot_product_attention": self._attention,
+                 "cat": self._cat, "stack": self._stack,
+                 "scaled_dot_product_attention": self._attention,
                  "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul}
         rule = rules.get(name)
         if rule is None:
@@ -284,6 +285,14 @@ class _Flow:
         if dim == d or any(self.dim.get(t) != d for t in tensors):
             self.fail(node, "concatenates along the sharded dimension or with whole values")
         self.dim[node] = d
+
+    def _stack(self, node, src, d) -> None:
+        """Stacking values all sharded on d along a new dimension (interleaved rotary halves)."""
+        tensors = node.args[0]
+        new = _arg(node, 1, "dim", 0) % (_val(src).dim() + 1)
+        if any(self.dim.get(t) != d for t in tensors):
+            self.fail(node, "stacks sharded values with whole ones or ones sharded differently")
+        self.dim[node] = d + (new <= d)
 
     def _attention(self, node, src, d) -> None:
         q, k, v = node.args[:3]

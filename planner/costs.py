@@ -13,6 +13,7 @@ from cost_model.sharding import Sharding
 from cost_model.strategy import Strategy
 from passes.block_runs import block_kinds, block_runs, describe
 from passes.capture import Captured
+from passes.cp_trial import trial_error
 from passes.context_parallel import why_not
 from passes.sharding import get_param
 from passes.tensor_parallel import ShardingError
@@ -152,7 +153,7 @@ class ModelCosts:
             if self._kind_profiles[k, 1].kv_bytes <= 0:
                 where = f" in {layer.name}" if len(self.kinds) > 1 else ""
                 return f"no attention keys/values{where} to pass around a ring"
-        return None
+        return trial_error(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
 
     def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1,
                   tp: int = 1):

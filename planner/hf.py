@@ -1,7 +1,7 @@
 """Hugging Face transformers models (the optional `hf` extra), built from a config, no download.
 
 `HFCausalLM` wraps a `*ForCausalLM` so that, like fxpar's reference models, it takes
-`(tokens, targets)` and returns the loss; it is captured with `torch.export` (symbolic tracing
+`(tokens, targets)` (targets: the next token of each position) and returns the loss; it is captured with `torch.export` (symbolic tracing
 cannot follow transformers' control flow) with the KV cache off.
 """
 from __future__ import annotations
@@ -11,6 +11,9 @@ import inspect
 import json
 
 import torch
+import torch.nn.functional as F
+
+from planner import hf_attention
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
 # `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
@@ -46,7 +49,13 @@ class HFCausalLM(torch.nn.Module):
         return type(self.model).__name__
 
     def forward(self, tokens, targets):
-        return self.model(input_ids=tokens, labels=targets, use_cache=False).loss
+        """The mean cross-entropy of every position against `targets`, the token that follows
+        it (as fxpar's own models take them). transformers' `labels=` would shift the labels
+        inside the graph, pairing each position with its neighbour, which under context
+        parallelism may live on another rank."""
+        with hf_attention.plain_positions():
+            logits = self.model(input_ids=tokens, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def architectures() -> list[str]:
@@ -94,15 +103,16 @@ def _is_dropout(name: str, value) -> bool:
 
 def from_config(config) -> HFCausalLM:
     """The causal LM of `config`, with PyTorch's fused attention where the architecture has it
-    (the eager one where it does not: Gemma-2's soft-capped scores, ALiBi in BLOOM and MPT)."""
+    (planner.hf_attention: it stays is_causal when captured), its eager attention where it does
+    not (Gemma-2's soft-capped scores, ALiBi in BLOOM and MPT)."""
     tf = _transformers()
-    try:
-        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError as err:
-        if "scaled_dot_product_attention" not in str(err):
-            raise
-        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    return HFCausalLM(model)
+    model_cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    fused = getattr(model_cls, "_supports_sdpa", False)
+    # Architectures that look attention up in transformers' AttentionInterface take ours.
+    interface = getattr(model_cls, "_supports_attention_backend", False)
+    attention = (hf_attention.register() if fused and interface else "sdpa" if fused
+                 else "eager")
+    return HFCausalLM(tf.AutoModelForCausalLM.from_config(config, attn_implementation=attention))
 
 
 def build_hf(arch: str, **overrides) -> HFCausalLM:
