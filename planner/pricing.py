@@ -184,12 +184,8 @@ class Pricer:
             raise ValueError(f"sequence parallel does not apply: each rank's {req.seq // cand.cp} "
                              f"positions do not split over tp={cand.tp} ranks (or the blocks' "
                              f"sequence-parallel rewrite does not apply)")
-        blocks = [costs.price_block(s, cand.micro_batch, self.cluster, cand.tp, cand.cp)
-                  for s in strategies]
-        options = tuple(costs.block_option(cost, cand.dp) for cost in blocks)
-        problem = stage_problem(costs, req, cand, options, self._ends(config.ends, cand),
-                                math.inf)
-        counts = tuple(tuple(stage.count(n) for n in names) for stage in stages)
+        problem, blocks, counts = _layout_problem(costs, req, cand, names, stages,
+                                                  self._ends(config.ends, cand))
         parts = ilp.breakdown(problem, counts)
         solution = ilp.Solution(counts, parts.iteration_s, "given", 0.0, 0.0)
         plan = make_plan(costs, req, cand, problem, blocks, solution)
@@ -216,6 +212,32 @@ class Pricer:
     @staticmethod
     def _end_label(ends: str, cand) -> str:
         return "vocab-tp" if ends == "vocab-tp" and cand.tp > 1 else "none"
+
+
+def _layout_problem(costs, req, cand, names, stages, ends):
+    """The stage problem of a stated layout, its LayerCosts and per-stage option counts. Blocks
+    of several kinds (planner.costs runs) get one option per (run, strategy), each priced for
+    its own kind, so that the counts say which blocks a stage holds."""
+    runs = costs.runs if len(costs.runs) > 1 else ((0, costs.num_blocks),)
+    priced = {(k, n): costs.price_block(Strategy.parse(n), cand.micro_batch, req.cluster,
+                                        cand.tp, cand.cp, k) for k, _ in runs for n in names}
+    blocks = [priced[k, n] for k, _ in runs for n in names]
+    option = [tuple(costs.block_option(priced[k, n], cand.dp) for n in names) for k, _ in runs]
+    run_of = []
+    for j, (_, count) in enumerate(runs):
+        run_of += [j] * count
+    counts, position = [], 0
+    for stage in stages:
+        row = [0] * (len(runs) * len(names))
+        for name in stage:
+            row[run_of[position] * len(names) + names.index(name)] += 1
+            position += 1
+        counts.append(tuple(row))
+    block_runs = (tuple(ilp.BlockRun(costs.kinds[k].name, count, option[j])
+                        for j, (k, count) in enumerate(runs)) if len(runs) > 1 else ())
+    problem = stage_problem(costs, req, cand, option[0] if not block_runs else (), ends,
+                            math.inf, block_runs)
+    return problem, blocks, tuple(counts)
 
 
 def even_stages(blocks: int, stages: int, strategy: str) -> tuple[tuple[str, ...], ...]:

@@ -120,3 +120,20 @@ def test_a_data_dependent_shape_is_refused_with_the_module_the_line_and_the_fix(
     message = str(caught.value)
     assert "\n" not in message
     assert "item" in message and ".item()" in message and "compute such sizes" in message
+
+
+def test_a_stated_layout_of_mixed_blocks_is_priced_per_kind_as_the_search_priced_it():
+    """The search's plan, priced again as a stated layout, predicts the same time; moving one
+    wide block to the other stage changes it, so the kinds are told apart."""
+    from planner.pricing import Configuration, Pricer
+    spec = MixedSpec(BASE, ("llama:16",) * 3 + ("llama:8192",) * 3)
+    model, batch = spec.build()
+    pricer = Pricer(model, 2, batch, cluster="cpu-gloo")
+    best = pricer.best(fix={"pp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "mb": 1})[0]
+    config = Configuration.of(best)
+    again = pricer.price(config)
+    assert again.iteration_s == pytest.approx(best.predicted.iteration_s, rel=1e-9)
+    sizes = [len(stage) for stage in config.stages]
+    moved = (("none",) * (sizes[0] - 1), ("none",) * (sizes[1] + 1))
+    other = pricer.price(Configuration(1, 1, 2, 1, 1, "1f1b", 1, moved, ends=config.ends))
+    assert other.iteration_s != pytest.approx(again.iteration_s, rel=1e-6)
