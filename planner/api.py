@@ -88,6 +88,8 @@ def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
                              f"batch {req.global_batch} (fixed: {req.fix or 'nothing'}): every "
                              f"stage problem is infeasible")
     cp = f", cp={where.cp}" if where.cp > 1 else ""
+    cp += f", zero={where.zero}" if where.zero else ""
+    cp += f", dp_shard={where.dp_shard}" if where.dp_shard else ""
     return PlanningError(
         f"no plan fits in {gib(req.memory_limit)} GiB per device; the smallest memory per device "
         f"any plan needs is {gib(need, up=True)} GiB (dp={where.dp}, tp={where.tp}, "

@@ -509,8 +509,9 @@ def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate |
         seen.add(kind)
         problem, _ = build_problem(costs, req, cand, math.inf)
         sol = ilp.solve(problem, objective="memory", time_limit_s=req.time_limit_s)
-        if sol.status != "infeasible" and sol.objective < best:
-            best, where = sol.objective, cand
+        need = sol.objective + transient_bytes(costs, req, cand)  # levels 2-3: whole layers
+        if sol.status != "infeasible" and need < best:
+            best, where = need, cand
     return best, where
 
 
