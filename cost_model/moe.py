@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from cost_model.op_graph import BWD_FACTOR, Call, OpCost, finish, nbytes, tensor_of
 
 QUALNAME = "runtime.experts.moe_ffn"
+OP_QUALNAME = "torch._ops.fxpar.fxpar::routed_experts"   # runtime.expert_op (torch.export)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,17 @@ class MoEFacts:
 
 
 def facts(node) -> MoEFacts:
-    """MoEFacts of a moe_ffn node with fake shapes (node.meta['val'] on its inputs)."""
-    x, router, w_gate = (tensor_of(a) for a in node.args[:3])
-    return MoEFacts(int(x.numel() // x.shape[-1]), int(x.shape[-1]), int(router.shape[0]),
-                    int(node.kwargs.get("top_k", 1)), int(w_gate.shape[1]), x.element_size())
+    """MoEFacts of a moe_ffn node, or of a routed_experts op (x, weights, index, gate_up, down,
+    ep, tag, experts: its router is in the graph, priced by its own ops), with fake shapes."""
+    x = tensor_of(node.args[0])
+    tokens, hidden = int(x.numel() // x.shape[-1]), int(x.shape[-1])
+    if node.kwargs.get("top_k") is None and len(node.args) == 8:
+        weights, gate_up = tensor_of(node.args[1]), tensor_of(node.args[3])
+        return MoEFacts(tokens, hidden, int(node.args[7]), int(weights.shape[-1]),
+                        int(gate_up.shape[1] // 2), x.element_size())
+    router, w_gate = tensor_of(node.args[1]), tensor_of(node.args[2])
+    return MoEFacts(tokens, hidden, int(router.shape[0]), int(node.kwargs.get("top_k", 1)),
+                    int(w_gate.shape[1]), x.element_size())
 
 
 def moe_rule(call: Call) -> OpCost:
@@ -91,7 +99,8 @@ def moe_rule(call: Call) -> OpCost:
     (ExpertPricing)."""
     f = facts(call.node)
     x = tensor_of(call.node.args[0])
-    flops = f.router_flops + f.expert_flops
+    routed_op = call.node.kwargs.get("top_k") is None   # its router is priced apart
+    flops = (0.0 if routed_op else f.router_flops) + f.expert_flops
     moved = 2 * nbytes(x) * (1 + f.top_k) + f.expert_param_bytes
     saved = ((f"{call.node.name}:experts", f.dispatched_bytes),
              (f"{call.node.name}:router", 2.0 * f.tokens * f.experts * f.dtype_bytes))

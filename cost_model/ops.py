@@ -86,6 +86,7 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
 _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
     "passes.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
     moe.QUALNAME: ("moe_ffn", moe.moe_rule),   # a mixture-of-experts layer (cost_model.moe)
+    moe.OP_QUALNAME: ("routed_experts", moe.moe_rule),   # its experts, exported as one op
 }
 
 # Custom ops of other libraries that are matmuls in disguise, by "namespace.name": a grouped

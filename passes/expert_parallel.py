@@ -17,15 +17,24 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.sharding import LAYER, ShardingError, get_param, replace_param
-from runtime import collectives
+import torch
+
+from runtime import collectives, expert_op  # noqa: F401 - registers torch.ops.fxpar
 from runtime.experts import moe_ffn
 from runtime.shards import ShardSpec
 
 _EXPERT_ARGS = (2, 3, 4)   # w_gate, w_up, w_down among moe_ffn's positional arguments
+_OP_EXPERT_ARGS = (3, 4)   # gate_up, down among routed_experts' arguments
 
 
 def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
+    """moe_ffn calls (symbolic tracing) and routed_experts ops (torch.export)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and (n.target is moe_ffn or _is_op(n))]
+
+
+def _is_op(node: fx.Node) -> bool:
+    return node.target is getattr(torch.ops.fxpar, "routed_experts").default
 
 
 def expert_parallel(gm: fx.GraphModule, ep: int, rank: int) -> list[str]:
@@ -39,14 +48,18 @@ def expert_parallel(gm: fx.GraphModule, ep: int, rank: int) -> list[str]:
     cut = []
     for node in nodes:
         layer = node.meta.get(LAYER, node.name)
-        experts = _param(gm, node.args[1], layer).shape[0]
+        op = _is_op(node)
+        experts = node.args[7] if op else _param(gm, node.args[1], layer).shape[0]
         if experts % ep:
             raise ShardingError(f"layer {layer}: {experts} experts do not divide over ep={ep}; "
                                 f"use an ep that divides {experts}")
         if ep > 1:
-            for i in _EXPERT_ARGS:
+            for i in (_OP_EXPERT_ARGS if op else _EXPERT_ARGS):
                 cut.append(_cut(gm, node.args[i], ShardSpec(0, ep, rank), layer))
-        node.kwargs = {**node.kwargs, "ep": ep, "tag": layer}
+        if op:  # (x, weights, index, gate_up, down, ep, tag, experts)
+            node.args = (*node.args[:5], ep, layer, experts)
+        else:
+            node.kwargs = {**node.kwargs, "ep": ep, "tag": layer}
     return cut
 
 

@@ -103,12 +103,17 @@ def _routed(flat, weights, index, w_gate, w_up, w_down, experts: int, ep: int, t
 
 
 def _experts(rows: torch.Tensor, counts: list[int], w_gate, w_up, w_down) -> torch.Tensor:
-    """SwiGLU of each local expert on its contiguous run of rows."""
+    """SwiGLU of each local expert on its contiguous run of rows (w_up None: w_gate holds gate
+    and up stacked, Hugging Face's fused gate_up_proj)."""
     outs = []
     for e, part in enumerate(rows.split(counts)):
-        if part.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(part, w_gate[e])) * F.linear(part, w_up[e]),
-                                 w_down[e]))
+        if not part.shape[0]:
+            continue
+        if w_up is None:
+            gate, up = F.linear(part, w_gate[e]).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(part, w_gate[e]), F.linear(part, w_up[e])
+        outs.append(F.linear(F.silu(gate) * up, w_down[e]))
     return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
 
 

@@ -98,3 +98,15 @@ def test_all_to_all_bytes_counted_as_priced(pool4):
             # which routing balances against those it receives: here their mean, slots / 2
             facts = MoEFacts(tokens=slots, hidden=h, experts=e, top_k=1, ffn=f, dtype_bytes=4)
             assert sent[layer] == facts.all_to_all_bytes(4, remote=0.5)
+
+
+@pytest.mark.dist
+def test_hugging_face_mixtral_ep2_pp2_matches_one_process(pool4):
+    pytest.importorskip("transformers")
+    from planner.hf_moe import HFMoESpec
+    spec = HFMoESpec("mixtral")
+    model, batch = spec.build()
+    fix = {"dp": 2, "tp": 1, "pp": 2, "mb": 1, "schedule": "1f1b", "ep": 2}
+    chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
+    assert (chosen.ep, chosen.pp, chosen.dp) == (2, 2, 2)
+    assert_same_run(run_parallel(spec, chosen, STEPS, pool4), reference_run(spec, STEPS))

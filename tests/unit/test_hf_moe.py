@@ -1,0 +1,41 @@
+"""Hugging Face MoE experts run as torch.ops.fxpar.routed_experts equal transformers' own
+forward (loss and every gradient), export as one node per layer, and are priced by formula."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from cost_model.ops import node_cost  # noqa: E402
+from passes.capture import capture  # noqa: E402
+from planner.hf import build_hf  # noqa: E402
+from planner.hf_moe import use_routed_experts  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["mixtral"])  # qwen3_moe: the same experts module
+def test_routed_experts_equal_transformers(arch):
+    torch.manual_seed(0)
+    model = build_hf(arch)
+    tokens = torch.randint(0, 100, (2, 16))
+    want = model(tokens, tokens)
+    want.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    assert use_routed_experts(model) == len(model.model.model.layers)
+    got = model(tokens, tokens)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
+    captured = capture(model, (tokens, tokens))
+    nodes = [n for n in captured.gm.graph.nodes if "routed_experts" in str(n.target)]
+    assert len(nodes) == len(model.model.model.layers)
+    cfg = model.model.config
+    cost = node_cost(nodes[0], dict(captured.gm.named_modules()))
+    t, h, k, f = 32, cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size \
+        if arch == "qwen3_moe" else cfg.intermediate_size
+    assert cost.fwd_flops == 6 * t * k * h * f
+
+
+def test_a_model_without_experts_is_refused():
+    with pytest.raises(ValueError, match="no Hugging Face experts module"):
+        use_routed_experts(build_hf("llama"))
