@@ -115,8 +115,11 @@ def _hf_model(args):
     import torch
 
     from planner.hf import build_hf, build_hf_from_file, sequence_length
+    from planner.hf_moe import has_experts, use_routed_experts
     with torch.device("meta"):
         model = build_hf_from_file(args.hf_config) if args.hf_config else build_hf(args.hf)
+    if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
+        use_routed_experts(model)
     seq = args.seq or sequence_length(model)
     tokens = torch.zeros(args.global_batch or 16, seq, dtype=torch.long, device="meta")
     return model, (tokens, tokens)

@@ -23,6 +23,11 @@ def _forward(self, hidden_states, top_k_index, top_k_weights):
                           self.gate_up_proj, self.down_proj, 1, "moe", self.num_experts)
 
 
+def has_experts(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__.endswith("Experts") and hasattr(m, "gate_up_proj")
+               for m in model.modules())
+
+
 def use_routed_experts(model: torch.nn.Module) -> int:
     """Swap every Hugging Face experts module's forward for routed_experts; returns how many."""
     count = 0
