@@ -68,6 +68,7 @@ class ResumeResult:
     state: dict                    # full parameters after the last step
     saved: tuple[str, ...] = ()    # checkpoint folders written
     draw: float = 0.0              # a draw from torch's generator after the last step
+    zero: int = 0                  # the sharded data-parallel level the ranks trained with
 
 
 def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
@@ -100,7 +101,8 @@ def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
         if save_every and pm.step % save_every == 0:
             saved.append(pm.save(checkpoint.step_dir(root, pm.step)))
     state = pm.full_state_dict()
-    return ResumeResult(first, tuple(losses), state, tuple(saved), float(torch.rand(())))
+    zero = getattr(pm.shard().sharded, "level", 0) if getattr(pm.shard(), "sharded", None) else 0
+    return ResumeResult(first, tuple(losses), state, tuple(saved), float(torch.rand(())), zero)
 
 
 def run_with_checkpoints(config, plan: Plan, steps: int, root: str | None, save_every: int = 0,

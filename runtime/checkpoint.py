@@ -9,9 +9,13 @@ What is saved, by key (every tensor keyed by the model's full parameter name, so
                              left out; replicas name the same piece and DCP writes it once)
     optim/<name>/<key>       an optimizer state shaped like its parameter (Adam's exp_avg, SGD's
                              momentum_buffer), described by the same pieces; other tensors (Adam's
-                             step) whole; anything else pickled. A ZeRO shard of a state can
-                             describe its flat range with dcp_slices.flat_range_pieces under the
-                             same key, and loads into any other layout as well.
+                             step) whole; anything else pickled. Under sharded data parallel
+                             (runtime.sharded_dp) the optimizer steps one flat shard per bucket:
+                             each parameter's range of it (ShardedDP.slices) is described as
+                             boxes of the tp shard (dcp_slices.flat_range_pieces) mapped to the
+                             full tensor (dcp_slices.to_full), under the same key, so it loads
+                             into any other layout, sharded or not. Under ZeRO-3 the parameters'
+                             values are saved from, and loaded into, the shards in the same way.
     optim/param_groups       the optimizer's hyperparameters (lr, betas, ...), without params
     trainer                  step, data position, loss scale, the caller's extra values
     rng/<rank>               each rank's torch / Python / NumPy (/ CUDA) generator states
@@ -29,6 +33,7 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from runtime.dcp_slices import SlicesLoadPlanner, SlicesSavePlanner, shard_pieces, whole
+from runtime.dcp_slices import (Slices, SlicesLoadPlanner, SlicesSavePlanner, flat_range_pieces,
+                                shard_pieces, to_full, whole)
 from runtime.shards import shard_specs
 from runtime.tied import canonical_names
 
@@ -50,11 +56,34 @@ class CheckpointError(ValueError):
 
 
 # -- what a rank holds, described by full name -----------------------------------------------------
-def local_parameters(trainer) -> dict[str, tuple[torch.nn.Parameter, Callable]]:
-    """Full parameter name -> (this rank's parameter, a function describing a tensor shaped like
-    it as pieces of the full tensor). Tied copies are listed once, by the model's own name."""
+@dataclass(frozen=True)
+class Held:
+    """One parameter on this rank. `describe` gives a tensor shaped like `param` as pieces of
+    the full tensor. `opt` is what the optimizer steps for it: the parameter itself, or under
+    sharded data parallel its ZeRO bucket's flat shard (None: this rank's shard holds none of
+    it), and `describe_opt` gives this parameter's part of a tensor shaped like `opt`.
+    `values_in_opt`: ZeRO-3 frees the parameter between uses; its values live in the shard."""
+
+    param: torch.nn.Parameter
+    describe: Callable
+    opt: torch.nn.Parameter | None
+    describe_opt: Callable
+    values_in_opt: bool = False
+
+    def model_entry(self):
+        """The parameter's values on this rank as pieces (None: it holds none of them)."""
+        if not self.values_in_opt:
+            return self.describe(self.param.data)
+        return self.describe_opt(self.opt.data) if self.opt is not None else None
+
+
+def local_parameters(trainer) -> dict[str, Held]:
+    """Full parameter name -> Held, for every parameter of this rank's stage programs. Tied
+    copies are listed once, by the model's own name."""
     canonical = canonical_names(tuple(c.names for c in trainer.tied))
-    found: dict[str, tuple[torch.nn.Parameter, Callable]] = {}
+    zero = _zero_ranges(trainer, canonical)
+    level = getattr(getattr(trainer, "sharded", None), "level", 0)
+    found: dict[str, Held] = {}
     for program in trainer.programs.values():
         specs = shard_specs(program.gm)
         for name, param in program.gm.named_parameters():
@@ -64,32 +93,50 @@ def local_parameters(trainer) -> dict[str, tuple[torch.nn.Parameter, Callable]]:
             spec = specs.get(name)
             describe = (whole if spec is None
                         else (lambda t, spec=spec: shard_pieces(t, spec)))
-            found[full] = (param, describe)
+            if id(param) in zero["bucketed"]:
+                bucket, part = zero["ranges"].get(full, (None, None))
+                found[full] = Held(param, describe, bucket.shard if bucket else None,
+                                   lambda t, part=part, spec=spec: _range_pieces(t, part, spec),
+                                   values_in_opt=level == 3)
+            else:
+                found[full] = Held(param, describe, param, describe)
     return found
 
 
-def _check_layout(trainer) -> None:
-    """Refuse what this module cannot yet describe rather than save it wrong: under sharded data
-    parallel the optimizer steps flat shards (runtime.sharded_dp), whose ranges
-    dcp_slices.flat_range_pieces will describe once they are mapped to full names."""
+def _zero_ranges(trainer, canonical: dict) -> dict:
+    """Under sharded data parallel (runtime.sharded_dp): ids of the parameters in ZeRO buckets,
+    and full name -> (bucket, ShardSlice) of those this rank's shards hold a range of."""
     sharded = getattr(trainer, "sharded", None)
-    if sharded is not None and getattr(sharded, "level", 0) > 0:
-        raise CheckpointError(f"checkpoints of sharded data parallel (zero={sharded.level}) are "
-                              f"not supported yet; train with zero=0 to save and resume")
+    if sharded is None or not getattr(sharded, "level", 0):
+        return {"bucketed": set(), "ranges": {}}
+    buckets = {b.index: b for b in sharded.buckets}
+    return {"bucketed": {id(p) for b in sharded.buckets for p in b.params},
+            "ranges": {canonical.get(n, n): (buckets[part.bucket], part)
+                       for n, part in sharded.slices().items()}}
 
 
-def _optimizer_entries(trainer, params) -> dict[str, object]:
+def _range_pieces(flat: torch.Tensor, part, spec) -> Slices:
+    """One parameter's range of a ZeRO bucket's flat shard (or of an optimizer state shaped like
+    it) as pieces of the full tensor."""
+    segment = flat[part.local_start: part.local_start + part.stop - part.start]
+    local = flat_range_pieces(segment, part.shape, part.start)
+    return to_full(local, spec) if spec is not None else local
+
+
+def _optimizer_entries(trainer, params: dict[str, Held]) -> dict[str, object]:
     entries: dict[str, object] = {}
-    for name, (param, describe) in params.items():
-        for key, value in trainer.optimizer.state.get(param, {}).items():
-            if torch.is_tensor(value) and value.shape == param.shape:
-                entries[f"optim/{name}/{key}"] = describe(value)
+    for name, held in params.items():
+        if held.opt is None:
+            continue
+        for key, value in trainer.optimizer.state.get(held.opt, {}).items():
+            if torch.is_tensor(value) and value.shape == held.opt.shape:
+                entries[f"optim/{name}/{key}"] = held.describe_opt(value)
             elif torch.is_tensor(value) and value.numel() > 1:
                 # replicas would name the same key with different values: refuse, not lose
                 raise CheckpointError(f"optimizer state {key!r} of {name} has shape "
-                                      f"{tuple(value.shape)}, neither its parameter's "
-                                      f"{tuple(param.shape)} nor a scalar; describe it with "
-                                      f"runtime.dcp_slices")
+                                      f"{tuple(value.shape)}, neither that of what the "
+                                      f"optimizer steps {tuple(held.opt.shape)} nor a scalar; "
+                                      f"describe it with runtime.dcp_slices")
             else:
                 entries[f"optim/{name}/{key}"] = value
     return entries
@@ -132,7 +179,6 @@ def save(trainer, path: str, info: dict, files: dict[str, str] | None = None) ->
     every rank calls it). `info` holds step, data_position and extra values (picklable); step and
     data position go to MARKER too. `files`: name -> text rank 0 writes into the folder (what
     an export needs to know of the model). Returns the absolute path."""
-    _check_layout(trainer)
     path = os.path.abspath(path)
     partial, rank = path + ".partial", dist.get_rank()
     if rank == 0:
@@ -140,8 +186,7 @@ def save(trainer, path: str, info: dict, files: dict[str, str] | None = None) ->
         os.makedirs(partial)
     dist.barrier()
     params = local_parameters(trainer)
-    state: dict[str, object] = {f"model/{name}": describe(param.data)
-                                for name, (param, describe) in params.items()}
+    state = _model_entries(params)
     state.update(_optimizer_entries(trainer, params))
     state["optim/param_groups"] = _param_groups(trainer.optimizer)
     state["trainer"] = _trainer_state(trainer, info)
@@ -219,13 +264,11 @@ def load(trainer, path: str) -> dict:
     """Load a checkpoint saved under any mesh into this rank's trainer, in place (collective).
     Returns the saved info (step, data_position, extra). Under the same mesh every rank takes
     its own RNG states; under another, every rank takes those of rank 0."""
-    _check_layout(trainer)
     path = resolve(path)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     params = local_parameters(trainer)
     _check_parameters(params, metadata, path)
-    state: dict[str, object] = {f"model/{name}": describe(param.data)
-                                for name, (param, describe) in params.items()}
+    state = _model_entries(params)
     optim = _optimizer_placeholders(params, metadata)
     state.update({key: entry for key, (_, entry) in optim.items()})
     marker = read_marker(path)
@@ -243,15 +286,20 @@ def load(trainer, path: str) -> dict:
     return {k: v for k, v in saved.items() if k != "loss_scale"}
 
 
+def _model_entries(params: dict[str, Held]) -> dict[str, object]:
+    entries = {f"model/{name}": held.model_entry() for name, held in params.items()}
+    return {key: value for key, value in entries.items() if value is not None}
+
+
 def _check_parameters(params: dict, metadata: dict, path: str) -> None:
     """Every parameter of the model is in the checkpoint with its full shape, and the checkpoint
     holds no parameter the model lacks (compared over all ranks: each holds only its stages)."""
-    for name, (param, describe) in params.items():
+    for name, held in params.items():
         md = metadata.get(f"model/{name}")
         if md is None:
             raise CheckpointError(f"checkpoint {path} has no parameter {name}: it was saved "
                                   f"from another model")
-        shape = describe(param.data).size()
+        shape = held.describe(held.param.data).size()
         if not isinstance(md, TensorStorageMetadata) or md.size != shape:
             raise CheckpointError(f"parameter {name}: checkpoint {path} holds shape "
                                   f"{tuple(getattr(md, 'size', ()))}, the model "
@@ -266,21 +314,28 @@ def _check_parameters(params: dict, metadata: dict, path: str) -> None:
                               f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
 
 
-def _optimizer_placeholders(params: dict, metadata: dict) -> dict[str, tuple]:
+def _optimizer_placeholders(params: dict[str, Held], metadata: dict) -> dict[str, tuple]:
     """key -> (the local value to restore, its state-dict entry): tensors to load the saved
     optimizer states into, made from the checkpoint's metadata (an optimizer holds no state
-    before its first step)."""
+    before its first step). Parameters of one ZeRO bucket share one tensor per state."""
     entries: dict[str, tuple] = {}
-    for name, (param, describe) in params.items():
+    shared: dict[tuple, torch.Tensor] = {}
+    for name, held in params.items():
         prefix = f"optim/{name}/"
+        if held.opt is None:
+            continue
         for key, md in metadata.items():
             if not key.startswith(prefix):
                 continue
             if isinstance(md, BytesStorageMetadata):
                 entries[key] = (None, None)
-            elif md.size == describe(param.data).size():
-                local = torch.zeros_like(param.data, dtype=md.properties.dtype)
-                entries[key] = (local, describe(local))
+            elif md.size == held.describe(held.param.data).size():
+                state_key = (id(held.opt), key[len(prefix):], md.properties.dtype)
+                if state_key not in shared:
+                    shared[state_key] = torch.zeros_like(held.opt.data,
+                                                         dtype=md.properties.dtype)
+                local = shared[state_key]
+                entries[key] = (local, held.describe_opt(local))
             else:
                 local = torch.zeros(md.size, dtype=md.properties.dtype)
                 entries[key] = (local, local)
@@ -294,9 +349,9 @@ def _restore_optimizer(trainer, params, optim, state, groups, path: str) -> None
                               f"groups, this optimizer {len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, groups):
         group.update(saved)
-    for name, (param, _) in params.items():
+    for name, held in params.items():
         prefix = f"optim/{name}/"
         values = {key[len(prefix):]: (local if local is not None else state[key])
                   for key, (local, _) in optim.items() if key.startswith(prefix)}
         if values:
-            optimizer.state[param] = values
+            optimizer.state[held.opt].update(values)

@@ -112,6 +112,30 @@ def shard_pieces(local: torch.Tensor, spec: ShardSpec) -> Slices:
     return Slices(shape, pieces)
 
 
+def to_full(local: Slices, spec: ShardSpec) -> Slices:
+    """Pieces given in the coordinates of a shard cut by `spec` (a ZeRO range of a tp shard) in
+    the coordinates of the full tensor: each piece split where the shard's chunks meet, the
+    padding rows left out."""
+    dim, shape = spec.dim, full_shape(local.shape, spec)
+    per_chunk = local.shape[dim] // spec.chunks
+    chunk_rows = per_chunk * spec.parts
+    pieces = []
+    for p in local.pieces:
+        at, end = p.offsets[dim], p.offsets[dim] + p.sizes[dim]
+        while at < end:
+            c, within = divmod(at, per_chunk)
+            rows = min(end, (c + 1) * per_chunk) - at
+            start = c * chunk_rows + spec.index * per_chunk + within
+            kept = min(rows, shape[dim] - start)
+            if kept > 0:
+                offsets = list(p.offsets)
+                offsets[dim] = start
+                view = p.tensor.narrow(dim, at - p.offsets[dim], kept)
+                pieces.append(Piece(tuple(offsets), view))
+            at += rows
+    return Slices(shape, pieces)
+
+
 def flat_range_pieces(flat: torch.Tensor, shape: Sequence[int], start: int) -> Slices:
     """A flat range [start, start + flat.numel()) of a row-major tensor of `shape` (a ZeRO shard
     of a parameter or of its optimizer state), as boxes: a partial run of the innermost dimension,

@@ -68,6 +68,7 @@ RESHARD = {
     "tp2-pp4": dict(dp=1, tp=2, pp=4),          # other stage cuts
     "cp2-tp2-pp2": dict(dp=1, tp=2, pp=2, cp=2),
     "4-ranks-dp2-pp2": dict(dp=2, tp=1, pp=2),  # whole tensors joined from tp shards
+    "zero1-dp4-pp2": dict(dp=4, tp=1, pp=2, zero=1),  # optimizer states as flat ZeRO ranges
 }
 
 
@@ -80,7 +81,7 @@ def test_resume_under_another_mesh_continues_as_one_process(saved_8, name):
     chosen = fixed(CONFIG, **mesh)
     resumed = run_with_checkpoints(CONFIG, chosen, STEPS, root, resume=True,
                                    pool=rank_pool(chosen.gpus))
-    assert resumed.first_step == SAVED_AT
+    assert resumed.first_step == SAVED_AT and resumed.zero == mesh.get("zero", 0)
     torch.testing.assert_close(torch.tensor(resumed.losses),
                                torch.tensor(reference.losses[SAVED_AT:]), rtol=1e-5, atol=0)
     assert_same(resumed.state, reference.state, rtol=1e-5, atol=1e-6)
@@ -147,6 +148,23 @@ def test_export_loads_in_transformers_with_the_same_loss(pool4, tmp_path):
     with torch.no_grad():
         want, got = model(*tokens), HFCausalLM(loaded)(*tokens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.dist
+def test_zero3_checkpoint_resumes_under_another_mesh(saved_8, tmp_path):
+    """Saved under ZeRO-3 (parameters and optimizer states as flat ranges of tp shards), resumed
+    with whole tensors on 4 ranks: the continuation of one process."""
+    from conftest import rank_pool
+    _, reference = saved_8
+    root = str(tmp_path)
+    saved = run_with_checkpoints(CONFIG, fixed(CONFIG, dp=2, tp=2, pp=2, zero=3), SAVED_AT,
+                                 root, save_every=SAVED_AT, pool=rank_pool(8))
+    assert saved.zero == 3
+    resumed = run_with_checkpoints(CONFIG, fixed(CONFIG, dp=1, tp=2, pp=2), STEPS, root,
+                                   resume=True, pool=rank_pool(4))
+    torch.testing.assert_close(torch.tensor(resumed.losses),
+                               torch.tensor(reference.losses[SAVED_AT:]), rtol=1e-5, atol=0)
+    assert_same(resumed.state, reference.state, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.dist

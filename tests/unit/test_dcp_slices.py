@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from runtime.dcp_slices import (Piece, Slices, SlicesLoadPlanner, SlicesSavePlanner,
-                                flat_range_pieces, full_shape, shard_pieces)
+                                flat_range_pieces, full_shape, shard_pieces, to_full)
 from runtime.shards import ShardSpec
 
 
@@ -86,3 +86,25 @@ def test_dcp_writes_one_layout_and_reads_another(tmp_path):
                  storage_reader=FileSystemReader(tmp_path), planner=SlicesLoadPlanner(),
                  no_dist=True)
         assert torch.equal(flat, full.flatten()[30:59])
+
+
+@pytest.mark.parametrize("dim,parts,chunks,pad", [s for s in SPECS if s[1] > 1])
+def test_flat_ranges_of_a_shard_land_where_the_shard_came_from(dim, parts, chunks, pad):
+    """A ZeRO range of a tensor-parallel shard, mapped to the full tensor (to_full)."""
+    shape = [4, 3] if dim == 0 else [3, 4]
+    shape[dim] = chunks * parts * 2 - pad
+    full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    for index in range(parts):
+        spec = ShardSpec(dim, parts, index, chunks, pad)
+        local = spec.take(full)
+        n = local.numel()
+        for start, stop in [(0, n), (1, n - 2), (n // 3, n // 3 + 5), (n - 1, n)]:
+            pieces = to_full(flat_range_pieces(local.flatten()[start:stop].clone(),
+                                               local.shape, start), spec)
+            painted = paint(pieces)
+            mask = painted != -1
+            assert torch.equal(painted[mask], full[mask])
+            expected = shard_pieces(local.flatten().clone().index_fill_(
+                0, torch.arange(n)[(torch.arange(n) < start) | (torch.arange(n) >= stop)],
+                -1).view(local.shape), spec)
+            assert torch.equal(paint(expected), painted)
