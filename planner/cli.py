@@ -219,6 +219,9 @@ def cmd_run(args) -> int:
     best = _plans(args)[0]
     print(best)
     print()
+    if args.torchrun and (args.checkpoint or args.save_every or args.resume):
+        raise ValueError("--checkpoint, --save-every and --resume train on local gloo ranks; "
+                         "under torchrun call pm.save(DIR) / pm.load(DIR) in the training script")
     if args.torchrun:
         print(torchrun_command(best, _config(args), args.steps, args.torchrun))
         return 0

@@ -57,3 +57,8 @@ def test_export_refuses_other_file_kinds_and_empty_folders(capsys, tmp_path):
     assert "give a file name ending in .safetensors" in err
     err = error(capsys, ["export", "--checkpoint", str(tmp_path), "--out", "x.safetensors"])
     assert "holds no complete checkpoint" in err
+
+
+def test_checkpoints_are_not_for_torchrun_commands(capsys, tmp_path):
+    err = error(capsys, RUN + ["--checkpoint", str(tmp_path), "--torchrun", str(tmp_path)])
+    assert "under torchrun call pm.save(DIR) / pm.load(DIR)" in err
