@@ -173,9 +173,13 @@ class Expressed:
 def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
     """The configuration of `plan` that `target` can express; `pricer_factory()` gives the
     Pricer when something has to be priced."""
+    label = TARGETS[target]
+    if plan.ep > 1:  # the nearest configuration would be priced without it: refuse, not mislead
+        raise ValueError(f"--emit {target} does not express expert parallelism yet (the plan has "
+                         f"ep={plan.ep}); plan with --fix ep=1 to emit, or set {label}'s expert "
+                         f"parallel size to {plan.ep} by hand")
     own = Configuration.of(plan)
     config, notes = own, []
-    label = TARGETS[target]
     if plan.pp > 1 or plan.virtual_stages > 1:
         schedules = MEGATRON_SCHEDULES if target == "megatron" else (
             *TORCHTITAN_SCHEDULES, "zb-h1")

@@ -440,6 +440,9 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     bound and it goes back in; when it comes out again, its ILP is solved with the k-th best
     time as cutoff. The search ends when the smallest bound left cannot beat that time."""
     check_fix(req.fix)
+    if req.fix.get("ep", costs.ep) != costs.ep:  # planner.expert_search sets costs.ep
+        raise ValueError(f"ep={req.fix['ep']} is planned by planner.expert_search (fxpar plan, "
+                         f"planner.api.plan); this path plans without expert parallelism")
     start = time.perf_counter()
     found: list[Plan] = []
     open_bound = math.inf  # least proven bound among ILPs a time limit stopped
