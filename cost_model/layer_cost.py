@@ -42,7 +42,7 @@ from cost_model.ops import UnknownOpError, node_cost, saved_node_name
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
 from passes.context_parallel import ContextParallelError, find_attentions
-from passes.pipeline_split import split_stages
+from passes.pipeline_split import split_stage
 from passes.recompute import attention_cores
 from passes.sequence_parallel import sequence_parallel, with_params
 from passes.sharding import LAYER, ShardingError, localize_shapes
@@ -122,8 +122,7 @@ def _extract(captured: Captured, layer: Layer) -> fx.GraphModule:
     index = {l.name: l.index for l in captured.layers}
     node_stage = {node: (index[owner] > layer.index) * 2 if owner != layer.name else 1
                   for node, owner in captured.layer_of().items()}
-    program = split_stages(captured.gm, node_stage, 3)[1]
-    return program.gm
+    return split_stage(captured.gm, node_stage, 3, 1).gm
 
 
 def _fake_inputs(sub: fx.GraphModule) -> list[torch.Tensor]:

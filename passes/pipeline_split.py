@@ -28,6 +28,16 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages: 
             for s in range(num_stages)]
 
 
+def split_stage(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages: int,
+                stage: int) -> StageProgram:
+    """Stage `stage`'s program of split_stages alone: building the others costs time
+    proportional to the whole graph (profiling one layer of a 61-block model would build the
+    60 others twice)."""
+    crossing = _crossing_values(gm, node_stage, num_stages)
+    shared = _shared_params(gm, node_stage, num_stages)
+    return _build_stage(gm, stage, node_stage, crossing, num_stages, shared)
+
+
 def _stage_of_use(user: fx.Node, node_stage: Mapping[str, int], num_stages: int) -> int:
     return num_stages - 1 if user.op == "output" else node_stage[user.name]
 
