@@ -28,7 +28,7 @@ class Family:
 _MASK = "explicit attn_mask"
 FAMILIES = (
     Family("gpt2", "tied embeddings, learned absolute positions, LayerNorm, GELU, biases "
-           "everywhere, fused QKV (Conv1D)", refuses=(("cp", "does not run on the sharded"),)),
+           "everywhere, fused QKV (Conv1D)"),
     Family("llama", "RMSNorm, SwiGLU, rotary, GQA (8 query / 4 kv heads)"),
     Family("gemma2", "sliding-window attention alternating with global, attention and final "
            "logit soft-capping, Gemma-2 extra norms (pre- and post-norm), tied embeddings, "
@@ -45,7 +45,8 @@ FAMILIES = (
     Family("cohere", "parallel block, interleaved rotary, logit scale, tied embeddings"),
     Family("stablelm", "partial rotary, LayerNorm", refuses=(("cp", _MASK),)),
     Family("opt", "learned positions with an offset of 2, post-norm, ReLU, biases",
-           (("do_layer_norm_before", False),), refuses=(("cp", "does not run on the sharded"),)),
+           (("do_layer_norm_before", False),),
+           refuses=(("cp", "does not run on one rank's tokens"),)),
     Family("falcon", "parallel attention + MLP, fused QKV, LayerNorm",
            (("multi_query", False),), refuses=(("cp", _MASK),)),
     Family("phi", "parallel attention + MLP, partial rotary, biases, GELU"),
@@ -58,6 +59,6 @@ FAMILIES = (
     Family("bloom", "ALiBi, LayerNorm after the embedding, fused QKV",
            refuses=(("tp", "baddbmm"), ("cp", "no attention to ring"))),
     Family("gpt_bigcode", "MQA fused into the QKV projection",
-           refuses=(("tp", "split_with_sizes"),)),
+           refuses=(("tp", "fused with the queries"),)),
 )
 BY_ARCH = {f.arch: f for f in FAMILIES}

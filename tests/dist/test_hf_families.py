@@ -1,0 +1,74 @@
+"""Decoder-only Hugging Face families (planner.hf_families), each built from a small config with no
+download: planned from its config.json as `fxpar plan --hf-config` does, and trained under
+tp=2 x pp=2 and cp=2 x pp=2 on 4 gloo ranks against one process (losses, every gradient, the
+final parameters, rtol 1e-5). An axis a family cannot use is refused at plan time with the reason
+its entry names, and the family trains on the axes it can use instead."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from planner.api import plan  # noqa: E402
+from planner.cli import main  # noqa: E402
+from planner.costs import PlanningError  # noqa: E402
+from planner.hf import small_config  # noqa: E402
+from planner.hf_families import FAMILIES  # noqa: E402
+from planner.train import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
+
+ARCHS = [f.arch for f in FAMILIES]
+FIXED = {"dp": 1, "mb": 2, "schedule": "1f1b"}
+MESHES = {"tp": {"tp": 2, "pp": 2, "cp": 1, "strategy": "tp"}, "cp": {"cp": 2, "pp": 2, "tp": 1}}
+# Where an axis is refused, the same ranks train data-parallel instead.
+INSTEAD = {"dp": 2, "pp": 2, "tp": 1, "cp": 1, "mb": 2, "schedule": "1f1b"}
+
+
+def _spec(family) -> HFSpec:
+    return HFSpec(family.arch, global_batch=8, overrides=family.overrides, seq=32)
+
+
+def test_families_cover_the_constructs():
+    assert len(FAMILIES) >= 14
+    text = " ".join(f.exercises for f in FAMILIES).lower()
+    for construct in ("tied", "learned", "alibi", "partial", "parallel attention", "biases",
+                      "layernorm", "rmsnorm", "post-norm", "extra norms", "mqa", "gqa",
+                      "sliding-window attention alternating", "soft-capping", "relu", "gelu",
+                      "swiglu", "offset"):
+        assert construct in text, construct
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=ARCHS)
+def test_plans_from_its_config_file(family, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    small_config(family.arch, **dict(family.overrides)).to_json_file(str(path))
+    assert main(["plan", "--hf-config", str(path), "--gpus", "4", "--cluster", "cpu-gloo",
+                 "--global-batch", "8", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["mesh"]["dp"] * planned["mesh"]["tp"] * planned["mesh"]["pp"] * \
+        planned["mesh"].get("cp", 1) == 4
+    for axis in ("tp", "cp"):
+        if family.refusal(axis):  # left out of the search
+            assert planned["mesh"].get(axis, 1) == 1, axis
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("axis", ["tp", "cp"])
+@pytest.mark.parametrize("family", FAMILIES, ids=ARCHS)
+def test_trains_like_one_process(pool4, family, axis):
+    spec = _spec(family)
+    torch.manual_seed(0)
+    model, batch = build(spec)
+    fix = {**FIXED, **MESHES[axis]}
+    reason = family.refusal(axis)
+    if reason:
+        with pytest.raises(PlanningError, match=reason):
+            plan(model, 4, batch, cluster="cpu-gloo", fix=fix)
+        if axis == "cp":
+            return  # the data-parallel run below is the same for both axes: once is enough
+        fix = INSTEAD
+    chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
+    assert (chosen.tp, chosen.pp, chosen.cp) == (fix["tp"], fix["pp"], fix["cp"])
+    parallel = run_parallel(spec, chosen, 2, pool4)
+    reference = reference_run(spec, 2)
+    assert_same_run(parallel, reference, what=f"{family.arch} {axis}")
