@@ -213,9 +213,13 @@ class ModelCosts:
         return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
 
     def block_option(self, cost: LayerCost, dp: int = 1) -> ilp.BlockOption:
-        return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s,
-                               cost.params * sum(self.static_per_param(dp)), cost.act_bytes,
-                               cost.params * self.training.grad_bytes)
+        static = cost.params * sum(self.static_per_param(dp))
+        if self.ep_pricing is not None:  # expert weights stay whole under ZeRO (runtime.trainer)
+            kind = next(k for k, layer in enumerate(self.kinds) if layer.name == cost.layer)
+            whole = self.ep_pricing.expert_params(kind)
+            static += whole * (sum(self.static_per_param(1)) - sum(self.static_per_param(dp)))
+        return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s, static,
+                               cost.act_bytes, cost.params * self.training.grad_bytes)
 
     def end_layer(self, cost: LayerCost | None, dp: int = 1) -> ilp.EndLayer:
         if cost is None:

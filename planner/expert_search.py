@@ -9,7 +9,9 @@ What ep changes in a MoE block's per-micro-batch price (cost_model.moe.ExpertPri
                  is consecutive dp x cp ranks; crosses nodes when (ep - 1) tp >= GPUs per node)
                + (imbalance - 1) x the experts' compute: the most loaded rank sets the pace
   memory       - expert weights: a rank holds E/ep experts (their gradients and optimizer states
-                 too); the activations of the routed slots grow by the imbalance factor
+                 too), whole under every ZeRO level (the runtime keeps them out of the sharded
+                 buckets: ModelCosts.block_option adds back what the level's shares took off);
+                 the activations of the routed slots grow by the imbalance factor
   dp traffic   expert gradients are summed over dp x cp / ep ranks; the search prices the
                rank's (smaller) gradient bytes over the whole dp group, an upper bound
 
@@ -67,6 +69,11 @@ class EPPricing:
     by_kind: dict
     captured_batch: int
     imbalance: float | None = None
+
+    def expert_params(self, kind: int) -> float:
+        """Expert weights one rank holds in a block of `kind` (3 E h f / ep per MoE layer)."""
+        return sum(f.expert_param_bytes / f.dtype_bytes / self.ep
+                   for f in self.by_kind.get(kind, ()))
 
     def __call__(self, cost: LayerCost, micro_batch: int, cluster: Cluster, tp: int,
                  kind: int) -> LayerCost:
