@@ -271,9 +271,10 @@ def _program_buffer(model, name: str, b: torch.Tensor, device, built) -> torch.T
     try:
         model.get_buffer(name)
     except AttributeError:
-        raise MaterializeError(f"buffer {name} of a stage program is on the meta device and is "
-                               f"not a buffer of the model, so it has no value; build the model "
-                               f"with real weights for this plan") from None
+        raise MaterializeError(f"buffer {name} of a stage program is a table a rewrite made on "
+                               f"the meta device (context parallelism, uneven grouped-query "
+                               f"heads), so it has no value; build the model with real weights "
+                               f"for this plan") from None
     return buffer_value(model, name, device, built)
 
 

@@ -85,10 +85,10 @@ def test_a_meta_buffer_without_config_is_named():
         buffer_value(model, "table")
 
 
-def _shifted(tokens):
-    """Hugging Face's causal-LM loss predicts labels[:, 1:] from logits[:, :-1]; fxpar's models
-    take the targets as given, so they get the labels shifted (-100: the last one ignored)."""
-    return torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+def _hf_loss(hf, tokens, targets):
+    """The loss of the transformers model's own logits, targets as given (as fxpar's take them)."""
+    logits = hf.model(input_ids=tokens, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _hf_dir(tmp_path, arch, **overrides):
@@ -110,8 +110,8 @@ def test_fxpar_llama_loads_a_hugging_face_llama(tmp_path):
     model = build_model(cfg, device="meta")
     with ShardReader(str(tmp_path), model) as reader:
         model = materialize_full(model, source=reader)
-    tokens = example_batch(cfg, 2)[0]
-    torch.testing.assert_close(model(tokens, _shifted(tokens)), hf(tokens, tokens), rtol=1e-5,
+    tokens, targets = example_batch(cfg, 2)
+    torch.testing.assert_close(model(tokens, targets), _hf_loss(hf, tokens, targets), rtol=1e-5,
                                atol=0)
     exported = name_map(model).to_hf_state(dict(model.named_parameters()))
     for name, value in hf.model.state_dict().items():
@@ -126,8 +126,8 @@ def test_fxpar_gpt_loads_a_hugging_face_gpt2(tmp_path):
     model = build_model(cfg, device="meta")
     with ShardReader(str(tmp_path), model) as reader:
         model = materialize_full(model, source=reader)
-    tokens = example_batch(cfg, 2)[0]
-    torch.testing.assert_close(model(tokens, _shifted(tokens)), hf(tokens, tokens), rtol=1e-5,
+    tokens, targets = example_batch(cfg, 2)
+    torch.testing.assert_close(model(tokens, targets), _hf_loss(hf, tokens, targets), rtol=1e-5,
                                atol=0)
     names = name_map(model)
     assert names.to_hf("blocks.0.attn.qkv.weight") == HFTensor("transformer.h.0.attn.c_attn.weight",
