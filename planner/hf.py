@@ -92,6 +92,7 @@ def small_config(arch: str, **overrides):
         value = getattr(defaults, name, None)
         if isinstance(value, int) and value >= sizes["vocab_size"]:
             kwargs[name] = 0
+    kwargs["use_cache"] = False  # training: a KV cache would only be built and thrown away
     kwargs.update({own.get(k, k): v for k, v in overrides.items()})
     return tf.AutoConfig.for_model(arch, **kwargs)
 
@@ -119,6 +120,29 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
     """A randomly initialised model of any transformers decoder-only architecture (its
     model_type: gpt2, llama, gemma2, ...) at small default sizes."""
     return from_config(small_config(arch, **overrides))
+
+
+def extra_batch(names, shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Example model inputs beside the tokens, in the order of `names`: an attention mask that
+    pads the first few tokens of some samples (left padding), position ids that restart
+    part-way (two sequences packed into each sample)."""
+    batch, seq = shape
+    made = []
+    for name in names:
+        if name == "attention_mask":
+            mask = torch.ones(shape, dtype=torch.long)
+            pads = torch.randint(0, seq // 4, (batch,), generator=gen)
+            for row, pad in enumerate(pads.tolist()):
+                mask[row, :pad] = 0
+            made.append(mask)
+        elif name == "position_ids":
+            cut = seq // 2 + int(torch.randint(-seq // 4, seq // 4, (), generator=gen))
+            row = torch.cat([torch.arange(cut), torch.arange(seq - cut)])
+            made.append(row.expand(batch, seq).contiguous())
+        else:
+            raise ValueError(f"no example of model input {name!r}; known: attention_mask, "
+                             f"position_ids")
+    return tuple(made)
 
 
 def build_hf_from_file(path: str) -> HFCausalLM:

@@ -34,3 +34,16 @@ def with_loss(model, loss_fn: Callable | None):
     wrapped = copy.copy(model)  # shares modules and parameters: the same model, another forward
     wrapped.__class__ = type(f"{base.__name__}WithLoss", (base,), {"forward": forward})
     return wrapped
+
+
+def causal_lm_loss(output, targets):
+    """Mean cross-entropy of each position's logits against its target token (the next token),
+    for a forward that returns logits, or an output with a `.logits` field (a Hugging Face
+    `ModelOutput`, a dict): `autoparallelize(model, ..., loss_fn=causal_lm_loss)`."""
+    logits = output
+    if not isinstance(logits, torch.Tensor):
+        logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"causal_lm_loss needs logits: a tensor, or an output with .logits; got "
+                        f"{type(output).__name__}")
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())

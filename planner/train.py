@@ -39,14 +39,22 @@ class HFSpec:
     global_batch: int = 16
     overrides: tuple[tuple[str, object], ...] = ()
     seq: int | None = None      # None: the config's maximum positions
+    # Inputs given to the model itself beside the tokens ("attention_mask", "position_ids"):
+    # the transformers model is then trained as it is, its logits (a ModelOutput) through
+    # loss_fn=planner.loss.causal_lm_loss, with train_step(tokens, *extra, targets).
+    extra_inputs: tuple[str, ...] = ()
 
     def build(self):
-        from planner.hf import build_hf, sequence_length, vocab_size
+        from planner.hf import build_hf, extra_batch, sequence_length, vocab_size
         model = build_hf(self.arch, **dict(self.overrides))
         gen = torch.Generator().manual_seed(0)
         shape = (self.global_batch, self.seq or sequence_length(model))
         batch = tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
-        return model, batch
+        if not self.extra_inputs:
+            return model, batch
+        from planner.loss import causal_lm_loss, with_loss
+        extra = extra_batch(self.extra_inputs, shape, gen)
+        return with_loss(model.model, causal_lm_loss), (batch[0], *extra, batch[1])
 
 
 def build(spec: ModelConfig | HFSpec):
