@@ -9,6 +9,7 @@ from planner.plan import Plan, gib
 def _mesh(p: Plan) -> str:
     v = f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""
     cp = f" cp={p.cp}" if p.cp > 1 else ""
+    cp += f" ep={p.ep}" if p.ep > 1 else ""
     return (f"dp={p.dp} tp={p.tp} pp={p.pp}{cp}  {p.schedule}{v}  mb={p.micro_batch} "
             f"x{p.num_microbatches}")
 
