@@ -56,6 +56,11 @@ parallel all-reduce time is affine in bytes (a: latency terms, b: exposed second
 linear. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
 (a tied head) over their two ranks, on those ranks when they differ (runtime.tied), else 0.
 
+Expert parallelism (planner.expert_search) adds no variable: the problem is solved once per EP
+size, with each MoE kind's options priced at that ep — t_k gains the four all-to-alls and the
+imbalance's extra expert compute, the static bytes hold 1/ep of the expert weights (whole under
+every ZeRO level), g_k the rank's gradients — and the fastest solution over the sizes wins.
+
 The ρ floor is a valid inequality, not a restriction: rank r spends F_r (its ends and p2p) plus
 at least min_k t_k per block it holds, so within ρ it holds at most ⌊(ρ − F_r)/min_k t_k⌋ blocks,
 and together the ranks must hold all N. The LP relaxation would otherwise spread fractional
