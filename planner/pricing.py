@@ -113,12 +113,15 @@ class Pricer:
         self.limit = _memory_limit_bytes(memory_limit, self.cluster)
         self.costs, self.name, self.global_batch, self.seq = _model_costs(
             model, example_inputs, global_batch, seq, zero1)
+        # What Megatron-LM and torchtitan configurations state of data parallel: replicated, or
+        # ZeRO-1 (--use-distributed-optimizer, --zero1); the other levels are not carried over.
+        self.zero = 1 if zero1 else 0
 
     def request(self, fix: dict | None = None, top_k: int = 1,
                 memory_limit: float | None = None) -> Request:
         return Request(self.gpus, self.cluster, self.global_batch, self.seq,
                        self.limit if memory_limit is None else memory_limit, self.name,
-                       dict(fix or {}), top_k=top_k)
+                       {"zero": self.zero, **(fix or {})}, top_k=top_k)
 
     def best(self, top_k: int = 1, fix: dict | None = None) -> list[Plan]:
         """fxpar's own plans, fastest first (as planner.api.plan, with `fix` as --fix)."""
