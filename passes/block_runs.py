@@ -42,9 +42,14 @@ def block_runs(blocks) -> tuple[Run, ...]:
 
 def describe(blocks) -> str:
     """'blocks 0-1 (kind 0: DenseBlock-like, 12 nodes), blocks 2-3 (kind 1, 15 nodes)'."""
-    kinds = block_kinds(blocks)
+    kinds, runs = block_kinds(blocks), block_runs(blocks)
+    if len(runs) > 6:  # an alternating pattern: say how many of each, not every run
+        counts = [sum(r.count for r in runs if r.kind == k) for k in range(len(kinds))]
+        return (f"{len(blocks)} blocks in {len(runs)} runs: " + ", ".join(
+            f"{n} of kind {k} ({len(kinds[k].nodes)} nodes, first block {kinds[k].name})"
+            for k, n in enumerate(counts)))
     parts = []
-    for run in block_runs(blocks):
+    for run in runs:
         last = run.first + run.count - 1
         span = f"block {run.first}" if run.count == 1 else f"blocks {run.first}-{last}"
         parts.append(f"{span} (kind {run.kind}, {len(kinds[run.kind].nodes)} nodes)")

@@ -28,13 +28,28 @@ def best_uniform(costs, req: Request) -> float:
                 m = req.global_batch // (dp * b)
                 cand = Candidate(dp, tp, pp, b, m, "1f1b", 1, 0.0)
                 problem, _ = build_problem(costs, req, cand, req.memory_limit)
-                for k in range(len(problem.options)):
-                    counts = [tuple(n if j == k else 0 for j in range(len(problem.options)))
-                              for n in _even(costs.num_blocks, pp)]
+                for counts in _uniform_counts(problem, pp):
                     time_s, peak = ilp.evaluate(problem, counts)
                     if peak <= req.memory_limit:
                         best = min(best, time_s)
     return best
+
+
+def _uniform_counts(problem: ilp.StageProblem, pp: int):
+    """Per-stage option counts of every block under one strategy, blocks split evenly; with runs
+    of blocks of several kinds, each block takes its own run's option of that strategy (a
+    strategy some run does not offer, being dominated there, is skipped)."""
+    runs, ranges = problem.block_runs(), problem.run_options()
+    names = set.intersection(*({problem.options[k].name for k in ks} for ks in ranges))
+    for name in sorted(names):
+        per_block = [next(k for k in ks if problem.options[k].name == name)
+                     for run, ks in zip(runs, ranges) for _ in range(run.count)]
+        counts, first = [], 0
+        for size in _even(problem.blocks, pp):
+            here = per_block[first:first + size]
+            counts.append(tuple(here.count(k) for k in range(len(problem.options))))
+            first += size
+        yield counts
 
 
 CASES = [(name, gpus) for name in sorted(PRESETS) for gpus in (8, 64, 1024)]

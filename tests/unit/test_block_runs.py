@@ -137,3 +137,13 @@ def test_a_stated_layout_of_mixed_blocks_is_priced_per_kind_as_the_search_priced
     moved = (("none",) * (sizes[0] - 1), ("none",) * (sizes[1] + 1))
     other = pricer.price(Configuration(1, 1, 2, 1, 1, "1f1b", 1, moved, ends=config.ends))
     assert other.iteration_s != pytest.approx(again.iteration_s, rel=1e-6)
+
+
+def test_a_long_alternating_pattern_is_described_by_counts():
+    from types import SimpleNamespace
+
+    from passes.block_runs import describe
+    blocks = [SimpleNamespace(signature=str(i % 2), nodes=(0,) * (2 + i % 2), name=f"blocks.{i}")
+              for i in range(8)]
+    assert describe(blocks) == ("8 blocks in 8 runs: 4 of kind 0 (2 nodes, first block "
+                                "blocks.0), 4 of kind 1 (3 nodes, first block blocks.1)")
