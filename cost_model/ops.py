@@ -51,6 +51,7 @@ _RULES: dict[str, Rule] = {
     "layer_norm": r.norm,
     "rms_norm": r.norm,
     "dropout": r.dropout,
+    "tp_dropout": r.dropout,  # runtime.rng's dropout of a tensor-parallel shard
     "embedding": r.embedding,
     "cross_entropy": r.cross_entropy,
     "nll_loss": r.nll_loss,

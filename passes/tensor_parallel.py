@@ -39,7 +39,7 @@ from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
                              shard_of, shard_param, shard_specs, tag_layers)
 from passes.tp_dataflow import check_layer
-from runtime import collectives
+from runtime import collectives, rng
 
 aten = torch.ops.aten
 # ShardingError, ShardSpec and shard_specs are imported from here by the planner and the runtime.
@@ -130,7 +130,26 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
             else:
                 _check_heads(node, layer, tp)
             _sum_replicated_grads(gm, node, layer, group)
+            _own_dropout(gm, node)
             sharded.add(node)
+
+
+_DROPOUTS = {torch.ops.aten.dropout.default, F.dropout}
+
+
+def _own_dropout(gm, node: fx.Node) -> None:
+    """A dropout of a sharded value draws from this tp rank's own stream (runtime.rng): each
+    shard drops independently, while dropouts of whole values (every tp rank holds the same)
+    keep the default stream, seeded alike across the group."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Dropout):
+        p, train = gm.get_submodule(node.target).p, True
+    elif node.op == "call_function" and node.target in _DROPOUTS:
+        args = dict(zip(("input", "p", "train"), node.args)) | dict(node.kwargs)
+        p, train = args.get("p", 0.5), args.get("train", args.get("training", True))
+    else:
+        return
+    node.op, node.target = "call_function", rng.tp_dropout
+    node.args, node.kwargs = (node.args[0], p, train), {}
 
 
 def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from runtime import activity
+from runtime import activity, rng
 from runtime.batch import BatchSpec, compare_batches
 from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
@@ -179,6 +179,8 @@ class PipelineTrainer:
         broadcast_replicas([p for p in unique.values() if not is_expert(p)], self._sharded, groups)
         broadcast_experts([p for p in unique.values() if is_expert(p)], groups, experts)
         broadcast_tied(self.tied)
+        rng.seed_ranks(rng.shared_seed(), groups.tp_index, groups.pp_index, groups.dp_index,
+                       groups.cp_index)  # dropout streams per rank (runtime.rng)
         self._not_in_norm = {id(c.param) for c in self.tied if not c.counts_in_norm}
         self.sharded = self._sharding(programs, options)
         # Expert weights stay out of sharded data parallel: they are replicated over fewer ranks.

@@ -1,0 +1,62 @@
+"""Random numbers per rank for dropout, as Megatron-LM's RNG tracker keeps them.
+
+Two streams on every rank:
+
+* the default generator, seeded alike on the ranks of one tensor-parallel group and differently
+  across pipeline stages, data-parallel replicas and context-parallel ranks: a dropout of a
+  value every tp rank holds whole (after a row-parallel all-reduce, in the embedding) drops the
+  same elements on each, so the replicas stay equal;
+* a tensor-parallel stream, seeded differently on every tp rank, which `tp_dropout` draws from:
+  a dropout of a sharded value (attention probabilities of this rank's heads, the MLP's inner
+  features) drops independently per shard, as one process dropping the whole tensor would.
+
+`seed_ranks` sets both at set-up (runtime.trainer calls it); passes.tensor_parallel turns each
+dropout of a sharded value into `tp_dropout`. The dropped elements differ from a one-process run
+(that draws one stream over the whole batch), so a run with dropout matches one process in
+distribution, not bit for bit; with p = 0 nothing is drawn and the numerics are unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+_TP_OFFSET = 2718  # Megatron's offset of the model-parallel seed
+_STATE: dict[str, torch.Generator] = {}
+
+
+def seed_ranks(seed: int, tp_index: int, pp_index: int = 0, dp_index: int = 0,
+               cp_index: int = 0) -> None:
+    """Seed the default generator by everything but the tp index, the tp stream by it too."""
+    replica = seed + 100_003 * pp_index + 1_009 * dp_index + 10_007 * cp_index
+    torch.manual_seed(replica)
+    gen = torch.Generator()
+    gen.manual_seed(replica + _TP_OFFSET + 7 * (tp_index + 1))
+    _STATE["tp"] = gen
+
+
+def shared_seed() -> int:
+    """Global rank 0's initial seed, on every rank (ranks need not be seeded alike)."""
+    import torch.distributed as dist
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed)
+
+
+def tp_generator() -> torch.Generator:
+    """The tensor-parallel stream (seeded from torch's initial seed when never set up)."""
+    if "tp" not in _STATE:
+        gen = torch.Generator()
+        gen.manual_seed(torch.initial_seed() + _TP_OFFSET)
+        _STATE["tp"] = gen
+    return _STATE["tp"]
+
+
+def tp_dropout(x: torch.Tensor, p: float = 0.5, train: bool = True, tag: str = "") -> torch.Tensor:
+    """Dropout of a tensor-parallel shard, drawn from this rank's own stream."""
+    if not train or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    keep = torch.empty(x.shape, dtype=x.dtype, device="cpu").bernoulli_(1.0 - p,
+                                                                        generator=tp_generator())
+    return x * keep.to(x.device) / (1.0 - p)
