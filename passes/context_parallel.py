@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from passes.capture import propagate_shapes
 from passes.expert_parallel import sequence_refusal
+from passes.tables import table
 from runtime.cp_data import check_sequence, global_positions
 from runtime.ring_attention import ring_attention
 
@@ -114,7 +115,11 @@ def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | No
     if refusal:
         return refusal
     try:
-        return None if find_attentions(gm, layers) else "the graph has no attention to ring"
+        return None if find_attentions(gm, layers) else (
+            "the graph has no attention to ring: context parallel needs "
+            "F.scaled_dot_product_attention (is_causal or no mask) or softmax(q @ "
+            "k.transpose(-2, -1) * scale [masked causal]) @ v, and this model's attention is "
+            "neither (soft-capped scores, a position bias such as ALiBi); plan with cp=1")
     except ContextParallelError as err:
         return str(err)
 
@@ -303,7 +308,8 @@ def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str
 def _positions_buffer(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
     if not hasattr(gm, POSITIONS_BUFFER):
         device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
-        gm.register_buffer(POSITIONS_BUFFER, global_positions(seq, cp, rank, layout, device),
+        gm.register_buffer(POSITIONS_BUFFER, table(global_positions(seq, cp, rank, layout, "cpu"),
+                                                   device),
                            persistent=False)
 
 

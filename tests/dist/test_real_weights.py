@@ -26,24 +26,27 @@ def _vocab_parallel(plan):
     return dataclasses.replace(plan, stages=stages)
 
 
-def _fixed(source, gpus, dp, tp, pp, vocab=True):
-    fix = dict(dp=dp, tp=tp, pp=pp, mb=2, strategy="tp", schedule="1f1b")
+def _fixed(source, gpus, dp, tp, pp, cp=1, vocab=True):
+    fix = dict(dp=dp, tp=tp, pp=pp, cp=cp, mb=2, strategy="tp", schedule="1f1b")
     plan = plan_for(source, gpus, fix)
-    assert (plan.dp, plan.tp, plan.pp) == (dp, tp, pp)
+    assert (plan.dp, plan.tp, plan.pp, plan.cp) == (dp, tp, pp, cp)
     return _vocab_parallel(plan) if vocab else plan
 
 
-PRESETS = [  # (config, mesh): grouped-query heads and a prime vocabulary; a tied GPT
+PRESETS = [  # (config, mesh): grouped-query heads and a prime vocabulary; a tied GPT; ring
+    # attention (its position table made on the meta device)
     (get_config("llama-tiny").with_(layers=4, vocab=251), (1, 2, 2)),
     (get_config("gpt-tiny").with_(layers=4, tie=True), (2, 2, 2)),
+    (get_config("llama-tiny").with_(layers=4), (1, 2, 2, 2)),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("config,mesh", PRESETS, ids=["llama-tp2-pp2", "gpt-tied-dp2-tp2-pp2"])
+@pytest.mark.parametrize("config,mesh", PRESETS, ids=["llama-tp2-pp2", "gpt-tied-dp2-tp2-pp2",
+                                                       "llama-tp2-pp2-cp2"])
 def test_meta_model_materialised_per_shard_matches_one_process(config, mesh):
     source = Source(config=config, global_batch=8, seed=7)
-    gpus = mesh[0] * mesh[1] * mesh[2]
+    gpus = mesh[0] * mesh[1] * mesh[2] * (mesh[3] if len(mesh) > 3 else 1)
     plan = _fixed(source, gpus, *mesh)
     parallel = run_parallel(source, plan, 2, rank_pool(gpus))
     assert_same_run(parallel, train_one_process(source, 2), what=config.name)

@@ -190,3 +190,22 @@ def test_run_weights_refuses_what_it_would_ignore(tmp_path, capsys):
     assert "takes the model and its sizes from" in capsys.readouterr().err
     assert main(["run", "--weights", str(tmp_path), "--gpus", "2"]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_tables_a_rewrite_makes_on_a_meta_model_keep_their_values():
+    """Context parallelism's position table, made on the meta device, gets the values the same
+    rewrite of a model with real weights has."""
+    cfg = get_config("gpt-tiny").with_(layers=2)
+    tokens = example_batch(cfg, 1)
+    for rank in range(2):
+        tables = []
+        for device in ("meta", "cpu"):
+            model = build_model(cfg, device=device)
+            captured = capture(model, tuple(t.to(device) for t in tokens))
+            programs = rank_programs(captured, Layout(1, (), (2, 2), cp=2), 0, (0, 1), rank)
+            if device == "meta":
+                materialize_programs(programs.values(), model, {}, init_source(model))
+            tables.append({n: b for p in programs.values() for n, b in p.gm.named_buffers()})
+        assert "cp_positions" in tables[1]
+        for name, value in tables[1].items():
+            torch.testing.assert_close(tables[0][name], value, rtol=0, atol=0)
