@@ -38,6 +38,7 @@ from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_
                              before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
                              shard_of, shard_param, shard_specs, tag_layers)
+from passes.tables import table
 from passes.tp_dataflow import check_layer
 from runtime import collectives, rng
 
@@ -250,7 +251,8 @@ def _make_replicated(gm, site: LinearSite, layer: str, select, group: str) -> fx
     graph.erase_node(node)
     if isinstance(select, torch.Tensor):
         name = f"{linear.name}_heads"
-        gm.register_buffer(name, select.to(get_param(gm, site.weight).device), persistent=False)
+        gm.register_buffer(name, table(select, get_param(gm, site.weight).device),
+                           persistent=False)
         with graph.inserting_after(linear):
             index = graph.get_attr(name)
         index.meta[LAYER] = layer

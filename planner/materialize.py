@@ -272,8 +272,8 @@ def _program_buffer(model, name: str, b: torch.Tensor, device, built) -> torch.T
         model.get_buffer(name)
     except AttributeError:
         raise MaterializeError(f"buffer {name} of a stage program is a table a rewrite made on "
-                               f"the meta device without its values (uneven grouped-query "
-                               f"heads), so it has no value; build the model with real weights "
+                               f"the meta device without its values (passes.tables keeps "
+                               f"them), so it has no value; build the model with real weights "
                                f"for this plan") from None
     return buffer_value(model, name, device, built)
 

@@ -192,20 +192,29 @@ def test_run_weights_refuses_what_it_would_ignore(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
-def test_tables_a_rewrite_makes_on_a_meta_model_keep_their_values():
-    """Context parallelism's position table, made on the meta device, gets the values the same
-    rewrite of a model with real weights has."""
-    cfg = get_config("gpt-tiny").with_(layers=2)
+@pytest.mark.parametrize("case", ["cp", "uneven-gqa"])
+def test_tables_a_rewrite_makes_on_a_meta_model_keep_their_values(case):
+    """Context parallelism's position table and the kv-head index of unevenly grouped heads
+    (12 query heads, 3 kv heads, tp=2), made on the meta device, get the values the same rewrite
+    of a model with real weights has."""
+    if case == "cp":
+        cfg, name = get_config("gpt-tiny").with_(layers=2), "cp_positions"
+    else:
+        cfg, name = get_config("llama-tiny").with_(layers=2, heads=12, kv_heads=3, hidden=96), \
+            "_heads"
     tokens = example_batch(cfg, 1)
     for rank in range(2):
         tables = []
         for device in ("meta", "cpu"):
             model = build_model(cfg, device=device)
             captured = capture(model, tuple(t.to(device) for t in tokens))
-            programs = rank_programs(captured, Layout(1, (), (2, 2), cp=2), 0, (0, 1), rank)
+            layout = (Layout(1, (), (2, 2), cp=2) if case == "cp" else
+                      Layout(2, tuple((b.name, "tp") for b in captured.blocks), (2, 2)))
+            programs = (rank_programs(captured, layout, 0, (0, 1), rank) if case == "cp" else
+                        rank_programs(captured, layout, rank, (0, 1)))
             if device == "meta":
                 materialize_programs(programs.values(), model, {}, init_source(model))
             tables.append({n: b for p in programs.values() for n, b in p.gm.named_buffers()})
-        assert "cp_positions" in tables[1]
-        for name, value in tables[1].items():
-            torch.testing.assert_close(tables[0][name], value, rtol=0, atol=0)
+        assert any(n.endswith(name) for n in tables[1]), sorted(tables[1])
+        for n, value in tables[1].items():
+            torch.testing.assert_close(tables[0][n], value, rtol=0, atol=0)
