@@ -8,7 +8,8 @@ buffer of this rank's programs its values, one parameter at a time:
              this rank's slice) or the init rule below — and this rank keeps its shard
              (runtime.shards.ShardSpec), so the extra memory at any moment is one full parameter;
   buffer     a real buffer of the model is taken as it is; a meta one (rotary tables, masks) is
-             recomputed by building its owner module again from its `cfg` / `config`.
+             recomputed by building its owner module again from its `cfg` / `config`; an index
+             table a rewrite made on the meta device carries its values (passes.tables).
 
 The init rule is independent of the plan: parameter NAME of the full model is initialised by its
 owner module's own `reset_parameters()` (a Hugging Face model's `_init_weights`) on an empty
