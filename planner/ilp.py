@@ -56,6 +56,13 @@ parallel all-reduce time is affine in bytes (a: latency terms, b: exposed second
 linear. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
 (a tied head) over their two ranks, on those ranks when they differ (runtime.tied), else 0.
 
+Sharded data parallel (ZeRO level z over shard groups of n ranks, planner.zero) adds no variable
+either: w_k becomes the bytes one rank holds of option k's weights, gradients and optimizer states
+under z (cost_model.sharding: w·f_w + g·f_g + K·f_o with f = 1/n for what z shards), M shrinks by
+the whole-layer buffers levels 2-3 hold for a moment, and (a, b) are the level's collectives per
+step (reduce-scatters once or per micro-batch, all-gathers after the step or before every use,
+the replicate all-reduce of hybrid sharding), still affine in the rank's gradient bytes.
+
 Expert parallelism (planner.expert_search) adds no variable: the problem is solved once per EP
 size, with each MoE kind's options priced at that ep — t_k gains the four all-to-alls and the
 imbalance's extra expert compute, the static bytes hold 1/ep of the expert weights (whole under
