@@ -51,7 +51,6 @@ _RULES: dict[str, Rule] = {
     "layer_norm": r.norm,
     "rms_norm": r.norm,
     "dropout": r.dropout,
-    "tp_dropout": r.dropout,  # runtime.rng's dropout of a tensor-parallel shard
     "embedding": r.embedding,
     "cross_entropy": r.cross_entropy,
     "nll_loss": r.nll_loss,
@@ -86,6 +85,7 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
 # cross-entropy over this rank's logits slice; its all-reduces are priced by layer_cost.
 _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
     "passes.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
+    "runtime.rng.tp_dropout": ("dropout", r.dropout),  # a dropout of a tensor-parallel shard
     moe.QUALNAME: ("moe_ffn", moe.moe_rule),   # a mixture-of-experts layer (cost_model.moe)
     moe.OP_QUALNAME: ("routed_experts", moe.moe_rule),   # its experts, exported as one op
 }

@@ -93,8 +93,9 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--moe-imbalance", type=_imbalance, default=None, metavar="FACTOR",
                    help="mixture of experts: the most loaded expert-parallel rank's tokens over "
                         "the mean (>= 1; default: the expected maximum of uniform routing)")
-    p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (gpt2, llama) at "
-                   "small sizes, built from its config; needs the hf extra")
+    p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (any decoder-only "
+                   "model_type: gpt2, llama, gemma2, ...) at small sizes, built from its config; "
+                   "needs the hf extra")
     p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
     for size in ("layers", "hidden", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{size}", type=_positive_int, default=None,

@@ -109,7 +109,8 @@ class ModelCosts:
                     self._kind_profiles[k, tp] = profile_layer(self.captured, layer, tp)
                 except ShardingError as err:
                     where = f"{layer.name}: " if len(self.kinds) > 1 else ""
-                    self.tp_errors[tp] = f"{where}{err}"
+                    self.tp_errors[tp] = (f"{where}{err}; fxpar leaves tp={tp} out for this "
+                                          f"model: plan with another tp, or change that op")
                     break
             else:
                 self._profiles[tp] = self._kind_profiles[0, tp]
