@@ -195,9 +195,13 @@ class _Bucket:
         if self.gathered or self.pending is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
+        if group is None:  # a shard group of one rank holds everything
+            with torch.no_grad():
+                self.full.copy_(self.shard)
+            self.gathered = True
+            return
         _count("all_gather", self.nbytes, self.n)
-        self.pending = _all_gather(self.full, self.shard.detach(), group=group,
-                                                   async_op=True)
+        self.pending = _all_gather(self.full, self.shard.detach(), group=group, async_op=True)
 
     def gather(self, group) -> None:
         self.start_gather(group)

@@ -69,6 +69,9 @@ def _cases():
     cases.append(("dp2-tp2-pp2-zb-full-zero3", 3, None,
                   {**MESHES["dp2-tp2-pp2-zb"], "strategy": "tp+full"}))
     cases.append(("dp8-selective-zero3", 3, None, {**MESHES["dp8"], "recompute": "selective"}))
+    # One rank per shard group (dp = cp = 1): every level is a local no-op that must stay exact.
+    cases.append(("tp4-pp2-zero3", 3, None, dict(dp=1, tp=4, pp=2, m=2, schedule="1f1b",
+                                                 strategy="tp")))
     return cases
 
 
