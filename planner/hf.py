@@ -59,21 +59,24 @@ class HFCausalLM(torch.nn.Module):
 
 
 def architectures() -> list[str]:
-    """Every model_type of the installed transformers that has a causal language model."""
+    """Every decoder-only model_type of the installed transformers: it has a causal language
+    model, and no masked or sequence-to-sequence one (BERT and BART also have causal LM heads)."""
     tf = _transformers()
+    other = (tf.MODEL_FOR_MASKED_LM_MAPPING, tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING)
     return sorted(t for t, cls in tf.CONFIG_MAPPING.items()
-                  if cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING)
+                  if cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING
+                  and not any(cls in mapping for mapping in other))
 
 
 def small_config(arch: str, **overrides):
     """`arch`'s config at the small sizes above; dropout off (as an override, any rate); token
     ids outside the small vocabulary moved to 0."""
     tf = _transformers()
-    if arch not in tf.CONFIG_MAPPING or tf.CONFIG_MAPPING[arch] not in \
-            tf.MODEL_FOR_CAUSAL_LM_MAPPING:
-        close = difflib.get_close_matches(arch, architectures(), n=3)
+    known = architectures()
+    if arch not in known:
+        close = difflib.get_close_matches(arch, known, n=3)
         raise ValueError(f"unknown Hugging Face architecture {arch!r}: transformers "
-                         f"{tf.__version__} has no causal LM of that model_type"
+                         f"{tf.__version__} has no decoder-only causal LM of that model_type"
                          + (f"; did you mean {', '.join(close)}?" if close else "")
                          + " (or give --hf-config FILE.json)")
     cls = tf.CONFIG_MAPPING[arch]
