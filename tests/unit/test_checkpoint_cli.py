@@ -2,7 +2,6 @@
 import json
 import os
 
-
 from planner.cli import main
 from runtime import checkpoint
 
