@@ -1,8 +1,10 @@
 """Hugging Face transformers models (the optional `hf` extra), built from a config, no download.
 
 `HFCausalLM` wraps a `*ForCausalLM` so that, like fxpar's reference models, it takes
-`(tokens, targets)` (targets: the next token of each position) and returns the loss; it is captured with `torch.export` (symbolic tracing
-cannot follow transformers' control flow) with the KV cache off.
+`(tokens, targets)` (targets: the next token of each position) and returns the loss; it is
+captured with `torch.export` (symbolic tracing cannot follow transformers' control flow) with the
+KV cache off. `small_config` / `build_hf` make any decoder-only `model_type` at small sizes
+(`architectures()` lists them); planner.hf_families lists the families the tests cover.
 """
 from __future__ import annotations
 
