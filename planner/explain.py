@@ -10,6 +10,8 @@ def _mesh(p: Plan) -> str:
     v = f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""
     cp = f" cp={p.cp}" if p.cp > 1 else ""
     cp += f" ep={p.ep}" if p.ep > 1 else ""
+    cp += f" zero={p.zero}" if p.zero else ""
+    cp += f" dp_shard={p.dp_shard}" if p.dp_shard and p.dp_shard != p.dp else ""
     return (f"dp={p.dp} tp={p.tp} pp={p.pp}{cp}  {p.schedule}{v}  mb={p.micro_batch} "
             f"x{p.num_microbatches}")
 
