@@ -67,7 +67,7 @@ class ResumeResult:
     losses: tuple[float, ...]      # of steps first_step + 1 ... last
     state: dict                    # full parameters after the last step
     saved: tuple[str, ...] = ()    # checkpoint folders written
-    draw: float = 0.0              # a draw from torch's generator after the last step
+    draw: tuple[float, float] = (0.0, 0.0)  # draws from torch's two dropout streams at the end
     zero: int = 0                  # the sharded data-parallel level the ranks trained with
 
 
@@ -102,7 +102,9 @@ def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
             saved.append(pm.save(checkpoint.step_dir(root, pm.step)))
     state = pm.full_state_dict()
     zero = getattr(pm.shard().sharded, "level", 0) if getattr(pm.shard(), "sharded", None) else 0
-    return ResumeResult(first, tuple(losses), state, tuple(saved), float(torch.rand(())), zero)
+    from runtime.rng import tp_generator
+    draws = (float(torch.rand(())), float(torch.rand((), generator=tp_generator())))
+    return ResumeResult(first, tuple(losses), state, tuple(saved), draws, zero)
 
 
 def run_with_checkpoints(config, plan: Plan, steps: int, root: str | None, save_every: int = 0,

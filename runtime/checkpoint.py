@@ -18,7 +18,8 @@ What is saved, by key (every tensor keyed by the model's full parameter name, so
                              values are saved from, and loaded into, the shards in the same way.
     optim/param_groups       the optimizer's hyperparameters (lr, betas, ...), without params
     trainer                  step, data position, loss scale, the caller's extra values
-    rng/<rank>               each rank's torch / Python / NumPy (/ CUDA) generator states
+    rng/<rank>               each rank's torch (default and runtime.rng's tensor-parallel
+                             dropout stream) / Python / NumPy (/ CUDA) generator states
 
 Atomicity: every rank writes into `<path>.partial`; when DCP has returned on every rank (the
 coordinator writes DCP's .metadata last) a barrier follows, then rank 0 writes MARKER and renames
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from runtime.dcp_slices import (Slices, SlicesLoadPlanner, SlicesSavePlanner, flat_range_pieces,
                                 shard_pieces, to_full, whole)
+from runtime import rng
 from runtime.shards import shard_specs
 from runtime.tied import canonical_names
 
@@ -147,7 +149,8 @@ def _param_groups(optimizer) -> list[dict]:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "tp": rng.tp_generator().get_state(), "seed": torch.initial_seed()}
     try:
         import numpy
         state["numpy"] = numpy.random.get_state()
@@ -158,8 +161,17 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+def _set_rng_state(state: dict, own: bool, groups, step: int) -> None:
+    """This rank's saved generator states (`own`: saved by this rank under the same mesh); else
+    rank 0's Python and NumPy states, and torch's two dropout streams seeded anew for this rank's
+    coordinates as runtime.rng seeds them, from rank 0's seed and the step."""
+    if own:
+        torch.set_rng_state(state["torch"])
+        if "tp" in state:
+            rng.tp_generator().set_state(state["tp"])
+    else:
+        rng.seed_ranks(state["seed"] + 1_000_003 * step, groups.tp_index, groups.pp_index,
+                       groups.dp_index, groups.cp_index)
     random.setstate(state["python"])
     if "numpy" in state:
         import numpy
@@ -263,7 +275,8 @@ def read_marker(path: str) -> dict:
 def load(trainer, path: str) -> dict:
     """Load a checkpoint saved under any mesh into this rank's trainer, in place (collective).
     Returns the saved info (step, data_position, extra). Under the same mesh every rank takes
-    its own RNG states; under another, every rank takes those of rank 0."""
+    its own RNG states back (both dropout streams of runtime.rng); under another, see
+    _set_rng_state."""
     path = resolve(path)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     params = local_parameters(trainer)
@@ -282,7 +295,7 @@ def load(trainer, path: str) -> dict:
     saved = state["trainer"]
     if trainer.scaler is not None and saved.get("loss_scale") is not None:
         trainer.scaler.scale, trainer.scaler.good_steps = saved["loss_scale"]
-    _set_rng_state(state[rng_key])
+    _set_rng_state(state[rng_key], same, trainer.groups, saved.get("step") or 0)
     return {k: v for k, v in saved.items() if k != "loss_scale"}
 
 
