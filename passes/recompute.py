@@ -14,7 +14,6 @@ RNG state, and is numerically exact; collectives it runs again are counted as re
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Collection, Mapping, Sequence
 
@@ -26,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from passes.sharding import LAYER, is_sdpa, nodes_by_layer, tag_layers
 from runtime.ring_attention import ring_attention
-from runtime import collectives, instrument
+from runtime import collectives, instrument, rng
 
 
 def recompute(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
@@ -112,8 +111,27 @@ def invoke(module: nn.Module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
+class _Recomputing:
+    """Re-enterable, like collectives.recomputing: a recomputation counted as repeated traffic,
+    drawing the tensor-parallel dropout masks its forward drew."""
+
+    def __init__(self, replay: rng.StreamReplay):
+        self.counting, self.replay = collectives.recomputing(), replay.recompute()
+
+    def __enter__(self):
+        self.counting.__enter__()
+        self.replay.__enter__()
+
+    def __exit__(self, *exc):
+        self.replay.__exit__(*exc)
+        self.counting.__exit__(*exc)
+
+
 def _recompute_contexts():
-    return contextlib.nullcontext(), collectives.recomputing()
+    # the tensor-parallel dropout stream replays like the default generator, which checkpoint
+    # itself restores: a recomputed region draws the masks its forward drew
+    replay = rng.StreamReplay()
+    return replay.forward(), _Recomputing(replay)
 
 
 def checkpointed(body: nn.Module, *args):

@@ -10,6 +10,9 @@ Two streams on every rank:
   a dropout of a sharded value (attention probabilities of this rank's heads, the MLP's inner
   features) drops independently per shard, as one process dropping the whole tensor would.
 
+Under activation checkpointing the tp stream replays like the default generator does
+(`StreamReplay`, used by passes.recompute), so a recomputed region drops what its forward dropped.
+
 `seed_ranks` sets both at set-up (runtime.trainer calls it); passes.tensor_parallel turns each
 dropout of a sharded value into `tp_dropout`. The dropped elements differ from a one-process run
 (that draws one stream over the whole batch), so a run with dropout matches one process in
@@ -60,3 +63,47 @@ def tp_dropout(x: torch.Tensor, p: float = 0.5, train: bool = True, tag: str = "
     keep = torch.empty(x.shape, dtype=x.dtype, device="cpu").bernoulli_(1.0 - p,
                                                                         generator=tp_generator())
     return x * keep.to(x.device) / (1.0 - p)
+
+
+
+class StreamReplay:
+    """The tensor-parallel stream through one activation checkpoint, as torch.utils.checkpoint
+    keeps the default generator: entering `forward()` records the stream's state; entering
+    `recompute()` draws from that state again (the recomputed dropout masks equal the forward's)
+    and on exit puts the stream back where it was, so later draws are unaffected. Both are
+    re-enterable: a checkpoint recomputes once per backward pass (twice when input and weight
+    gradients are computed apart)."""
+
+    def __init__(self):
+        self._state: torch.Tensor | None = None
+
+    def forward(self) -> _Record:
+        return _Record(self)
+
+    def recompute(self) -> _Replay:
+        return _Replay(self)
+
+
+class _Record:
+    def __init__(self, replay: StreamReplay):
+        self.replay = replay
+
+    def __enter__(self):
+        self.replay._state = tp_generator().get_state()
+
+    def __exit__(self, *exc):
+        return None
+
+
+class _Replay:
+    def __init__(self, replay: StreamReplay):
+        self.replay, self.now = replay, []
+
+    def __enter__(self):
+        gen = tp_generator()
+        self.now.append(gen.get_state())
+        if self.replay._state is not None:
+            gen.set_state(self.replay._state)
+
+    def __exit__(self, *exc):
+        tp_generator().set_state(self.now.pop())
