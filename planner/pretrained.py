@@ -15,7 +15,7 @@ import torch
 
 from planner.models import ModelConfig, build_model, example_batch
 from planner.plan import Plan
-from planner.train import RunResult, make_optimizer
+from planner.train import RunResult, make_optimizer, print_comparison
 
 
 @dataclass(frozen=True)
@@ -128,24 +128,12 @@ def run_parallel(source: Source, plan: Plan, steps: int, pool=None,
 def compare(source: Source, plan: Plan, steps: int) -> float:
     """Train on local gloo ranks and in one process; print the losses side by side and return
     the largest relative difference (losses and final parameters)."""
-    from tabulate import tabulate
     what = source.weights or source.config.name
     print(f"training {what} for {steps} steps on {plan.gpus} gloo CPU processes (dp={plan.dp} "
           f"tp={plan.tp} pp={plan.pp} cp={plan.cp}), each rank materialising only its shard, "
           f"and in one process ...", flush=True)
     parallel = run_parallel(source, plan, steps, with_grads=False)
-    ref = train_one_process(source, steps)
-    rows, worst = [], 0.0
-    for i, (a, b) in enumerate(zip(parallel.losses, ref.losses)):
-        rel = abs(a - b) / abs(b)
-        worst = max(worst, rel)
-        rows.append([i + 1, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
-    print(tabulate(rows, headers=["step", f"loss on {plan.gpus} ranks", "loss in one process",
-                                  "relative difference"]))
-    params = max(float((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
-                 for k, v in ref.state.items())
-    print(f"largest relative parameter difference after {steps} steps: {params:.2e}")
-    return max(worst, params)
+    return print_comparison(parallel, train_one_process(source, steps), plan.gpus)
 
 
 def cmd_run_weights(args) -> int:

@@ -127,17 +127,22 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
           f"(dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}) and in one process ...",
           flush=True)
     parallel = run_parallel(config, plan, steps, with_grads=False, progress=True)
-    ref = reference_run(config, steps, progress=True)
+    return print_comparison(parallel, reference_run(config, steps, progress=True), plan.gpus)
+
+
+def print_comparison(parallel: RunResult, ref: RunResult, gpus: int) -> float:
+    """Print losses per step side by side and the largest parameter difference; return the
+    largest relative difference of either."""
     rows, worst = [], 0.0
     for i, (a, b) in enumerate(zip(parallel.losses, ref.losses)):
         rel = abs(a - b) / abs(b)
         worst = max(worst, rel)
         rows.append([i + 1, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
-    print(tabulate(rows, headers=["step", f"loss on {plan.gpus} ranks", "loss in one process",
+    print(tabulate(rows, headers=["step", f"loss on {gpus} ranks", "loss in one process",
                                   "relative difference"]))
-    params = max((float(((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))))
+    params = max(float((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
                  for k, v in ref.state.items())
-    print(f"largest relative parameter difference after {steps} steps: {params:.2e}")
+    print(f"largest relative parameter difference after {len(ref.losses)} steps: {params:.2e}")
     return max(worst, params)
 
 
