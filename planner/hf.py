@@ -29,6 +29,18 @@ _DERIVED = {
     "head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
     "num_key_value_heads": lambda s: max(1, s["num_attention_heads"] // 2),
     "rotary_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
+    # multi-head latent attention (DeepSeek): head parts and compressed ranks at the small sizes
+    "qk_rope_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
+    "qk_nope_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
+    "v_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
+    "kv_lora_rank": lambda s: s["hidden_size"] // 4,
+    "q_lora_rank": lambda s: s["hidden_size"] // 2,
+    # many small experts (DeepSeek's 256 in 8 groups, top 8) shrunk to 8 in 2 groups, top 2
+    "moe_intermediate_size": lambda s: s["hidden_size"],
+    "n_routed_experts": lambda s: 8,
+    "n_group": lambda s: 2,
+    "topk_group": lambda s: 1,
+    "first_k_dense_replace": lambda s: 1,   # dense first blocks, then MoE, within 2 layers
 }
 
 
@@ -89,6 +101,10 @@ def small_config(arch: str, **overrides):
     for name, rule in _DERIVED.items():
         if name in accepted:
             kwargs[name] = rule(sizes)
+    if "kv_lora_rank" in accepted:  # latent attention expands its keys/values to every head
+        kwargs[own.get("num_key_value_heads", "num_key_value_heads")] = sizes["num_attention_heads"]
+    if "n_routed_experts" in accepted:
+        kwargs["num_experts_per_tok"] = 2
     defaults = cls()
     for name, value in vars(defaults).items():
         if name in accepted and _is_dropout(name, value):

@@ -101,10 +101,11 @@ def test_all_to_all_bytes_counted_as_priced(pool4):
 
 
 @pytest.mark.dist
-def test_hugging_face_mixtral_ep2_pp2_matches_one_process(pool4):
-    pytest.importorskip("transformers")
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # deepseek_v3: latent attention,
+def test_hugging_face_moe_ep2_pp2_matches_one_process(pool4, arch):  # a dense first block,
+    pytest.importorskip("transformers")  # group-limited sigmoid routing, a shared expert
     from planner.hf_moe import HFMoESpec
-    spec = HFMoESpec("mixtral")
+    spec = HFMoESpec(arch)
     model, batch = spec.build()
     fix = {"dp": 2, "tp": 1, "pp": 2, "mb": 1, "schedule": "1f1b", "ep": 2}
     chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]

@@ -11,16 +11,20 @@ from planner.hf import build_hf  # noqa: E402
 from planner.hf_moe import use_routed_experts  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["mixtral"])  # qwen3_moe: the same experts module
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # qwen3_moe: mixtral's experts module
 def test_routed_experts_equal_transformers(arch):
     torch.manual_seed(0)
     model = build_hf(arch)
+    layers = model.model.model.layers
+    moe_layers = sum(any(type(m).__name__.endswith("Experts") for m in layer.modules())
+                     for layer in layers)
+    assert moe_layers == (1 if arch == "deepseek_v3" else len(layers))  # dense first block
     tokens = torch.randint(0, 100, (2, 16))
     want = model(tokens, tokens)
     want.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
-    assert use_routed_experts(model) == len(model.model.model.layers)
+    assert use_routed_experts(model) == moe_layers
     got = model(tokens, tokens)
     got.backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
@@ -28,11 +32,11 @@ def test_routed_experts_equal_transformers(arch):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
     captured = capture(model, (tokens, tokens))
     nodes = [n for n in captured.gm.graph.nodes if "routed_experts" in str(n.target)]
-    assert len(nodes) == len(model.model.model.layers)
+    assert len(nodes) == moe_layers
     cfg = model.model.config
     cost = node_cost(nodes[0], dict(captured.gm.named_modules()))
     t, h, k, f = 32, cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size \
-        if arch == "qwen3_moe" else cfg.intermediate_size
+        if arch in ("qwen3_moe", "deepseek_v3") else cfg.intermediate_size
     assert cost.fwd_flops == 6 * t * k * h * f
 
 
