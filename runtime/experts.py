@@ -148,8 +148,13 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _exchange(grad.contiguous(), in_splits, out_splits, ctx.tag), None, None, None
+        # A split backward (ZB-H1) reaches this node twice, towards the stage's inputs (I) and
+        # again towards its weights (W), with the same gradient both times (every consumer of
+        # the output lies on both paths): exchange once, as priced, and hand W the same result.
+        if getattr(ctx, "sent", None) is None:
+            out_splits, in_splits = ctx.splits
+            ctx.sent = _exchange(grad.contiguous(), in_splits, out_splits, ctx.tag)
+        return ctx.sent, None, None, None
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], tag: str):

@@ -85,19 +85,24 @@ def _traffic_worker(config, plan_json: str):
 
 
 @pytest.mark.dist
-def test_all_to_all_bytes_counted_as_priced(pool4):
+@pytest.mark.parametrize("ep,dp,pp,schedule", [(4, 4, 1, "1f1b"), (2, 2, 2, "zb-h1")],
+                         ids=["ep4", "ep2-pp2-zb"])  # zb-h1: a split backward, exchanged once
+def test_all_to_all_bytes_counted_as_priced(pool4, ep, dp, pp, schedule):
     from cost_model.moe import MoEFacts
-    chosen = _plan(MIXTRAL, 4, 4, 4)
+    chosen = _plan(MIXTRAL, 4, ep, dp, pp=pp, schedule=schedule)
     results = pool4.run(_traffic_worker, MIXTRAL, chosen.dumps())
     e, f, h = MIXTRAL.experts, MIXTRAL.expert_ffn, MIXTRAL.hidden
+    layers = set()
     for rows, sent, remote in results:
-        assert rows and all(shape[0] == e // 4 for shape in rows.values())
-        assert sent.keys() == remote.keys() == {"blocks.0", "blocks.1"}
+        assert rows and all(shape[0] == e // ep for shape in rows.values())
+        assert sent.keys() == remote.keys() and sent
+        layers |= sent.keys()
         for layer, slots in remote.items():
             # cost_model.moe: 4 T k h d r per micro-batch, T k r the slots a rank sends away,
             # which routing balances against those it receives: here their mean, slots / 2
             facts = MoEFacts(tokens=slots, hidden=h, experts=e, top_k=1, ffn=f, dtype_bytes=4)
             assert sent[layer] == facts.all_to_all_bytes(4, remote=0.5)
+    assert layers == {"blocks.0", "blocks.1"}
 
 
 @pytest.mark.dist
