@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from passes.capture import propagate_shapes
 from passes.expert_parallel import sequence_refusal
 from passes.tables import table
+from runtime import rng
 from runtime.cp_data import check_sequence, global_positions
 from runtime.ring_attention import ring_attention
 
@@ -240,6 +241,11 @@ def _skip_dropout(gm: fx.GraphModule, softmax: fx.Node) -> fx.Node:
             if module.p and module.training:
                 _fail(softmax, f"attention dropout (p={module.p}) is not supported")
             return users[0]
+    if len(users) == 1 and users[0].op == "call_function" and users[0].target is rng.tp_dropout:
+        p, train = users[0].args[1:3]   # a dropout the tensor-parallel rewrite made per rank
+        if p and train:
+            _fail(softmax, f"attention dropout (p={p}) is not supported")
+        return users[0]
     return softmax
 
 

@@ -179,3 +179,23 @@ def test_lifted_weights_are_made_parameters_and_sharded():
     # No group bound: the collectives are identities, so this is rank 1's partial sum.
     partial = F.linear(F.gelu(F.linear(x, w, b))[..., 6:], w2[:, 6:])
     torch.testing.assert_close(gm(x), partial)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_context_parallel_reads_attention_dropout_that_tensor_parallel_made_per_rank(dropout):
+    # tp turns a dropout of the sharded attention probabilities into runtime.rng.tp_dropout;
+    # cp must still see it: skipped at p = 0, refused (by name) above
+    from passes.context_parallel import ContextParallelError
+    from planner.models import ModelConfig
+    cfg = ModelConfig(arch="gpt", layers=1, hidden=8, heads=2, vocab=64, seq=8, attention="math",
+                      global_batch=1, dropout=dropout)
+    model = build_model(cfg).train()
+    captured = capture(model, example_batch(cfg, 1))
+    strategies = tuple((layer.name, "tp" if layer.kind == "block" else "none")
+                       for layer in captured.layers)
+    layout = Layout(2, strategies, (len(captured.layers),), cp=4)
+    if dropout:
+        with pytest.raises(ContextParallelError, match=r"attention dropout \(p=0.1\)"):
+            rewrite(captured, layout, tp_rank=0, cp_rank=1)
+    else:
+        rewrite(captured, layout, tp_rank=0, cp_rank=1)
