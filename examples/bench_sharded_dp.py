@@ -16,21 +16,15 @@ from dataclasses import replace
 import torch
 from tabulate import tabulate
 
-from cost_model.sharding import Sharding, held_bytes, step_traffic
 from planner.api import plan
 from planner.models import build_model, example_batch, get_config
 from planner.train import make_optimizer
+from planner.zero import gpt_layer_numels, priced_stage
 from runtime.launch import run_local
 
 MESHES = {"dp4": dict(dp=4, mb=2), "dp2-pp2-zb": dict(dp=2, pp=2, mb=2, schedule="zb-h1"),
           "hsdp2x2": dict(dp=4, mb=2)}
 STEPS = 3
-
-
-def _layer_of(name: str) -> str:
-    if name.startswith("blocks."):
-        return ".".join(name.split(".")[:2])
-    return "embed" if name.startswith(("wte", "wpe")) else "head"
 
 
 def worker(config, plan_jsons: list[str]):
@@ -74,21 +68,6 @@ def worker(config, plan_jsons: list[str]):
     return out
 
 
-def priced(config, chosen, stage: int):
-    numels: dict[str, int] = {}
-    for name, p in build_model(config).named_parameters():
-        numels[_layer_of(name)] = numels.get(_layer_of(name), 0) + p.numel()
-    layers = chosen.stages[stage].layers
-    shard = chosen.dp_shard or chosen.dp
-    backward = 2 if chosen.schedule == "zb-h1" else 1
-    sharding = Sharding(chosen.zero, shard * chosen.cp, chosen.dp // shard,
-                        chosen.num_microbatches, backward)
-    gathers = 1 if chosen.schedule == "zb-h1" and stage == 0 else backward  # stage 0's I is free
-    held = held_bytes([(numels[l], 4, 4) for l in layers], sharding, optimizer_states=1)
-    sent = step_traffic([(numels[l], 4, 4, gathers) for l in layers], sharding)
-    return held, sent
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -106,11 +85,11 @@ def main(argv=None) -> None:
             cases.append((mesh, level))
             plans.append(replace(base, zero=level, dp_shard=shard))
     results = run_local(worker, 4, (config, [p.dumps() for p in plans]))
-    rows, timing = [], {}
+    rows, timing, numels = [], {}, gpt_layer_numels(build_model(config))
     for i, ((mesh, level), chosen) in enumerate(zip(cases, plans)):
         for rank, per_rank in enumerate(results):
             stage, held, sent, seconds = per_rank[i]
-            want_held, want_sent = priced(config, chosen, stage)
+            want_held, want_sent = priced_stage(numels, chosen, stage)
             timing.setdefault((mesh, level), []).append(seconds)
             if rank not in (0, 3):
                 continue  # ranks 0 and 3: the first and (with pp) the last stage

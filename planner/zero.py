@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from cost_model.comm import collective_time
-from cost_model.sharding import LEVELS, Sharding, sync_terms
+from cost_model.sharding import LEVELS, Sharding, held_bytes, step_traffic, sync_terms
 
 
 def check_zero_fix(fix: dict) -> None:
@@ -82,3 +82,27 @@ def _comm_terms(cluster, tp, sharding, weight_per_grad, units):
     ag = terms("all_gather", s.n, tp)
     ar = terms("all_reduce", s.r, s.n * tp)
     return sync_terms(s, weight_per_grad, *rs, *ag, *ar, cluster.dp_overlap, units)
+
+
+def gpt_layer_numels(model) -> dict[str, int]:
+    """Parameter counts per plan layer of fxpar's GPT (blocks.i, embed = wte + wpe, head)."""
+    numels: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        layer = (".".join(name.split(".")[:2]) if name.startswith("blocks.")
+                 else "embed" if name.startswith(("wte", "wpe")) else "head")
+        numels[layer] = numels.get(layer, 0) + p.numel()
+    return numels
+
+
+def priced_stage(numels: dict[str, int], chosen, stage: int, optimizer_states: int = 1):
+    """cost_model.sharding's bytes held and sent per step by one pipeline stage of `chosen`, for
+    fp32 layers of `numels` parameters each (what runtime.sharded_dp holds and moves)."""
+    shard = chosen.dp_shard or chosen.dp
+    backward = 2 if chosen.schedule == "zb-h1" else 1
+    sharding = Sharding(chosen.zero, shard * chosen.cp, chosen.dp // shard,
+                        chosen.num_microbatches, backward)
+    # Stage 0 of ZB-H1 has no boundary input: its I step is free and reads no weights.
+    gathers = 1 if chosen.schedule == "zb-h1" and stage == 0 else backward
+    layers = chosen.stages[stage].layers
+    held = held_bytes([(numels[l], 4, 4) for l in layers], sharding, optimizer_states)
+    return held, step_traffic([(numels[l], 4, 4, gathers) for l in layers], sharding)

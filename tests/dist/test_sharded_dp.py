@@ -19,10 +19,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cost_model.sharding import Sharding, held_bytes, step_traffic
 from planner.api import plan
 from planner.models import build_model, example_batch, get_config
 from conftest import rank_pool
+from planner.zero import gpt_layer_numels, priced_stage
 from planner.train import (RunResult, assert_same_run, make_optimizer, parallel_worker,
                            reference_run)
 
@@ -177,12 +177,6 @@ def test_clipping_and_bf16_match_one_process(pool8, level):
 
 # ---------------------------------------------------------------- bytes held and moved
 
-def _layer_of(name: str) -> str:
-    if name.startswith("blocks."):
-        return ".".join(name.split(".")[:2])
-    return "embed" if name.startswith(("wte", "wpe")) else "head"
-
-
 def _bytes_worker(plan_json: str):
     """Per rank: (pipeline index, bytes held after the last step, bytes sent per collective
     kind during it)."""
@@ -210,23 +204,6 @@ def _bytes_worker(plan_json: str):
     return trainer.groups.pp_index, dist.get_rank(), held, sent
 
 
-def _priced(chosen, stage_of_rank: int):
-    """cost_model.sharding's figures for the layers of one pipeline stage of `chosen`."""
-    numels: dict[str, int] = {}
-    for name, p in build_model(CFG).named_parameters():
-        numels[_layer_of(name)] = numels.get(_layer_of(name), 0) + p.numel()
-    layers = chosen.stages[stage_of_rank].layers
-    shard = chosen.dp_shard or chosen.dp
-    backward = 2 if chosen.schedule == "zb-h1" else 1
-    sharding = Sharding(chosen.zero, shard * chosen.cp, chosen.dp // shard,
-                        chosen.num_microbatches, backward)
-    # Stage 0 of ZB-H1 has no boundary input: its I step is free and reads no weights.
-    gathers = 1 if chosen.schedule == "zb-h1" and stage_of_rank == 0 else backward
-    held = held_bytes([(numels[l], 4, 4) for l in layers], sharding, optimizer_states=1)
-    sent = step_traffic([(numels[l], 4, 4, gathers) for l in layers], sharding)
-    return held, sent
-
-
 BYTE_CASES = [("dp4", dict(dp=4)), ("dp2-pp2-zb", dict(dp=2, pp=2, m=4, schedule="zb-h1")),
               ("hsdp2x2", dict(dp=4))]
 
@@ -237,8 +214,9 @@ BYTE_CASES = [("dp4", dict(dp=4)), ("dp2-pp2-zb", dict(dp=2, pp=2, m=4, schedule
 def test_bytes_held_and_moved_are_priced(pool4, mesh, level):
     fix = dict(BYTE_CASES)[mesh]
     chosen = _plan(4, level, 2 if mesh.startswith("hsdp") else None, **fix)
+    numels = gpt_layer_numels(build_model(CFG))
     for pp_index, rank, held, sent in pool4.run(_bytes_worker, chosen.dumps()):
-        want_held, want_sent = _priced(chosen, pp_index)
+        want_held, want_sent = priced_stage(numels, chosen, pp_index)
         assert held == pytest.approx(want_held, rel=0), f"rank {rank} held"
         assert {k: v for k, v in sent.items() if v} == pytest.approx(
             {k: v for k, v in want_sent.items() if v}, rel=1e-12), f"rank {rank} sent"
