@@ -120,6 +120,9 @@ def interrupted_cli(steps: int = 100000) -> None:
     (run with $FXPAR_STEP_MARKS set; meant to be interrupted)."""
     import planner.train
     from planner.cli import main
+    # Ctrl-C as a foreground fxpar run gets it: a shell starting this as a background job
+    # ignores SIGINT, and Python keeps an inherited "ignore" instead of raising KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     planner.train.parallel_worker = marking_worker
     sys.exit(main(["run", "--model", CONFIG.name, "--gpus", "2", "--layers", str(CONFIG.layers),
                    "--steps", str(steps),
