@@ -30,6 +30,7 @@ class Measured:
     tokens_per_s: float
     peak_memory_bytes: float   # largest over ranks (CUDA: allocator peak; CPU: process RSS)
     losses: tuple[float, ...]
+    ranks: tuple[dict, ...] = ()  # per rank: runtime.step_timing.rank_record
 
 
 STEP = "fxpar-bench-step"  # rank 0's line per step on stdout: STEP done total seconds loss
@@ -57,7 +58,7 @@ def run_plan(plan: Plan, config, steps: int, warmup: int, timeout_s: float = 900
         with open(out) as f:
             data = json.load(f)
     return Measured(data["step_s"], data["tokens_per_s"], data["peak_memory_bytes"],
-                    tuple(data["losses"]))
+                    tuple(data["losses"]), tuple(data["ranks"]))
 
 
 def _run(cmd: list[str], timeout_s: float, on_step) -> subprocess.CompletedProcess:
@@ -101,6 +102,7 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     from planner.models import ModelConfig, build_model, example_batch
     from planner.train import make_optimizer
     from runtime.launch import init_from_env
+    from runtime.step_timing import StepClock, rank_record
 
     init_from_env()
     torch.set_num_threads(1)
@@ -113,25 +115,28 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     model = build_model(config, device="meta")
     batch = example_batch(config, config.global_batch, device=device)
     pm = ParallelModel(model, plan, [], batch, make_optimizer, seed=0)
-    times, losses = [], []
+    times, losses, parts = [], [], []
     for step in range(warmup + steps):
         dist.barrier()
         start = time.perf_counter()
-        losses.append(pm.train_step(*batch))
-        dist.barrier()
+        with StepClock(pm.shard()) as clock:
+            losses.append(pm.train_step(*batch))
+            dist.barrier()
         seconds = time.perf_counter() - start
         if step >= warmup:
             times.append(seconds)
+            parts.append(clock.parts())
         if dist.get_rank() == 0:
             print(f"{STEP} {step + 1} {warmup + steps} {seconds!r} {losses[-1]!r}", flush=True)
-    peak = _peak_memory(device)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
+    mine = {"peak": _peak_memory(device), **rank_record(pm.shard(), parts)}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
         step_s = statistics.median(times)
         with open(out, "w") as f:
             json.dump({"step_s": step_s, "tokens_per_s": config.global_batch * config.seq / step_s,
-                       "peak_memory_bytes": max(peaks), "losses": losses}, f)
+                       "peak_memory_bytes": max(r.pop("peak") for r in ranks), "losses": losses,
+                       "ranks": ranks}, f)
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ _step: int | None = None
 _doing = ""
 _slot = None  # a ctypes char array shared with the launcher, or None
 _steps_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_listeners: list = []  # called with each new <what> (runtime.step_timing times the phases)
 
 
 def current() -> str:
@@ -31,6 +32,8 @@ def now(doing: str) -> None:
     global _doing
     _doing = doing
     _publish()
+    for listener in _listeners:
+        listener(doing)
 
 
 def detail(text: str) -> None:
@@ -54,7 +57,18 @@ def start_step(owner) -> int:
     _steps_of[owner] = _step
     _doing = "start"
     _publish()
+    for listener in _listeners:
+        listener(_doing)
     return _step
+
+
+def listen(listener) -> None:
+    """Call `listener(doing)` whenever what this process does changes; `unlisten` stops it."""
+    _listeners.append(listener)
+
+
+def unlisten(listener) -> None:
+    _listeners.remove(listener)
 
 
 def step() -> int | None:

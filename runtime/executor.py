@@ -126,6 +126,7 @@ class StageExecutor:
                               for s, prog in programs.items()}
         self._steps = self._compile()
         self.events: list[Event] = []
+        self.waits: list[tuple[str, float, float]] = []
         self.sharding = None  # runtime.sharded_dp.ShardedDP, set by the trainer
 
     # -- set-up -----------------------------------------------------------------------------
@@ -163,6 +164,7 @@ class StageExecutor:
         self._losses: list[torch.Tensor] = []
         self._posted = 0  # receives posted so far, in schedule order
         self.events = []
+        self.waits: list[tuple[str, float, float]] = []  # (what, start, end) of p2p waits
         for step in self._steps:
             if step.recv_index is not None:  # posted here unless posted ahead already
                 self._post_receives(step.recv_index + 1)
@@ -176,9 +178,11 @@ class StageExecutor:
             if step.finishes_stage is not None and on_stage_done is not None:
                 on_stage_done(step.finishes_stage)
         activity.now("the end of the schedule (waiting for sends)")
+        start = time.perf_counter()
         while self._sends:
             work, what = self._sends.popleft()
             wait_or_explain([work], what)
+        self.waits.append(("sends", start, time.perf_counter()))
         if self._slots or self._recvs:
             raise RuntimeError(f"rank {self.rank}: schedule left work behind: "
                                f"{sorted(self._slots)} {sorted(map(str, self._recvs))}")
@@ -212,7 +216,9 @@ class StageExecutor:
     def _take(self, action: Action) -> list[torch.Tensor]:
         works, bufs, peer = self._recvs.pop(action)
         activity.detail(f"recv from rank {peer}")
+        start = time.perf_counter()
         wait_or_explain(works, lambda: f"rank {self.rank} waiting for {action} from rank {peer}")
+        self.waits.append((str(action), start, time.perf_counter()))
         return bufs
 
     def _post_send(self, action: Action, peer: int, tensors, boundary: int, direction: int):

@@ -1,0 +1,161 @@
+"""One whole training step of a pipeline, simulated on cores the ranks may share.
+
+runtime.simulator lays a schedule out with each rank on a device of its own. A step has more
+than its schedule, and on CPU several ranks may share a core; this simulates both. Each pipeline
+rank runs, in order:
+
+  set-up              CPU: splitting the batch, zeroing gradients (the runtime's own per step)
+  its actions         a compute action costs the runtime's per-action overhead, then, if it needs
+                      a message, waits until the message has arrived (p2p seconds after the send
+                      was posted), then its compute; posting a send or a receive takes no time
+  dp sync             waiting (no CPU) for the exposed part of the data-parallel collectives
+  optimizer           CPU: the optimizer step over the rank's parameters
+
+Shared cores are processor sharing, as an OS scheduler time-slices: while k ranks use CPU on C
+cores, each runs at min(1, C / k) of its own speed. A pipeline rank stands for `replicas` ranks
+(its dp × tp × cp copies, which run the same timeline), so k counts all of them. With
+cores = inf and no overheads the schedule part equals runtime.simulator.simulate.
+
+The step's parts per rank use runtime.step_timing's names, so a prediction and a measurement
+line up part by part: F<s> B<s> I<s> W<s> (compute of stage s), "p2p wait", "dp sync",
+"optimizer", "overhead", and "idle" (waiting for the last rank at the end).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from runtime.schedule import Action, Schedule
+from runtime.simulator import Event, Timeline
+from runtime.validate import validate
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds at a rank's own speed; per-rank terms are one value or one per pipeline rank."""
+    duration: Callable[[Action], float]   # compute of one action
+    p2p_s: float = 0.0                    # from a send's post to its arrival
+    action_overhead_s: float = 0.0        # CPU per compute action, outside the action
+    setup_s: float = 0.0                  # CPU per step before the schedule
+    sync_s: float | Sequence[float] = 0.0       # exposed data-parallel sync, waiting
+    optimizer_s: float | Sequence[float] = 0.0  # CPU
+    replicas: int = 1                     # ranks each pipeline rank stands for
+    cores: float = math.inf               # cores the ranks share
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    timeline: Timeline                    # compute actions, wall-clock start and end
+    parts: tuple[dict[str, float], ...]   # per pipeline rank: seconds per part
+    makespan: float
+
+
+@dataclass
+class _Task:
+    part: str                 # the part its time goes to
+    cpu: float = 0.0          # CPU seconds left (CPU tasks)
+    wait: float = 0.0         # seconds to wait (sync)
+    recv: Action | None = None    # a message to wait for
+    send: Action | None = None    # a send to post
+    action: Action | None = None  # the compute action, for the timeline
+    started: float | None = None
+    until: float | None = None    # when a wait ends, once known
+
+
+@dataclass
+class _Rank:
+    tasks: list[_Task]
+    next: int = 0
+    parts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    end: float = 0.0
+
+    @property
+    def task(self) -> _Task | None:
+        return self.tasks[self.next] if self.next < len(self.tasks) else None
+
+
+def _per_rank(value, ranks: int) -> list[float]:
+    return [float(value)] * ranks if isinstance(value, (int, float)) else [float(v) for v in value]
+
+
+def _tasks(schedule: Schedule, rank: int, costs: StepCosts, sync: float, opt: float):
+    tasks = [_Task("overhead", cpu=costs.setup_s)]
+    for action in schedule.actions[rank]:
+        if action.kind.is_send:
+            tasks.append(_Task("", send=action))
+        elif action.is_compute:
+            tasks.append(_Task("overhead", cpu=costs.action_overhead_s))
+            if (recv := schedule.recv_for(action)) is not None:
+                tasks.append(_Task("p2p wait", recv=schedule.counterpart(recv)))
+            tasks.append(_Task(f"{action.kind.value}{action.stage}", cpu=costs.duration(action),
+                               action=action))
+    return tasks + [_Task("dp sync", wait=sync), _Task("optimizer", cpu=opt)]
+
+
+def simulate_step(schedule: Schedule, costs: StepCosts) -> StepTimeline:
+    """Simulate one step of `schedule` (see the module docstring)."""
+    validate(schedule)
+    p = schedule.num_ranks
+    syncs, opts = _per_rank(costs.sync_s, p), _per_rank(costs.optimizer_s, p)
+    ranks = [_Rank(_tasks(schedule, r, costs, syncs[r], opts[r])) for r in range(p)]
+    sent: dict[Action, float] = {}
+    events: list[Event] = []
+    now = 0.0
+    while True:
+        _start_ready(ranks, sent, costs.p2p_s, now, events)
+        running = [r for r in ranks if r.task is not None]
+        if not running:
+            break
+        busy = [r for r in running if r.task.cpu > 0]
+        rate = min(1.0, costs.cores / (len(busy) * costs.replicas)) if busy else 1.0
+        ends = [now + r.task.cpu / rate for r in busy]
+        ends += [r.task.until for r in running if r.task.until is not None]
+        if not ends:
+            raise RuntimeError("simulate_step: every rank waits for a message never sent")
+        later = min(ends)
+        for r in busy:
+            r.task.cpu = max(0.0, r.task.cpu - rate * (later - now))
+            if r.task.cpu <= 1e-15 * max(1.0, later):
+                r.task.cpu = 0.0
+        now = later
+    for r in ranks:
+        r.parts["idle"] += now - r.end
+    events.sort(key=lambda e: (e.rank, e.start))
+    return StepTimeline(Timeline(tuple(events), now), tuple(dict(r.parts) for r in ranks), now)
+
+
+def _start_ready(ranks: list[_Rank], sent, p2p_s: float, now: float, events) -> None:
+    """Finish what is done at `now` and start what can start, until nothing changes (a send
+    posted by one rank may let another rank's wait begin)."""
+    changed = True
+    while changed:
+        changed = False
+        for index, r in enumerate(ranks):
+            while (task := r.task) is not None and _step(index, r, task, sent, p2p_s, now,
+                                                        events):
+                changed = True
+
+
+def _step(index: int, r: _Rank, task: _Task, sent, p2p_s: float, now: float, events) -> bool:
+    """Advance rank r's current task at time `now`; True when it finished (the next may go)."""
+    if task.started is None:
+        task.started = now
+        if task.send is not None:
+            sent[task.send] = now
+        elif task.wait:
+            task.until = now + task.wait
+    if task.recv is not None and task.until is None:
+        if task.recv not in sent:
+            return False  # its send is not posted yet
+        task.until = max(now, sent[task.recv] + p2p_s)
+    if task.cpu > 0 or (task.until is not None and task.until > now):
+        return False
+    if task.part:
+        r.parts[task.part] += now - task.started
+    if task.action is not None:
+        events.append(Event(index, task.action, task.started, now))
+    r.next += 1
+    r.end = now
+    return True

@@ -1,0 +1,92 @@
+"""runtime.step_sim against runtime.simulator (own devices) and against hand-worked and
+conservation facts on shared cores."""
+import math
+import random
+
+import pytest
+
+from runtime.generators import make_schedule
+from runtime.simulator import simulate
+from runtime.step_sim import StepCosts, simulate_step
+
+SCHEDULES = [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("zb-h1", 3, 5, 1),
+             ("interleaved-1f1b", 2, 4, 2)]
+
+
+def _durations(seed: int):
+    rng = random.Random(seed)
+    table = {}
+
+    def duration(action):
+        key = (action.kind.value, action.stage)
+        return table.setdefault(key, rng.uniform(0.5, 2.0))
+    return duration
+
+
+@pytest.mark.parametrize("name,p,m,v", SCHEDULES)
+def test_own_devices_and_no_overheads_equal_the_schedule_simulator(name, p, m, v):
+    schedule = make_schedule(name, p, m, v)
+    duration = _durations(p * 10 + m)
+    want = simulate(schedule, duration, p2p_time=0.3)
+    got = simulate_step(schedule, StepCosts(duration, p2p_s=0.3))
+    assert got.makespan == pytest.approx(want.makespan)
+    assert [(e.rank, str(e.action)) for e in got.timeline.events] == \
+        [(e.rank, str(e.action)) for e in want.events]
+    assert [t for e in got.timeline.events for t in (e.start, e.end)] == \
+        pytest.approx([t for e in want.events for t in (e.start, e.end)])
+
+
+@pytest.mark.parametrize("name,p,m,v", SCHEDULES)
+def test_parts_add_up_to_the_makespan_on_every_rank(name, p, m, v):
+    schedule = make_schedule(name, p, m, v)
+    costs = StepCosts(_durations(3), p2p_s=0.2, action_overhead_s=0.05, setup_s=0.3,
+                      sync_s=[0.1 * r for r in range(p)], optimizer_s=0.4, replicas=2, cores=3)
+    step = simulate_step(schedule, costs)
+    for parts in step.parts:
+        assert sum(parts.values()) == pytest.approx(step.makespan)
+
+
+@pytest.mark.parametrize("name,p,m,v", SCHEDULES)
+def test_one_core_runs_all_the_work_one_rank_at_a_time(name, p, m, v):
+    """With p2p = 0 some rank can always work, so on one core the step takes the sum of every
+    rank's CPU time."""
+    schedule = make_schedule(name, p, m, v)
+    duration = _durations(7)
+    costs = StepCosts(duration, action_overhead_s=0.01, setup_s=0.1, optimizer_s=0.2,
+                      cores=1)
+    work = sum(duration(a) + 0.01 for acts in schedule.actions for a in acts if a.is_compute)
+    assert simulate_step(schedule, costs).makespan == pytest.approx(work + p * 0.3)
+
+
+def test_two_stages_on_one_core_by_hand():
+    """GPipe p=2 m=2, F = B = 1: rank 0's second forward and rank 1's first share the core
+    (both end at 3); so do the two backwards after 5 (both end at 7); the step ends at 8."""
+    step = simulate_step(make_schedule("gpipe", 2, 2), StepCosts(lambda a: 1.0, cores=1))
+    spans = {(e.rank, str(e.action)): (e.start, e.end) for e in step.timeline.events}
+    assert spans[0, "0F1"] == (1.0, 3.0) and spans[1, "1F0"] == (1.0, 3.0)
+    assert spans[1, "1B1"] == (5.0, 7.0) and spans[0, "0B0"] == (5.0, 7.0)
+    assert step.makespan == 8.0
+
+
+def test_replicas_share_the_cores():
+    """One stage, its 4 data-parallel copies on 2 cores: every action takes twice as long."""
+    schedule = make_schedule("1f1b", 1, 3)
+    alone = simulate_step(schedule, StepCosts(lambda a: 1.0, optimizer_s=0.5))
+    shared = simulate_step(schedule, StepCosts(lambda a: 1.0, optimizer_s=0.5, replicas=4,
+                                               cores=2))
+    assert shared.makespan == pytest.approx(2 * alone.makespan) == pytest.approx(13.0)
+    assert shared.parts[0]["optimizer"] == pytest.approx(1.0)
+
+
+def test_sync_waits_without_cpu():
+    """1F1B p=2 m=1 on one core, F = B = 1: rank 1's optimizer shares the core with rank 0's
+    backward (both end at 5); rank 0 then waits 5 s for its sync without CPU and runs its own
+    optimizer step alone (10 to 11)."""
+    schedule = make_schedule("1f1b", 2, 1)
+    costs = StepCosts(lambda a: 1.0, sync_s=[5.0, 0.0], optimizer_s=1.0, cores=1)
+    step = simulate_step(schedule, costs)
+    assert step.parts[1]["optimizer"] == pytest.approx(2.0)
+    assert step.parts[0]["optimizer"] == pytest.approx(1.0)
+    assert step.parts[0]["dp sync"] == pytest.approx(5.0)
+    assert step.makespan == pytest.approx(11.0)
+    assert math.isclose(step.parts[1]["idle"], 11 - 5)
