@@ -16,6 +16,12 @@ alpha and bw per link class (intra- or inter-node, classed by the rule
 comm.collective_time uses) from all_reduce, and per other kind the
 latency/bandwidth multipliers that its own timings want (`fit_links`).
 
+The runtime's own time, on CPU (bench_runtime.py): the optimizer step per
+tensor and per parameter, ZB-H1's split backward, the runtime's time per
+pipeline action and per step on a one-rank training run, and how many cores
+the ranks share. Plans on such a profile simulate the whole step
+(planner.step_prediction).
+
 This module runs those steps in order with a progress bar, picks the
 preset that supplies what a run cannot measure, and writes the profile.
 On CPU a "device" is one rank process running one torch thread, so the
@@ -39,6 +45,8 @@ from runtime.progress import Progress
 from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
 from .bench_compute import (COMPUTE_ROUNDS, attention_flops, attention_step, interleaved_medians,
                             linear_step, measure_add, measure_copy, measure_kernel_floor)
+from .bench_runtime import (measure_cores, measure_optimizer, measure_runtime,
+                            measure_split_backward)
 from .cluster import PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_links, fit_matmul
@@ -142,6 +150,27 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
     )
 
 
+RUNTIME_STEPS = ("optimizer step", "split backward", "runtime per action and step",
+                 "ranks sharing cores")
+
+
+def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -> dict:
+    """The runtime's own time and the cores CPU ranks share (bench_runtime.py), measured with
+    the compute numbers just calibrated."""
+    fields = {}
+    for label in RUNTIME_STEPS:
+        if label == "optimizer step":
+            fields.update(measure_optimizer())
+        elif label == "split backward":
+            fields["split_backward"] = measure_split_backward()
+        elif label == "runtime per action and step":
+            fields.update(measure_runtime(cluster))
+        else:
+            fields["cores"] = measure_cores(max(sizes, default=2))
+        bar.step(label)
+    return fields
+
+
 def _collective_plan(sizes: Sequence[int]) -> list[tuple[str, int]]:
     return [(kind, size) for kind in KINDS for size in sizes]
 
@@ -216,7 +245,8 @@ def calibrate(
     base = _base_cluster(device)
     sizes = _usable_world_sizes(device, world_sizes)
     n_compute = COMPUTE_ROUNDS + 2
-    bar = _Progress(n_compute + len(sizes) * collective_steps(), progress)
+    n_runtime = len(RUNTIME_STEPS) if device == "cpu" else 0
+    bar = _Progress(n_compute + len(sizes) * collective_steps() + n_runtime, progress)
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # a CPU "device" is one single-threaded rank
@@ -227,6 +257,8 @@ def calibrate(
     if sizes:
         base = _with_ranks_per_node(base, device, sizes)
         fields.update(_comm_fields(base, _calibrate_comm(device, sizes, bar)))
+    if n_runtime:
+        fields.update(_calibrate_runtime(dataclasses.replace(base, **fields), sizes, bar))
     cluster = dataclasses.replace(base, name=f"{base.name}-calibrated", **fields)
     if out is not None:
         save_profile(cluster, out)

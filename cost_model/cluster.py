@@ -60,6 +60,13 @@ _RULES: dict[str, tuple] = {
     "dp_overlap": _SHARE,
     "comm_corrections": ("corrections",),
     "matmul_overhead": _NONNEG,
+    "action_floor": _NONNEG,
+    "action_overhead": _NONNEG,
+    "step_overhead": _NONNEG,
+    "split_backward": _NONNEG,
+    "optimizer_per_param": _NONNEG,
+    "optimizer_per_tensor": _NONNEG,
+    "cores": _NONNEG,
 }
 
 _DEVICES = ("cuda", "cpu")
@@ -137,6 +144,18 @@ class Cluster:
     # cannot express. Calibration fits it with matmul_eff; 0 keeps the plain
     # roofline, as in the presets.
     matmul_overhead: float = 0.0
+    # The runtime's own time, which op costs leave out (Python, autograd's set-up), measured by
+    # calibration on a one-rank training run (cost_model.bench_runtime); 0 in the presets, where
+    # a GPU runs kernels while the host prepares the next ones.
+    action_floor: float = 0.0      # seconds added to every pipeline compute action (F, B, I, W)
+    action_overhead: float = 0.0   # seconds per compute action between actions (bookkeeping)
+    step_overhead: float = 0.0     # seconds per training step outside the schedule
+    split_backward: float = 0.0    # I + W take (1 + this) x B's compute: a second traversal
+    optimizer_per_param: float = 0.0   # seconds of the optimizer step per parameter
+    optimizer_per_tensor: float = 0.0  # and per parameter tensor
+    # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
+    # each other down); 0: every rank has a device of its own.
+    cores: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.comm_corrections, dict):
@@ -146,6 +165,14 @@ class Cluster:
             problem = _field_problem(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(f"Cluster field '{f.name}' {problem}")
+
+    @property
+    def runtime_priced(self) -> bool:
+        """Whether plans on this cluster price the runtime's own time and shared cores, by
+        simulating the whole step (planner.step_prediction)."""
+        return any((self.action_floor, self.action_overhead, self.step_overhead,
+                    self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
+                    self.cores))
 
     def comm_correction(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) multipliers for `kind`; (1, 1) when not measured."""
@@ -191,7 +218,9 @@ class Cluster:
 
 
 # Fields a profile may leave out; each has a neutral default in Cluster.
-_OPTIONAL = ("comm_corrections", "matmul_overhead")
+_OPTIONAL = ("comm_corrections", "matmul_overhead", "action_floor", "action_overhead",
+             "step_overhead", "split_backward", "optimizer_per_param", "optimizer_per_tensor",
+             "cores")
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from cost_model import op_graph
+from cost_model import moe, op_graph
 from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
 from cost_model.compute import compute_time
@@ -42,6 +42,7 @@ from cost_model.ops import UnknownOpError, node_cost, saved_node_name
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
 from passes.context_parallel import ContextParallelError, find_attentions
+from passes.expert_parallel import moe_nodes
 from passes.pipeline_split import split_stage
 from passes.recompute import attention_cores
 from passes.sequence_parallel import sequence_parallel, with_params
@@ -90,9 +91,13 @@ class LayerProfile:
     collectives: tuple[Collective, ...] = field(default=())
     kv_bytes: float = 0.0          # keys + values entering fused attention (what a CP ring moves)
     kv_grad_bytes: float = 0.0     # their fp32 gradient accumulators (the backward ring's load)
+    # Statistics of mixture-of-experts balance losses, summed over the cp group forward and
+    # backward (cost_model.moe.balance_bytes): per rank whatever cp is
+    balance_bytes: float = 0.0
     # Under tp+sp, from the sequence-parallel rewrite; None when it does not apply (tp == 1, an
     # end layer, or a ShardingError) and Megatron's swap of each all-reduce is priced instead.
     sp_collectives: tuple[Collective, ...] | None = None
+    tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,12 @@ class LayerCost:
     # (kind, bytes sent per rank) again to save memory: recomputed forward collectives and the
     # sequence-parallel re-gather in backward (runtime.instrument counts them apart too)
     repeated_bytes: tuple[tuple[str, float], ...] = ()
+    tensors: int = 0               # parameter tensors
+
+    def optimizer_s(self, cluster) -> float:
+        """The optimizer step over this layer's parameters on one device (cluster's terms)."""
+        return self.params * cluster.optimizer_per_param + \
+            self.tensors * cluster.optimizer_per_tensor
 
 
 def _extract(captured: Captured, layer: Layer) -> fx.GraphModule:
@@ -280,7 +291,9 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
                         if p.meta["val"].dtype.is_floating_point),
         output_bytes=_bytes(fx.node.map_arg(out.args[0], lambda n: n.meta.get("val"))),
         params=sum(p.numel() for p in sub.parameters()),
-        collectives=_collectives(sub, layer.name), **_ring_load(sub, layer))
+        tensors=sum(1 for _ in sub.parameters()),
+        collectives=_collectives(sub, layer.name), **_ring_load(sub, layer),
+        balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)))
 
 
 # What each collective of runtime.collectives sends: (forward kind, backward kind), None where
@@ -289,6 +302,7 @@ _MOVES = {
     C.tp_copy: (None, "all_reduce"),
     C.tp_all_reduce: ("all_reduce", None),
     C.tp_grad_sum: (None, "all_reduce"),
+    C.tp_sum: ("all_reduce", "all_reduce"),
     C.sp_all_gather: ("all_gather", "reduce_scatter"),
     C.sp_reduce_scatter: ("reduce_scatter", "all_gather"),
     C.sp_scatter: (None, "all_gather"),
@@ -375,7 +389,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
           tp: int = 1, cp: int = 1) -> LayerCost:
     """Times and bytes of the profiled layer for a micro-batch; tp and cp are the group sizes of
     the mesh. Context parallelism gives each rank 1/cp of the tokens — zig-zag sharding balances
-    causal attention too — and adds the key/value ring (`_ring`)."""
+    causal attention too — and adds the key/value ring (`_ring`) and the all-reduce of any
+    mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
     fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
               for op in profile.ops)
@@ -392,12 +407,20 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
         if strategy.recompute != "none":  # recomputing the attention runs its forward ring again
             bwd_comm += ring.fwd_s
             repeated = tuple(sorted(repeated + (("p2p", ring.fwd_sent),)))
+        if profile.balance_bytes:
+            seconds, wire = _balance(profile, micro_batch, cluster, tp, cp)
+            fwd_comm, bwd_comm = fwd_comm + seconds, bwd_comm + seconds
+            comm_bytes = _plus(comm_bytes, "all_reduce", 2 * wire)
+            if strategy.recompute == "full":  # the recomputed forward sums them again
+                bwd_comm += seconds
+                repeated = _plus(repeated, "all_reduce", wire)
     return LayerCost(profile.layer, strategy, micro_batch,
                      fwd_s=fwd + fwd_comm, bwd_s=bwd + recompute_s + bwd_comm,
                      comm_s=fwd_comm + bwd_comm,
                      flops=model_flops + recompute_flops, model_flops=model_flops,
                      act_bytes=_activations(profile, strategy, tp) * scale,
-                     params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated)
+                     params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated,
+                     tensors=profile.tensors)
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:
@@ -435,6 +458,22 @@ def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: in
               for op in attention)
     return _Ring(max(0.0, (cp - 1) * hop(kv) - fwd),
                  max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd), sent, (cp - 1) * kv)
+
+
+def _balance(profile: LayerProfile, micro_batch: int, cluster: Cluster, tp: int,
+             cp: int) -> tuple[float, float]:
+    """(seconds, bytes sent) of one all-reduce of the layer's balance statistics over the cp
+    group (forward; backward sums their gradient the same way). They are per sequence, so
+    their size follows the micro-batch, not the rank's share of the tokens."""
+    nbytes = profile.balance_bytes * micro_batch / profile.batch
+    return (collective_time(cluster, "all_reduce", nbytes, cp, stride=tp),
+            bytes_on_wire("all_reduce", nbytes, cp))
+
+
+def _plus(pairs: tuple, kind: str, nbytes: float) -> tuple:
+    merged = dict(pairs)
+    merged[kind] = merged.get(kind, 0.0) + nbytes
+    return tuple(sorted(merged.items()))
 
 
 def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops):

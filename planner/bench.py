@@ -203,6 +203,7 @@ def plot(plans: list[Plan], results: list[Measured], path: str) -> str:
     ax.set_ylabel("ms per iteration")
     ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -265,6 +266,16 @@ def cmd_bench(args) -> int:
     results = bench(plans, _config(args), args.steps, args.warmup)
     print(report(plans, results))
     print(f"plot written to {plot(plans, results, args.png)}")
+    if args.explain:
+        from cost_model.cluster import get_cluster
+        from planner.bench_explain import explain_table, write_traces
+        cluster = get_cluster(args.cluster)
+        stem = os.path.splitext(args.png)[0]
+        for i, (p, m) in enumerate(zip(plans, results)):
+            print(f"\nplan {i + 1}: dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''}"
+                  f" {p.schedule} x{p.num_microbatches} micro-batches")
+            print(explain_table(p, cluster, m.ranks))
+            print(f"traces: {write_traces(p, cluster, m.ranks, f'{stem}-plan{i + 1}-trace.json')}")
     return 0
 
 
@@ -335,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=_positive_int, default=5)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
+    b.add_argument("--explain", action="store_true", help="per plan, the step's parts "
+                   "(compute per stage, p2p waits, data-parallel sync, optimizer, overhead, "
+                   "idle) predicted beside measured on each rank, and Chrome traces of both "
+                   "next to the plot")
     b.set_defaults(func=cmd_bench)
     e = sub.add_parser("export", help="a checkpoint saved under any plan as one safetensors "
                        "file (Hugging Face names for Hugging Face models)",

@@ -12,18 +12,20 @@ stage; the schedule places stage s on rank r(s) = s mod p (v stages per rank whe
 
 Data (per micro-batch, from cost_model.layer_cost):  t_k time fwd+bwd of one block under strategy
 k, w_k its static bytes (weights, gradients, optimizer states), a_k its activation bytes, g_k its
-gradient bytes; E, H the embed/head terms on the first/last stage; c the p2p time of a stage
-boundary; φ_r the activation sets rank r keeps alive at its peak, per stage it holds (the
+gradient bytes, o_k its optimizer step (seconds per step); E, H the embed/head terms on the
+first/last stage; c the p2p time of a stage boundary; q the runtime's own seconds per stage and
+micro-batch (its per-action overheads, cluster.action_*: 0 in the presets); φ_r the activation sets rank r keeps alive at its peak, per stage it holds (the
 schedule's in-flight count ÷ v: p − r for 1F1B, m for GPipe); M the memory limit.
 
 Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-parallel sync);
             y[s,j] ∈ {0,1} for heterogeneous models only (below).
 
   minimise    α·Σ_s T_s + β·ρ + σ                                        `_objective`
-  T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1])   `_stage_time`
+  T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1]) + q   `_stage_time`
   ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
   ρ         ≥ ρ*  (the least ρ at which whole blocks fit, below)         `busiest_rank_floor`
-  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H) + τ_r   ∀ r   `_add_sync`
+  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H) + τ_r
+                + Σ_{s on r} (Σ_k n[s,k]·o_k + o of E, H)       ∀ r   `_add_sync`
   Σ_s Σ_{k ∈ K_j} n[s,k] = N_j                     ∀ run j              `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
   Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
@@ -53,7 +55,8 @@ options, whatever their run, so every other row is unchanged; min_k t_k in ρ* i
 stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
 (0, m + (p − 1)/3), whose deferred weight-gradient work fills two thirds of the bubble. The data-
 parallel all-reduce time is affine in bytes (a: latency terms, b: exposed seconds per byte), so σ is
-linear. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
+linear; the optimizer step that follows it is linear in the blocks too, so σ bounds the slowest
+rank's sync and step together. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
 (a tied head) over their two ranks, on those ranks when they differ (runtime.tied), else 0.
 
 Sharded data parallel (ZeRO level z over shard groups of n ranks, planner.zero) adds no variable
@@ -99,6 +102,7 @@ class BlockOption:
     static_bytes: float  # weights + grads + optimizer states
     act_bytes: float     # per micro-batch in flight
     grad_bytes: float    # gradient bytes all-reduced over dp
+    step_s: float = 0.0  # the optimizer step over its parameters, once per step
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class EndLayer:
     static_bytes: float
     act_bytes: float
     grad_bytes: float
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class StageProblem:
     needs_tp: bool = False          # tp > 1: a mesh whose tp ranks all replicate is no plan
     tie_s: float = 0.0              # τ: summing tied embed/head gradients across their ranks
     runs: tuple[BlockRun, ...] = ()  # heterogeneous blocks, in model order; () = one run
+    stage_s: float = 0.0            # q: the runtime's own seconds per stage and micro-batch
 
     def __post_init__(self):
         if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
@@ -294,9 +300,9 @@ def breakdown(problem: StageProblem, counts) -> Breakdown:
     rank_times, mems, syncs = [], [], []
     for r in range(problem.ranks):
         rank_times.append(sum(times[s] for s in problem.stages_of(r)))
-        mem, grads = _rank_load(problem, counts, r)
+        mem, grads, steps = _rank_load(problem, counts, r)
         mems.append(mem)
-        syncs.append(_sync_time(problem, grads) + problem.tie_time(r))
+        syncs.append(_sync_time(problem, grads) + problem.tie_time(r) + steps)
     iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times) + max(syncs)
     if problem.needs_tp and not any(counts[s][k] for s in range(problem.stages)
                                     for k in problem.tp_options()):
@@ -310,22 +316,24 @@ def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
     return parts.iteration_s, max(parts.rank_bytes)
 
 
-def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float]:
-    """(peak memory, gradient bytes) of rank r."""
-    phi, mem, grads, opts = problem.act_factor[r], 0.0, 0.0, problem.options
+def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float, float]:
+    """(peak memory, gradient bytes, optimizer seconds) of rank r."""
+    phi, mem, grads, steps, opts = problem.act_factor[r], 0.0, 0.0, 0.0, problem.options
     for s in problem.stages_of(r):
         ends = _ends(problem, s)
         mem += sum(c * (o.static_bytes + phi * o.act_bytes) for c, o in zip(counts[s], opts))
         mem += sum(e.static_bytes + phi * e.act_bytes for e in ends)
         grads += sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
         grads += sum(e.grad_bytes for e in ends)
-    return mem, grads
+        steps += sum(c * o.step_s for c, o in zip(counts[s], opts))
+        steps += sum(e.step_s for e in ends)
+    return mem, grads, steps
 
 
 def stage_time(problem: StageProblem, counts, s: int) -> float:
     """T_s for a concrete assignment (seconds per micro-batch, p2p included)."""
     t = sum(c * o.time_s for c, o in zip(counts[s], problem.options))
-    return t + sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s)
+    return t + sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
 
 
 def _sync_time(problem: StageProblem, grad_bytes: float) -> float:
@@ -351,7 +359,7 @@ def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
 
 def _stage_time(problem: StageProblem, n, s: int):
     """T_s in units of _time_unit."""
-    fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s)
+    fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
     unit = _time_unit(problem)
     return (pulp.lpSum(n[s, k] * (o.time_s / unit) for k, o in enumerate(problem.options))
             + fixed / unit)
@@ -421,23 +429,25 @@ def rank_floor(problem: StageProblem) -> float:
     """A lower bound on the slowest rank's time, ρ (see the module docstring)."""
     return busiest_rank_floor(problem.blocks, problem.ranks, problem.stages,
                               min(o.time_s for o in problem.options), problem.embed.time_s,
-                              problem.head.time_s, problem.p2p_s)
+                              problem.head.time_s, problem.p2p_s, problem.stage_s)
 
 
 def busiest_rank_floor(blocks: int, ranks: int, stages: int, least_block_s: float,
-                       embed_s: float, head_s: float, p2p_s: float) -> float:
+                       embed_s: float, head_s: float, p2p_s: float,
+                       stage_s: float = 0.0) -> float:
     """The least ρ at which p ranks can hold all N blocks, on plain numbers (the outer search
     bounds with it before any problem exists): rank r can hold ⌊(ρ − F_r)/t_min⌋ blocks, so
 
         ρ* = min { ρ ≥ max_r F_r :  Σ_r ⌊(ρ − F_r)/t_min⌋ ≥ N }.
 
     Every stage crosses a boundary twice but the first and last once, so a rank's fixed time is
-    F_r = 2c·v − c·[r = 0] − c·[r = p−1] + E·[r = 0] + H·[r = p−1]: three kinds of rank (first,
+    F_r = 2c·v − c·[r = 0] − c·[r = p−1] + E·[r = 0] + H·[r = p−1] + q·v: three kinds of rank (first,
     last, middle), and ρ* is F_r + j·t_min for one of them, found by bisection on j."""
     v = stages // ranks
     def fixed(r: int) -> float:
         first, last = r == 0, r == ranks - 1
-        return 2 * p2p_s * v - p2p_s * (first + last) + embed_s * first + head_s * last
+        return (2 * p2p_s * v - p2p_s * (first + last) + embed_s * first + head_s * last
+                + stage_s * v)
     kinds = [(fixed(0), 1)] + ([(fixed(ranks - 1), 1)] if ranks > 1 else [])
     kinds += [(fixed(1), ranks - 2)] if ranks > 2 else []
     start = max(f for f, _ in kinds)
@@ -466,18 +476,22 @@ def _add_bottleneck(prob, problem: StageProblem, times):
 
 def _add_sync(prob, problem: StageProblem, n):
     sigma = _var(prob, "sigma")
-    if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0 and problem.tie_s == 0:
+    steps = any(o.step_s for o in (*problem.options, problem.embed, problem.head))
+    if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0 and problem.tie_s == 0 \
+            and not steps:
         return sigma
     for r in range(problem.ranks):
-        unit = _byte_unit(problem)
-        grads = []
+        unit, seconds = _byte_unit(problem), _time_unit(problem)
+        grads, optimizer = [], []
         for s in problem.stages_of(r):
             grads += [n[s, k] * (o.grad_bytes / unit) for k, o in enumerate(problem.options)]
             grads += [e.grad_bytes / unit for e in _ends(problem, s)]
-        seconds = _time_unit(problem)
+            optimizer += [n[s, k] * (o.step_s / seconds) for k, o in enumerate(problem.options)]
+            optimizer += [e.step_s / seconds for e in _ends(problem, s)]
         per_unit = problem.sync_s_per_byte * unit / seconds
         alpha = _sync_time(problem, 0.0) + problem.tie_time(r)
-        prob += sigma >= alpha / seconds + per_unit * pulp.lpSum(grads), f"sync_{r}"
+        prob += sigma >= (alpha / seconds + per_unit * pulp.lpSum(grads)
+                          + pulp.lpSum(optimizer)), f"sync_{r}"
     return sigma
 
 

@@ -32,6 +32,10 @@ class StagePlan:
     param_bytes: float                 # weights + gradients
     optimizer_bytes: float
     activation_bytes: float            # at peak (micro-batches in flight included)
+    # Its parts, for simulating the whole step (planner.step_prediction); 0 in older plans:
+    fwd_s: float = 0.0                 # forward of one micro-batch, tensor-parallel comm included
+    bwd_s: float = 0.0                 # backward of one micro-batch (recompute included)
+    step_s: float = 0.0                # the optimizer step over its parameters, per step
 
     @property
     def memory_bytes(self) -> float:
@@ -48,6 +52,9 @@ class Predicted:
     peak_memory_bytes: float
     tokens_per_s: float
     tflops_per_gpu: float
+    p2p_s: float = 0.0                 # one message between neighbouring stages
+    rank_sync_s: tuple[float, ...] = ()  # per pipeline rank: exposed data-parallel sync
+    runtime_s: float = 0.0             # the optimizer step and the runtime's own time
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class Plan:
         if status and seconds.endswith(" s"):  # written before timing had its own key
             data["solver"] = status
             data.setdefault("timing", {"solve_s": float(seconds.removesuffix(" s"))})
-        return Plan(**{**data, "stages": stages, "predicted": Predicted(**data.pop("predicted")),
+        return Plan(**{**data, "stages": stages, "predicted": _predicted(data.pop("predicted")),
                        "notes": tuple(data.pop("notes", ())),
                        "timing": dict(data.get("timing") or {})})
 
@@ -164,7 +171,9 @@ class Plan:
                          tablefmt="simple", disable_numparse=True)
         tail = [
             f"predicted iteration {p.iteration_s:.4g} s = compute {p.compute_s:.4g} + exposed "
-            f"comm {p.comm_s:.4g} + bubble {p.bubble_s:.4g}   bubble fraction "
+            f"comm {p.comm_s:.4g} + bubble {p.bubble_s:.4g}"
+            f"{f' + optimizer and runtime {p.runtime_s:.4g}' if p.runtime_s else ''}"
+            f"   bubble fraction "
             f"{max(p.bubble_fraction, 0.0):.3f}",
             f"peak memory/device {_size(p.peak_memory_bytes, scale)} {unit} of "
             f"{_size(self.memory_limit_bytes, scale)} {unit}   {p.tokens_per_s:,.0f} tokens/s   "
@@ -176,6 +185,10 @@ class Plan:
                         + (f", {seconds:.2f} s" if seconds is not None else ""))
         tail += [f"note: {n}" for n in self.notes]
         return "\n".join(head + [table] + tail)
+
+
+def _predicted(data: dict) -> Predicted:
+    return Predicted(**{**data, "rank_sync_s": tuple(data.get("rank_sync_s", ()))})
 
 
 def _check_fields(cls, data: dict, what: str) -> None:

@@ -26,6 +26,7 @@ from cost_model.strategy import RECOMPUTE, Strategy, strategy_space
 from planner import ilp
 from planner.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
 from planner.plan import Plan, Predicted, StagePlan
+from planner.step_prediction import simulated
 from planner import zero as zero_axis
 from runtime.generators import SCHEDULES as RUNTIME_SCHEDULES
 from runtime.generators import peak_inflight, schedule_error
@@ -359,7 +360,8 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     per_kind = []
     for kind in range(len(costs.kinds)):
         blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp, kind)
-        options = [costs.block_option(cost, zero_axis.sharding_of(c)) for cost in blocks]
+        options = [runtime_terms(costs.block_option(cost, zero_axis.sharding_of(c)), cost, req, c)
+                   for cost in blocks]
         keep = _prune_dominated(options)
         per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
     ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
@@ -377,13 +379,34 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                   memory_limit: float, runs: tuple = ()) -> ilp.StageProblem:
     """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
     ilp.BlockRun) and end-layer costs (embed, head)."""
-    embed, head = (costs.end_layer(cost, zero_axis.sharding_of(c)) for cost in ends)
+    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
+                   for cost in ends)
     p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
+    cluster = req.cluster
     return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
-                            p2p, memory_limit, sync_alpha, sync_slope, phi, needs_tp=c.tp > 1,
-                            tie_s=tie_time(costs, req, c), runs=runs)
+                            p2p, memory_limit, sync_alpha, sync_slope,
+                            phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
+                            stage_s=actions_per_microbatch(c.schedule) *
+                            (cluster.action_floor + cluster.action_overhead))
+
+
+def actions_per_microbatch(schedule: str) -> int:
+    """Compute actions of one stage per micro-batch: F and B, or F, I and W."""
+    return 3 if schedule == "zb-h1" else 2
+
+
+def runtime_terms(option, cost, req: Request, c: Candidate):
+    """An ILP option (ilp.BlockOption or EndLayer) with the runtime's own costs on this cluster
+    (0 in the presets): ZB-H1's second backward traversal (I and W each walk the graph) and the
+    optimizer step over the share of the parameters' states the rank holds."""
+    if cost is None:
+        return option
+    cluster = req.cluster
+    split = cost.bwd_s * cluster.split_backward if c.schedule == "zb-h1" else 0.0
+    share = zero_axis.sharding_of(c).fractions()[2]
+    return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
 
 
 def transient_bytes(costs: ModelCosts, req: Request, c: Candidate) -> float:
@@ -527,6 +550,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
     prefix = costs.block_prefix
     end = ("vocab-tp" if costs.vocab_parallel(cand.tp, cand.micro_batch, req.cluster, cand.cp)
            else "none")
+    ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
     for s, counts in enumerate(solution.counts):
         names = ["embed"] if s == 0 and costs.has("embed") else []
         strategies = [end] * len(names)
@@ -537,20 +561,27 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
         if s == problem.stages - 1 and costs.has("head"):
             names.append("head")
             strategies.append(end)
+        layer_costs = [c for k, c in enumerate(blocks) for _ in range(counts[k])]
+        layer_costs += [c for c in (ends[0] if s == 0 else None,
+                                    ends[1] if s == problem.stages - 1 else None) if c]
         stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies),
                                   zero_axis.sharding_of(cand), parts.stage_s[s],
-                                  transient_bytes(costs, req, cand)))
-    return Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
+                                  transient_bytes(costs, req, cand), layer_costs))
+    plan = Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts),
                 costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None)
+    if req.cluster.runtime_priced:  # the whole step simulated on shared cores
+        plan = replace(plan, predicted=simulated(plan, req.cluster, req.global_batch *
+                                                 costs.flops_per_sample()))
+    return plan
 
 
 def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
-                transient: float = 0.0) -> StagePlan:
+                transient: float = 0.0, layer_costs=()) -> StagePlan:
     phi = problem.act_factor[problem.rank_of(s)]
     ends = ilp._ends(problem, s)
     static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
@@ -558,7 +589,10 @@ def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
     weights, opt = costs.split_static(static, dp)
     act = phi * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
                  + sum(e.act_bytes for e in ends))
-    return StagePlan(names, strategies, time_s, weights + transient, opt, act)
+    step = sum(c * o.step_s for c, o in zip(counts, problem.options))
+    step += sum(e.step_s for e in ends)
+    return StagePlan(names, strategies, time_s, weights + transient, opt, act,
+                     sum(c.fwd_s for c in layer_costs), sum(c.bwd_s for c in layer_costs), step)
 
 
 def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown) -> Predicted:
@@ -573,7 +607,9 @@ def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown) ->
     iteration = parts.iteration_s
     bubble = max(iteration - busy - parts.sync_s, 0.0)  # rounding can leave -1e-19
     flops = req.global_batch * costs.flops_per_sample()
+    syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1])
+                  + problem.tie_time(r) for r in range(problem.ranks))
     return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
                      bubble / busy, max(parts.rank_bytes) + transient_bytes(costs, req, cand),
                      req.global_batch * req.seq / iteration,
-                     flops / iteration / req.gpus / 1e12)
+                     flops / iteration / req.gpus / 1e12, problem.p2p_s / 2, syncs)

@@ -1,0 +1,178 @@
+"""The runtime's own time and shared cores, measured for `fxpar calibrate` (CPU ranks).
+
+Op costs price the kernels of a layer. A training step also spends time the ops leave out, and
+on a CPU host its ranks may share cores. Calibration measures each part on its own:
+
+  action_floor     a one-rank gloo world trains RUNTIME_MODEL under 1F1B with m micro-batches,
+                   each step's parts timed by runtime.step_timing; the floor is what an F or a B
+                   takes beyond its priced compute (the plan's fwd_s, bwd_s, priced with the
+                   compute numbers calibrated just before), the mean over both kinds
+  action_overhead  the step's "overhead" part (outside the actions) grows with the number of
+  step_overhead    actions: slope and intercept over two micro-batch counts
+  split_backward   a transformer block's backward run whole (B) and split the way ZB-H1's
+                   executor splits it (I, keeping the graph, then W): (I + W) / B - 1
+  optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
+                   tensors: seconds per tensor and per parameter
+  cores            a matmul loop timed alone and in N processes at once: N busy ranks run at
+                   1/slowdown of their speed, i.e. on N / slowdown cores (0: no slowdown seen,
+                   every rank has a core of its own)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+
+from cost_model.cluster import Cluster
+
+# A small model of its own (not one a benchmark runs): two blocks, where the runtime's own time
+# is a large share of a step, as it is for the small models CPU ranks can train.
+RUNTIME_MODEL = dict(arch="gpt", layers=2, hidden=32, heads=4, vocab=128, seq=16,
+                     global_batch=8, name="runtime-probe")
+MICROBATCHES = (2, 8)
+STEPS, WARMUP = 6, 2
+
+
+def _plan(cluster: Cluster, schedule: str, m: int):
+    from planner.api import plan
+    from planner.models import ModelConfig
+    config = ModelConfig(**RUNTIME_MODEL)
+    fix = {"schedule": schedule, "mb": config.global_batch // m, "pp": 1, "dp": 1, "tp": 1}
+    return config, plan(config, 1, cluster=dataclasses.replace(cluster, **_NEUTRAL), fix=fix)[0]
+
+
+_NEUTRAL = dict(action_floor=0.0, action_overhead=0.0, step_overhead=0.0, split_backward=0.0,
+                optimizer_per_param=0.0, optimizer_per_tensor=0.0, cores=0.0)
+
+
+def _train_parts(cluster_json: str, schedule: str, m: int) -> tuple[dict, float, float]:
+    """On a one-rank world: mean parts of a step, and the plan's priced fwd and bwd per
+    micro-batch."""
+    from planner.api import ParallelModel
+    from planner.models import build_model, example_batch
+    from planner.train import make_optimizer
+    from runtime.step_timing import StepClock
+
+    torch.set_num_threads(1)
+    config, plan = _plan(Cluster.from_json(json.loads(cluster_json)), schedule, m)
+    batch = example_batch(config, config.global_batch)
+    pm = ParallelModel(build_model(config, device="meta"), plan, [], batch, make_optimizer)
+    parts = []
+    for step in range(WARMUP + STEPS):
+        with StepClock(pm.shard()) as clock:
+            pm.train_step(*batch)
+        if step >= WARMUP:
+            parts.append(clock.parts())
+    mean = {k: statistics.fmean(p.get(k, 0.0) for p in parts) for k in parts[0]}
+    return mean, plan.stages[0].fwd_s, plan.stages[0].bwd_s
+
+
+def _runtime_worker(cluster_json: str) -> dict:
+    runs = {m: _train_parts(cluster_json, "1f1b", m) for m in MICROBATCHES}
+    m = MICROBATCHES[-1]
+    parts, fwd, bwd = runs[m]
+    floor = max(0.0, ((parts["F0"] / m - fwd) + (parts["B0"] / m - bwd)) / 2)
+    # overhead = step + actions x per-action (two F and B per micro-batch), over the two runs
+    slope, intercept = _line([2 * m_ for m_ in runs], [p["overhead"] for p, _, _ in runs.values()])
+    return dict(action_floor=floor, action_overhead=max(0.0, slope),
+                step_overhead=max(0.0, intercept))
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def measure_runtime(cluster: Cluster) -> dict:
+    """action_floor, action_overhead, step_overhead on a one-rank gloo world."""
+    from runtime.launch import run_local
+    return run_local(_runtime_worker, 1, (json.dumps(cluster.to_json()),))[0]
+
+
+def measure_optimizer(rounds: int = 7) -> dict:
+    """optimizer_per_tensor, optimizer_per_param of planner.train.make_optimizer's step."""
+    from planner.train import make_optimizer
+
+    def seconds(tensors: int, size: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(size)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(size)
+        opt = make_optimizer(params)
+        opt.step()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    many, few = (256, 256), (4, 2**18)
+    t_many, t_few = seconds(*many), seconds(*few)
+    # t = tensors * a + tensors * size * b, solved from the two shapes
+    det = many[0] * few[0] * few[1] - few[0] * many[0] * many[1]
+    b = (many[0] * t_few - few[0] * t_many) / det
+    a = (t_many - many[0] * many[1] * b) / many[0]
+    return dict(optimizer_per_tensor=max(0.0, a), optimizer_per_param=max(0.0, b))
+
+
+def measure_split_backward(rounds: int = 15) -> float:
+    """How much longer I + W take than B on a transformer block, as ZB-H1's executor runs them
+    (runtime.executor: autograd.grad to the input keeping the graph, then backward to the
+    weights): (I + W) / B - 1."""
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    params = list(block.parameters())
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    grad = torch.randn(4, 32, 64)
+
+    def full() -> float:
+        out = block(x)
+        start = time.perf_counter()
+        torch.autograd.backward([out], [grad])
+        return time.perf_counter() - start
+
+    def split() -> float:
+        out = block(x)
+        start = time.perf_counter()
+        torch.autograd.grad([out], [x], [grad], retain_graph=True)
+        torch.autograd.backward([out], [grad], inputs=params)
+        return time.perf_counter() - start
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full(), split()
+        b = statistics.median(full() for _ in range(rounds))
+        iw = statistics.median(split() for _ in range(rounds))
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, iw / b - 1)
+
+
+def _spin(n: int = 192, rounds: int = 150) -> float:
+    torch.set_num_threads(1)
+    x = torch.randn(n, n)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        x = torch.tanh(x @ x * 1e-3)
+    return time.perf_counter() - start
+
+
+def _spin_worker() -> float:
+    import torch.distributed as dist
+    dist.barrier()
+    return _spin()
+
+
+def measure_cores(ranks: int) -> float:
+    """Cores `ranks` busy CPU ranks share (0 when they do not slow each other down)."""
+    from runtime.launch import run_local
+    _spin(rounds=20)
+    alone = statistics.median(_spin() for _ in range(3))
+    together = statistics.median(run_local(_spin_worker, ranks))
+    slowdown = together / alone
+    return 0.0 if slowdown < 1.15 else ranks / slowdown

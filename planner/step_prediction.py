@@ -1,0 +1,65 @@
+"""A plan's whole training step, simulated (runtime.step_sim) from the plan's own numbers.
+
+The ILP (planner.ilp) prices a pipeline by its schedule's closed form, with one device per rank.
+On a cluster that also prices the runtime's own time and cores shared by ranks
+(Cluster.runtime_priced: what `fxpar calibrate` measures on CPUs) a plan's prediction is this
+simulation instead: every compute action of the schedule with its stage's forward or backward
+(plus the runtime's floor per action), the p2p messages, the exposed data-parallel sync, the
+optimizer step and the runtime's overheads, on `cluster.cores` cores shared by all the plan's
+ranks. `fxpar bench --explain` lines the same parts up with a measured step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from cost_model.cluster import Cluster
+from planner.plan import Plan, Predicted
+from runtime.generators import make_schedule
+from runtime.schedule import Action, Kind, Schedule
+from runtime.step_sim import StepCosts, StepTimeline, simulate_step
+
+COMPUTE = tuple(k.value for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+
+
+def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
+    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+    floor, split = cluster.action_floor, cluster.split_backward
+
+    def duration(action: Action) -> float:
+        stage = plan.stages[action.stage]
+        if action.kind is Kind.F:
+            return stage.fwd_s + floor
+        if action.kind is Kind.B:
+            return stage.bwd_s + floor
+        return stage.bwd_s * (1 + split) / 2 + floor  # I or W: half of a longer backward
+
+    optimizer = [sum(plan.stages[s].step_s for s in schedule.stages_of(r))
+                 for r in range(plan.pp)]
+    p = plan.predicted
+    return schedule, StepCosts(duration, p.p2p_s, cluster.action_overhead, cluster.step_overhead,
+                               p.rank_sync_s or 0.0, optimizer, plan.dp * plan.tp * plan.cp,
+                               cluster.cores or math.inf)
+
+
+def predicted_step(plan: Plan, cluster: Cluster) -> StepTimeline:
+    return simulate_step(*step_costs(plan, cluster))
+
+
+def simulated(plan: Plan, cluster: Cluster, flops: float) -> Predicted:
+    """The plan's Predicted with the simulated step: the iteration, and on the busiest rank
+    (most compute) its compute, exposed communication, bubble (p2p waits and idle) and the
+    rest (optimizer, the runtime's own time)."""
+    step = predicted_step(plan, cluster)
+    busiest = max(step.parts, key=lambda parts: sum(parts.get(k, 0.0) for k in parts
+                                                    if k[0] in COMPUTE))
+    compute = sum(v for k, v in busiest.items() if k[0] in COMPUTE)
+    bubble = busiest.get("p2p wait", 0.0) + busiest.get("idle", 0.0)
+    comm = busiest.get("dp sync", 0.0)
+    iteration = step.makespan
+    p = plan.predicted
+    return replace(p, iteration_s=iteration, compute_s=compute, comm_s=comm, bubble_s=bubble,
+                   bubble_fraction=bubble / compute if compute else 0.0,
+                   tokens_per_s=plan.global_batch * plan.seq / iteration,
+                   tflops_per_gpu=flops / iteration / plan.gpus / 1e12,
+                   runtime_s=iteration - compute - comm - bubble)
