@@ -111,12 +111,18 @@ def measure_optimizer(rounds: int = 7) -> dict:
         return statistics.median(times)
 
     many, few = (256, 256), (4, 2**18)
-    t_many, t_few = seconds(*many), seconds(*few)
-    # t = tensors * a + tensors * size * b, solved from the two shapes
-    det = many[0] * few[0] * few[1] - few[0] * many[0] * many[1]
-    b = (many[0] * t_few - few[0] * t_many) / det
-    a = (t_many - many[0] * many[1] * b) / many[0]
-    return dict(optimizer_per_tensor=max(0.0, a), optimizer_per_param=max(0.0, b))
+    a, b = per_tensor_and_param(many, seconds(*many), few, seconds(*few))
+    return dict(optimizer_per_tensor=a, optimizer_per_param=b)
+
+
+def per_tensor_and_param(one: tuple[int, int], t_one: float, two: tuple[int, int],
+                         t_two: float) -> tuple[float, float]:
+    """(a, b) of t = tensors·a + tensors·size·b from two (tensors, size) shapes and their
+    times; each clipped at 0 (noise cannot make a cost negative)."""
+    (n1, s1), (n2, s2) = one, two
+    b = (n1 * t_two - n2 * t_one) / (n1 * n2 * (s2 - s1))
+    a = (t_one - n1 * s1 * b) / n1
+    return max(0.0, a), max(0.0, b)
 
 
 def measure_split_backward(rounds: int = 15) -> float:
@@ -174,5 +180,10 @@ def measure_cores(ranks: int) -> float:
     _spin(rounds=20)
     alone = statistics.median(_spin() for _ in range(3))
     together = statistics.median(run_local(_spin_worker, ranks))
-    slowdown = together / alone
+    return cores_from_slowdown(ranks, together / alone)
+
+
+def cores_from_slowdown(ranks: int, slowdown: float) -> float:
+    """`ranks` busy ranks each `slowdown` times slower than one alone share ranks / slowdown
+    cores; under 15% slower is noise, not sharing (0: a core per rank)."""
     return 0.0 if slowdown < 1.15 else ranks / slowdown

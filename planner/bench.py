@@ -115,7 +115,7 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     model = build_model(config, device="meta")
     batch = example_batch(config, config.global_batch, device=device)
     pm = ParallelModel(model, plan, [], batch, make_optimizer, seed=0)
-    times, losses, parts = [], [], []
+    times, losses, clocks = [], [], []
     for step in range(warmup + steps):
         dist.barrier()
         start = time.perf_counter()
@@ -125,10 +125,10 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
         seconds = time.perf_counter() - start
         if step >= warmup:
             times.append(seconds)
-            parts.append(clock.parts())
+            clocks.append(clock)
         if dist.get_rank() == 0:
             print(f"{STEP} {step + 1} {warmup + steps} {seconds!r} {losses[-1]!r}", flush=True)
-    mine = {"peak": _peak_memory(device), **rank_record(pm.shard(), parts)}
+    mine = {"peak": _peak_memory(device), **rank_record(pm.shard(), clocks)}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:

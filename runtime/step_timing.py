@@ -59,6 +59,11 @@ class StepClock:
     def _mark(self, doing: str) -> None:
         self._marks.append((time.perf_counter(), doing))
 
+    @property
+    def seconds(self) -> float:
+        """The time inside the `with`."""
+        return self._end - self._marks[0][0]
+
     def parts(self) -> dict[str, float]:
         """Seconds per part; they add up to the time inside the `with`."""
         totals: dict[str, float] = defaultdict(float)
@@ -76,12 +81,14 @@ class StepClock:
         return dict(totals)
 
 
-def rank_record(trainer, parts: list[dict[str, float]]) -> dict:
-    """What this rank tells the benchmark: its pipeline index, the mean of each part over the
-    measured steps, and the last step's compute actions and p2p waits (for the trace)."""
+def rank_record(trainer, clocks: list[StepClock]) -> dict:
+    """What this rank tells the benchmark: its pipeline index, the mean step and the mean of
+    each part over the measured steps, and the last step's compute actions and p2p waits."""
+    parts = [c.parts() for c in clocks]
     names = sorted({name for p in parts for name in p})
     executor = trainer.executor
     return {"rank": trainer.groups.rank, "pp_rank": executor.pp_rank,
+            "step_s": sum(c.seconds for c in clocks) / max(len(clocks), 1),
             "parts": {n: sum(p.get(n, 0.0) for p in parts) / max(len(parts), 1) for n in names},
             "events": [[str(e.action), e.start, e.end] for e in executor.events],
             "waits": [list(w) for w in executor.waits]}

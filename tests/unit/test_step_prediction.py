@@ -1,0 +1,79 @@
+"""Plans on clusters that price the runtime's own time (calibrated CPU profiles) are predicted by
+simulating the whole step (planner.step_prediction); presets keep the ILP's closed form."""
+import dataclasses
+
+import pytest
+
+from cost_model.bench_runtime import cores_from_slowdown, per_tensor_and_param
+from cost_model.cluster import PRESETS
+from planner.api import plan
+from planner.models import get_config
+from planner.step_prediction import predicted_step
+
+CPU = PRESETS["cpu-gloo"]
+TINY = get_config("gpt-tiny")
+
+
+def _plan(cluster, **fix):
+    return plan(TINY, 4, cluster=cluster, fix=fix)[0]
+
+
+def test_presets_keep_the_closed_form():
+    assert not any(c.runtime_priced for c in PRESETS.values())
+    p = _plan(CPU, pp=2, dp=2, schedule="1f1b")
+    assert p.predicted.runtime_s == 0.0
+    assert p.stages[0].fwd_s > 0 and p.stages[0].bwd_s > p.stages[0].fwd_s * 0.5
+
+
+def test_a_priced_runtime_predicts_the_simulated_step():
+    cluster = dataclasses.replace(CPU, action_overhead=2e-4, step_overhead=1e-3,
+                                  optimizer_per_tensor=1e-5, optimizer_per_param=1e-9)
+    p = _plan(cluster, pp=2, dp=2, schedule="1f1b")
+    step = predicted_step(p, cluster)
+    assert p.predicted.iteration_s == pytest.approx(step.makespan)
+    assert all(sum(parts.values()) == pytest.approx(step.makespan) for parts in step.parts)
+    assert all(parts["optimizer"] > 0 for parts in step.parts)
+    neutral = predicted_step(p, dataclasses.replace(CPU, cores=0.0))
+    assert p.predicted.iteration_s > neutral.makespan + 1e-3  # the step's set-up at least
+    assert p.predicted.runtime_s > 1e-3
+
+
+def test_without_a_pipeline_the_simulation_is_the_closed_form():
+    """pp = 1: m forward-backward pairs then the exposed sync, exactly what the ILP sums (with a
+    pipeline the ILP's closed form approximates the schedule; the simulation plays it out)."""
+    cluster = dataclasses.replace(CPU, step_overhead=1e-12)
+    for fix in (dict(dp=4), dict(dp=2, tp=2, mb=2)):
+        closed, simulated = _plan(CPU, **fix), _plan(cluster, **fix)
+        assert simulated.predicted.iteration_s == pytest.approx(closed.predicted.iteration_s)
+
+
+def test_ranks_sharing_cores_slow_each_other():
+    """Four data-parallel ranks on two cores compute at half speed; on four, at full speed."""
+    shared = dataclasses.replace(CPU, cores=2.0)
+    own = dataclasses.replace(CPU, cores=4.0)
+    p = _plan(shared, dp=4)
+    two = predicted_step(p, shared).parts[0]
+    four = predicted_step(p, own).parts[0]
+    assert two["F0"] == pytest.approx(2 * four["F0"])
+    assert two["B0"] == pytest.approx(2 * four["B0"])
+
+
+def test_zb_h1_pays_the_second_traversal():
+    cluster = dataclasses.replace(CPU, split_backward=0.5)
+    p = _plan(cluster, pp=2, dp=2, schedule="zb-h1")
+    parts = predicted_step(p, cluster).parts[1]
+    m = p.num_microbatches
+    assert parts["I1"] + parts["W1"] == pytest.approx(1.5 * m * p.stages[1].bwd_s)
+
+
+def test_optimizer_fit_recovers_both_costs():
+    a, b = 3e-6, 2e-9
+    shapes = [(256, 256), (4, 2**18)]
+    times = [n * a + n * s * b for n, s in shapes]
+    assert per_tensor_and_param(shapes[0], times[0], shapes[1], times[1]) == \
+        pytest.approx((a, b))
+
+
+def test_cores_from_slowdown():
+    assert cores_from_slowdown(4, 2.0) == 2.0
+    assert cores_from_slowdown(4, 1.05) == 0.0  # noise: a core per rank
