@@ -15,7 +15,7 @@ import torch
 
 from planner.models import ModelConfig, build_model, example_batch
 from planner.plan import Plan
-from planner.train import RunResult, make_optimizer, print_comparison
+from planner.train import RunResult, make_optimizer, print_comparison, train_in_one_process
 
 
 @dataclass(frozen=True)
@@ -73,17 +73,7 @@ def train_one_process(source: Source, steps: int) -> RunResult:
     """The full model trained in one process on the global batch, with planner.train's
     optimizer; losses, gradients of every step and final parameters."""
     model, batch = source.full_model(), source.batch()
-    opt = make_optimizer(list(model.parameters()))
-    losses, grads = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-        losses.append(loss.item())
-    return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()},
-                     tuple(grads))
+    return train_in_one_process(model, batch, steps)
 
 
 def parallel_worker(source: Source, plan_json: str, steps: int, with_grads: bool = True,

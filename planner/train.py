@@ -64,12 +64,12 @@ def build(spec: ModelConfig | HFSpec):
     return spec.build()
 
 
-def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0,
-                  progress: bool = False) -> RunResult:
-    torch.manual_seed(seed)
-    model, batch = build(config)
+def train_in_one_process(model: torch.nn.Module, batch: tuple, steps: int,
+                         on_step=None) -> RunResult:
+    """`model` trained in one process on the whole `batch` for `steps` steps with make_optimizer;
+    losses, gradients of every step and final parameters. `on_step(seconds, loss)` after each
+    step."""
     opt = make_optimizer(list(model.parameters()))
-    bar = Progress(steps, enabled=progress)
     losses, grads = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -79,10 +79,21 @@ def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0,
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
         losses.append(loss.item())
-        bar.update(tokens_per_s=batch[0].numel() / (time.perf_counter() - start),
-                   loss=losses[-1], label="one process")
+        if on_step is not None:
+            on_step(time.perf_counter() - start, losses[-1])
     return RunResult(tuple(losses), {k: v.detach().clone() for k, v in model.named_parameters()},
                      tuple(grads))
+
+
+def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0,
+                  progress: bool = False) -> RunResult:
+    torch.manual_seed(seed)
+    model, batch = build(config)
+    bar = Progress(steps, enabled=progress)
+    return train_in_one_process(
+        model, batch, steps,
+        on_step=lambda seconds, loss: bar.update(tokens_per_s=batch[0].numel() / seconds,
+                                                 loss=loss, label="one process"))
 
 
 def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
