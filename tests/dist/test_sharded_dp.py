@@ -108,22 +108,28 @@ def test_level_matches_one_process(matrix, name):
     assert_same_run(result, _reference(chosen.global_batch), what=name)
 
 
-# ---------------------------------------------------------------- clipping and bf16
-
-def _options_worker(plan_json: str, max_norm, precision: str):
-    """Like planner.train.parallel_worker with TrainOptions of its own (clipping, precision)."""
-    import torch.distributed as dist
-
+def _parallel_model(plan_json: str):
+    """Per rank: (the plan, CFG at its global batch as a ParallelModel of it, the batch)."""
     from planner.api import ParallelModel
     from planner.plan import Plan
-    from runtime.trainer import PipelineTrainer, TrainOptions
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     chosen = Plan.from_json(plan_json)
     config = CFG.with_(global_batch=chosen.global_batch)
     model, batch = build_model(config), example_batch(config, chosen.global_batch)
-    pm = ParallelModel(model, chosen, [], batch, make_optimizer)
+    return chosen, ParallelModel(model, chosen, [], batch, make_optimizer), batch
+
+
+# ---------------------------------------------------------------- clipping and bf16
+
+def _options_worker(plan_json: str, max_norm, precision: str):
+    """Like planner.train.parallel_worker with TrainOptions of its own (clipping, precision)."""
+    import torch.distributed as dist
+
+    from runtime.trainer import PipelineTrainer, TrainOptions
+
+    chosen, pm, batch = _parallel_model(plan_json)
     trainer: PipelineTrainer = pm.shard()
     trainer.options = TrainOptions(max_norm=max_norm, precision=precision, zero=chosen.zero,
                                    dp_shard=chosen.dp_shard)
@@ -182,16 +188,9 @@ def _bytes_worker(plan_json: str):
     kind during it)."""
     import torch.distributed as dist
 
-    from planner.api import ParallelModel
-    from planner.plan import Plan
     from runtime import sharded_dp
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    chosen = Plan.from_json(plan_json)
-    config = CFG.with_(global_batch=chosen.global_batch)
-    model, batch = build_model(config), example_batch(config, chosen.global_batch)
-    pm = ParallelModel(model, chosen, [], batch, make_optimizer)
+    _, pm, batch = _parallel_model(plan_json)
     pm.train_step(*batch)
     sharded_dp.TRAFFIC.clear()
     pm.train_step(*batch)

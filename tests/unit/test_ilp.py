@@ -20,12 +20,14 @@ def _compositions(total: int, parts: int, minimum: list[int]):
             yield (first,) + rest
 
 
-def _assignments(problem: ilp.StageProblem):
-    """Every contiguous stage split and every per-block strategy, as per-stage counts."""
+def _assignments(problem: ilp.StageProblem, kinds=None):
+    """Every contiguous stage split and every per-block strategy, as per-stage counts. `kinds`:
+    the option indices each block may take, in model order (test_ilp_runs); default any."""
     S, k = problem.stages, len(problem.options)
+    kinds = kinds or [range(k)] * problem.blocks
     minimum = [0 if s in (0, S - 1) else 1 for s in range(S)]
     for sizes in _compositions(problem.blocks, S, minimum):
-        for choice in itertools.product(range(k), repeat=problem.blocks):
+        for choice in itertools.product(*kinds):
             counts, pos = [], 0
             for size in sizes:
                 counts.append(tuple(choice[pos:pos + size].count(j) for j in range(k)))
@@ -33,23 +35,40 @@ def _assignments(problem: ilp.StageProblem):
             yield counts
 
 
-def brute_force(problem: ilp.StageProblem) -> float:
+def brute_force(problem: ilp.StageProblem, kinds=None) -> float:
+    """The least time of the assignments that fit, priced with ilp.evaluate."""
     best = math.inf
-    for counts in _assignments(problem):
+    for counts in _assignments(problem, kinds):
         time_s, peak = ilp.evaluate(problem, counts)
         if peak <= problem.memory_limit:
             best = min(best, time_s)
     return best
 
 
-def random_problem(rng: random.Random) -> ilp.StageProblem:
+def assert_matches_brute_force(problem: ilp.StageProblem, kinds=None) -> ilp.Solution:
+    """ilp.solve finds the brute-force optimum (or says infeasible where nothing fits)."""
+    expected = brute_force(problem, kinds)
+    solution = ilp.solve(problem)
+    if math.isinf(expected):
+        assert solution.status == "infeasible"
+        return solution
+    assert solution.status == "optimal"
+    assert solution.objective == pytest.approx(expected, rel=1e-6)
+    assert ilp.evaluate(problem, solution.counts)[0] == pytest.approx(expected, rel=1e-6)
+    return solution
+
+
+def random_pipeline(rng: random.Random) -> tuple[int, int, str, int]:
+    """(ranks p, stages per rank v, schedule, micro-batches m)."""
     p, v = rng.randint(1, 3), rng.choice([1, 1, 2])
     name = rng.choice(["1f1b", "gpipe", "zb-h1"]) if v == 1 else "interleaved-1f1b"
-    m = p * rng.randint(1, 3)
-    blocks = rng.randint(max(1, p * v - 2), 6)
-    options = tuple(ilp.BlockOption(rng.choice(["none", "tp", "tp+sel"]), rng.uniform(1, 3), rng.uniform(1, 4),
-                                    rng.uniform(0.1, 1), rng.uniform(0.5, 2))
-                    for j in range(rng.randint(1, 3)))
+    return p, v, name, p * rng.randint(1, 3)
+
+
+def problem_with_random_costs(rng: random.Random, pipeline, blocks: int, options, ties, runs=()):
+    """The problem of `blocks` x `options` (or `runs`) on `pipeline` with random end layers,
+    memory and communication."""
+    p, v, name, m = pipeline
     end = lambda: ilp.EndLayer(rng.uniform(0, 2), rng.uniform(0, 2), rng.uniform(0, .5),  # noqa
                                rng.uniform(0, 1))
     alpha, beta = ilp.schedule_weights(name, p, m, v)
@@ -57,7 +76,17 @@ def random_problem(rng: random.Random) -> ilp.StageProblem:
     return ilp.StageProblem(blocks, options, end(), end(), p, p * v, alpha, beta,
                             rng.uniform(0, .5), rng.uniform(4, 20), rng.choice([0.0, 0.3]),
                             rng.uniform(0, .2), phi, needs_tp=rng.random() < 0.3,
-                            tie_s=rng.choice([0.0, 0.0, 0.4]))
+                            tie_s=rng.choice(ties), runs=runs)
+
+
+def random_problem(rng: random.Random) -> ilp.StageProblem:
+    pipeline = random_pipeline(rng)
+    p, v = pipeline[:2]
+    blocks = rng.randint(max(1, p * v - 2), 6)
+    options = tuple(ilp.BlockOption(rng.choice(["none", "tp", "tp+sel"]), rng.uniform(1, 3), rng.uniform(1, 4),
+                                    rng.uniform(0.1, 1), rng.uniform(0.5, 2))
+                    for j in range(rng.randint(1, 3)))
+    return problem_with_random_costs(rng, pipeline, blocks, options, ties=[0.0, 0.0, 0.4])
 
 
 def _solved(seed: int) -> tuple[ilp.StageProblem, ilp.Solution]:
@@ -67,15 +96,7 @@ def _solved(seed: int) -> tuple[ilp.StageProblem, ilp.Solution]:
 
 @pytest.mark.parametrize("seed", range(80))
 def test_ilp_matches_brute_force(seed):
-    problem = random_problem(random.Random(seed))
-    expected = brute_force(problem)
-    solution = ilp.solve(problem)
-    if math.isinf(expected):
-        assert solution.status == "infeasible"
-        return
-    assert solution.status == "optimal"
-    assert solution.objective == pytest.approx(expected, rel=1e-6)
-    assert ilp.evaluate(problem, solution.counts)[0] == pytest.approx(expected, rel=1e-6)
+    assert_matches_brute_force(random_problem(random.Random(seed)))
 
 
 def test_memory_objective_finds_the_smallest_peak():

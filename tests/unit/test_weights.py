@@ -100,6 +100,18 @@ def _hf_dir(tmp_path, arch, **overrides):
     return model
 
 
+def _loads_with_the_same_loss(folder, cfg, hf):
+    """fxpar's model of `cfg` given the weights `hf` saved in `folder` (read through
+    ShardReader), after checking that its loss equals the transformers model's."""
+    model = build_model(cfg, device="meta")
+    with ShardReader(str(folder), model) as reader:
+        model = materialize_full(model, source=reader)
+    tokens, targets = example_batch(cfg, 2)
+    torch.testing.assert_close(model(tokens, targets), _hf_loss(hf, tokens, targets), rtol=1e-5,
+                               atol=0)
+    return model
+
+
 def test_fxpar_llama_loads_a_hugging_face_llama(tmp_path):
     hf = _hf_dir(tmp_path, "llama", rms_norm_eps=1e-5)
     c = hf.model.config
@@ -107,12 +119,7 @@ def test_fxpar_llama_loads_a_hugging_face_llama(tmp_path):
                                          heads=c.num_attention_heads, vocab=c.vocab_size,
                                          kv_heads=c.num_key_value_heads, ffn=c.intermediate_size,
                                          seq=c.max_position_embeddings)
-    model = build_model(cfg, device="meta")
-    with ShardReader(str(tmp_path), model) as reader:
-        model = materialize_full(model, source=reader)
-    tokens, targets = example_batch(cfg, 2)
-    torch.testing.assert_close(model(tokens, targets), _hf_loss(hf, tokens, targets), rtol=1e-5,
-                               atol=0)
+    model = _loads_with_the_same_loss(tmp_path, cfg, hf)
     exported = name_map(model).to_hf_state(dict(model.named_parameters()))
     for name, value in hf.model.state_dict().items():
         torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
@@ -123,12 +130,7 @@ def test_fxpar_gpt_loads_a_hugging_face_gpt2(tmp_path):
     c = hf.model.config
     cfg = get_config("gpt-tiny").with_(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head,
                                        vocab=c.vocab_size, seq=c.n_positions, tie=True)
-    model = build_model(cfg, device="meta")
-    with ShardReader(str(tmp_path), model) as reader:
-        model = materialize_full(model, source=reader)
-    tokens, targets = example_batch(cfg, 2)
-    torch.testing.assert_close(model(tokens, targets), _hf_loss(hf, tokens, targets), rtol=1e-5,
-                               atol=0)
+    model = _loads_with_the_same_loss(tmp_path, cfg, hf)
     names = name_map(model)
     assert names.to_hf("blocks.0.attn.qkv.weight") == HFTensor("transformer.h.0.attn.c_attn.weight",
                                                                transpose=True)
