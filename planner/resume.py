@@ -13,7 +13,7 @@ import torch
 
 from planner.models import ModelConfig
 from planner.plan import Plan
-from planner.train import build, make_optimizer
+from planner.train import build, make_optimizer, print_comparison
 from runtime.launch import run_local
 from runtime.progress import Progress
 
@@ -158,8 +158,6 @@ def compare_resumed(config, plan: Plan, steps: int, root: str | None, save_every
     """`fxpar run --checkpoint`: train on local gloo ranks (from the latest checkpoint with
     resume), saving every save_every steps, and print each step's loss beside one process
     trained from step 0 on the same batches; returns the largest relative difference."""
-    from tabulate import tabulate
-
     start = check_resume_request(root, save_every, resume, steps)
     print(f"training steps {start + 1}-{steps} on {plan.gpus} gloo CPU processes (dp={plan.dp} "
           f"tp={plan.tp} pp={plan.pp} cp={plan.cp})"
@@ -168,17 +166,8 @@ def compare_resumed(config, plan: Plan, steps: int, root: str | None, save_every
           + "; and steps 1-{0} in one process ...".format(steps), flush=True)
     parallel = run_with_checkpoints(config, plan, steps, root, save_every, resume,
                                     progress=True)
-    ref = reference_steps(config, steps)
-    rows, worst = [], 0.0
-    for step, (a, b) in enumerate(zip(parallel.losses, ref.losses[start:]), start + 1):
-        rel = abs(a - b) / abs(b)
-        worst = max(worst, rel)
-        rows.append([step, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
-    print(tabulate(rows, headers=["step", f"loss on {plan.gpus} ranks", "loss in one process",
-                                  "relative difference"]))
-    params = max(float((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
-                 for k, v in ref.state.items())
-    print(f"largest relative parameter difference after step {steps}: {params:.2e}")
+    worst = print_comparison(parallel, reference_steps(config, steps), plan.gpus, start,
+                             after=f"step {steps}")
     for path in parallel.saved:
         print(f"saved {path}")
-    return max(worst, params)
+    return worst

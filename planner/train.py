@@ -141,19 +141,23 @@ def compare_with_reference(config: ModelConfig | HFSpec, plan: Plan, steps: int 
     return print_comparison(parallel, reference_run(config, steps, progress=True), plan.gpus)
 
 
-def print_comparison(parallel: RunResult, ref: RunResult, gpus: int) -> float:
+def print_comparison(parallel: RunResult, ref: RunResult, gpus: int, start: int = 0,
+                     after: str | None = None) -> float:
     """Print losses per step side by side and the largest parameter difference; return the
-    largest relative difference of either."""
+    largest relative difference of either. The parallel run's losses are those of steps
+    start + 1 onwards (a resumed run), the reference's of every step from 1; `after` names when
+    the parameters are compared (default "N steps")."""
     rows, worst = [], 0.0
-    for i, (a, b) in enumerate(zip(parallel.losses, ref.losses)):
+    for step, (a, b) in enumerate(zip(parallel.losses, ref.losses[start:]), start + 1):
         rel = abs(a - b) / abs(b)
         worst = max(worst, rel)
-        rows.append([i + 1, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
+        rows.append([step, f"{a:.6f}", f"{b:.6f}", f"{rel:.2e}"])
     print(tabulate(rows, headers=["step", f"loss on {gpus} ranks", "loss in one process",
                                   "relative difference"]))
     params = max(float((parallel.state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
                  for k, v in ref.state.items())
-    print(f"largest relative parameter difference after {len(ref.losses)} steps: {params:.2e}")
+    after = after or f"{len(ref.losses)} steps"
+    print(f"largest relative parameter difference after {after}: {params:.2e}")
     return max(worst, params)
 
 

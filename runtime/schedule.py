@@ -160,23 +160,23 @@ class Schedule:
 
     def recv_for(self, action: Action) -> Action | None:
         """The receive a compute action waits on, or None if it waits on none."""
-        if action.kind is Kind.F:
-            recv = Action(action.stage, Kind.RECV_F, action.mb)
-        elif action.kind in (Kind.B, Kind.I):
-            recv = Action(action.stage, Kind.RECV_B, action.mb)
-        else:
-            return None
-        return recv if self.counterpart(recv) is not None else None
+        return self._transfer(action, Kind.RECV_F, Kind.RECV_B)
 
     def send_after(self, action: Action) -> Action | None:
         """The send that ships a compute action's result to another rank."""
+        return self._transfer(action, Kind.SEND_F, Kind.SEND_B)
+
+    def _transfer(self, action: Action, forward: Kind, backward: Kind) -> Action | None:
+        """The transfer of kind `forward` (for an F) or `backward` (for a B or an I) of the
+        compute action's stage and micro-batch, where it has a peer; else None."""
         if action.kind is Kind.F:
-            send = Action(action.stage, Kind.SEND_F, action.mb)
+            kind = forward
         elif action.kind in (Kind.B, Kind.I):
-            send = Action(action.stage, Kind.SEND_B, action.mb)
+            kind = backward
         else:
             return None
-        return send if self.counterpart(send) is not None else None
+        transfer = Action(action.stage, kind, action.mb)
+        return transfer if self.counterpart(transfer) is not None else None
 
     # -- text forms --------------------------------------------------------
     def __str__(self) -> str:
