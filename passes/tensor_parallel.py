@@ -20,7 +20,11 @@ Collectives inserted, as named call nodes:
   tp_all_reduce(y)  after each row-parallel linear, before its bias is added
   tp_grad_sum(w)    on the weights of replicated k/v projections (uneven GQA only), and on
                     whole parameters applied to sharded values (per-head q/k norms)
-so each attention and MLP pair costs one all-reduce forward and one backward.
+  tp_sum(s)         after a sum or mean over the sharded features (passes.tp_dataflow finds
+                    them: an RMSNorm over all heads, OLMo-2's q/k norms), a mean then divided
+                    by tp; that norm's weight is sharded like the features
+so each attention and MLP pair costs one all-reduce forward and one backward, and each norm over
+all heads one more of each.
 
 Inserted nodes are tagged with their layer; afterwards node.meta["val"] holds local shapes
 (`passes.sharding.localize_shapes`).
@@ -100,7 +104,10 @@ def tensor_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp:
 
 def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group: str) -> None:
     replicated = _grouped_kv(gm, layer, nodes, tp, rank)
-    check_layer(gm, layer, nodes, tp, set(replicated))
+    found = check_layer(gm, layer, nodes, tp, set(replicated))
+    for path, dim in found.cut_params.items():  # weights of norms over all heads' features
+        replace_param(gm, path, shard_of(get_param(gm, path), ShardSpec(dim, tp, rank), path,
+                                         layer))
     sharded: set[fx.Node] = set()
     selected: set[fx.Node] = set()  # kv heads taken from a replicated projection: already local
     entries: dict[fx.Node, fx.Node] = {}
@@ -125,12 +132,14 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
             else:
                 make_column(gm, site, layer, tp, rank)
                 sharded.add(node)
+        elif node in found.reduced:  # partial over the sharded features: whole once summed
+            _sum_over_group(gm, node, found.reduced[node], layer, tp, group)
         elif any(arg in sharded for arg in node.all_input_nodes):
             if all(arg in selected for arg in node.all_input_nodes if arg in sharded):
                 selected.add(node)
             else:
                 _check_heads(node, layer, tp)
-            _sum_replicated_grads(gm, node, layer, group)
+            _sum_replicated_grads(gm, node, layer, group, set(found.cut_params))
             _own_dropout(gm, node)
             sharded.add(node)
 
@@ -153,12 +162,23 @@ def _own_dropout(gm, node: fx.Node) -> None:
     node.args, node.kwargs = (node.args[0], p, train), {}
 
 
-def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str) -> None:
+def _sum_over_group(gm, node: fx.Node, op: str, layer: str, tp: int, group: str) -> None:
+    """The sum (or mean) of this rank's features becomes the whole layer's: all-reduced over the
+    group (and the gradient too, tp_sum), a mean of tp equal parts then divided by tp."""
+    summed = call_after(gm, node, collectives.tp_sum, (group, layer), layer)
+    if op == "mean":
+        call_after(gm, summed, torch.div, (tp,), layer)
+
+
+def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str,
+                          cut: set[str] = frozenset()) -> None:
     """A whole parameter applied to a sharded value (a per-head q/k norm's weight, Gemma's
     `1 + weight`, a per-head scale) gets on each rank only its heads' part of the gradient: read
     it, or the value computed from parameters alone, through tp_grad_sum, which sums it over the
     group."""
     for arg in node.all_input_nodes:
+        if arg.op == "get_attr" and arg.target in cut:  # sharded like the value: its own grad
+            continue
         if arg.target is not collectives.tp_grad_sum and _from_params_only(gm, arg):
             with gm.graph.inserting_before(node):
                 summed = gm.graph.call_function(collectives.tp_grad_sum, (arg, group, layer))

@@ -16,11 +16,20 @@ another dimension, and the split of a fused projection the rewrite knows how to 
 that reads a sharded value, and a sharded value that leaves the layer, is a ShardingError naming
 the node and what it does; the planner then leaves the layer's tensor-parallel strategies out of
 the search, with that reason.
+
+Two ops that do look across the sharded dimension are made exact by the rewrite, when the value's
+parts on the tp ranks are equal contiguous blocks of it (a column-parallel output, not a fused
+one before its split, nor kv heads each rank selects from a whole projection): a sum or mean over
+the sharded dimension (the statistics of an RMSNorm over all heads, OLMo-2's q/k norms), whose
+partial results are then summed over the group (`Findings.reduced`), and an elementwise op with
+a whole trained parameter of the sharded dimension's full size (that norm's weight), which is
+then sharded like the value (`Findings.cut_params`).
 """
 from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -46,6 +55,15 @@ _NORMS = {"layer_norm", "rms_norm", "native_layer_norm", "group_norm", "normaliz
 _SLICES = {"narrow", "slice", "select", "index_select", "gather", "take_along_dim"}
 _P_FIRST = {"norm", "linalg_vector_norm"}  # (x, p, dim)
 _IGNORED = {"size", "dim", "sym_size", "_assert_tensor_metadata", "getattr"}
+_LINEAR_REDUCTIONS = {"sum", "mean"}  # exact as the group's sum of per-rank partial results
+
+
+@dataclass
+class Findings:
+    """What the rewrite must add for the layer to be exact (see the module docstring)."""
+
+    reduced: dict[fx.Node, str] = field(default_factory=dict)  # sum / mean over the sharded dim
+    cut_params: dict[str, int] = field(default_factory=dict)   # parameter path -> dim to shard
 
 
 def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -82,12 +100,16 @@ class _Flow:
         self.fused_splits: set[fx.Node] = set()
         # Outputs of k/v projections kept whole, of which each rank selects whole heads.
         self.whole_heads = set(whole_heads)
+        # Values whose part on tp rank r is block r of tp equal contiguous blocks of the sharded
+        # dimension (so the parts of all ranks are disjoint and in order).
+        self.blocks: set[fx.Node] = set()
+        self.found = Findings()
 
     def fail(self, node: fx.Node, why: str) -> None:
         raise ShardingError(f"layer {self.layer}: not tensor-parallel: {node.name} "
                             f"({op_name(self.gm, node)}) {why}")
 
-    def run(self) -> None:
+    def run(self) -> Findings:
         for node in self.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
@@ -101,6 +123,7 @@ class _Flow:
             if outside:
                 self.fail(node, f"is sharded over tp={self.tp} and leaves the layer (read by "
                                 f"{outside[0].name}) without reaching a row-parallel linear")
+        return self.found
 
     def _linear(self, node: fx.Node, site) -> None:
         x = site.x
@@ -111,6 +134,8 @@ class _Flow:
                 cut = chunk_user(node)
                 if cut:
                     self.fused_splits.add(cut[0])
+                elif node not in self.whole_heads:
+                    self.blocks.add(node)
             return
         if self.dim[x] != _val(x).dim() - 1:
             self.fail(node, f"contracts over its last dimension, but its input {x.name} is "
@@ -157,13 +182,30 @@ class _Flow:
         (d,) = dims if len(dims) == 1 else (None,)
         if d is None:
             self.fail(node, "combines values sharded on different dimensions")
+        sharded = [a for a in node.all_input_nodes if a in self.dim]
+        in_blocks = all(a in self.blocks for a in sharded)
         for a in node.all_input_nodes:
             v = _val(a)
             aligned = d - (out.dim() - v.dim()) if v is not None else -1
             if a not in self.dim and v is not None and 0 <= aligned and v.shape[aligned] > 1:
+                if in_blocks and self._param_of_full_size(a, v, aligned, out.shape[d]):
+                    self.found.cut_params[str(a.target)] = aligned
+                    continue
                 self.fail(node, f"combines a sharded value with {a.name}, which is whole along "
                                 f"the sharded dimension")
         self.dim[node] = d
+        if in_blocks:
+            self.blocks.add(node)
+
+    def _param_of_full_size(self, a: fx.Node, v: torch.Tensor, dim: int, size: int) -> bool:
+        """A trained parameter read as is, as long along `dim` as the sharded dimension: it can
+        be cut like the value it meets (a norm's weight over all heads' features)."""
+        if a.op != "get_attr" or v.shape[dim] != size:
+            return False
+        prefix, _, name = str(a.target).rpartition(".")
+        param = getattr(self.gm.get_submodule(prefix) if prefix else self.gm, name, None)
+        cut = self.found.cut_params.get(str(a.target), dim)
+        return isinstance(param, nn.Parameter) and param.requires_grad and cut == dim
 
     def _keep(self, node, src, d) -> None:
         self.dim[node] = d
@@ -174,6 +216,8 @@ class _Flow:
             return
         if _val(src) is None:  # a part of a chunk / split result
             self.dim[node] = d
+            if src in self.fused_splits:  # each part of a fused projection is cut in blocks
+                self.blocks.add(node)
             return
         index = index if isinstance(index, tuple) else (index,)
         self.dim[node] = self._index_dim(node, index, d, _val(src).dim())
@@ -218,6 +262,8 @@ class _Flow:
                     self.fail(node, f"splits the sharded dimension ({full_in[d]} over "
                                     f"tp={self.tp}) into pieces of {carved}, cutting one")
                 self.dim[node] = j
+                if src in self.blocks and src not in self.whole_heads:
+                    self.blocks.add(node)
                 return
             prefix *= size
         self.fail(node, "merges the sharded dimension with the dimensions before it")
@@ -227,6 +273,8 @@ class _Flow:
         a, b = (node.args[1], node.args[2]) if len(node.args) > 2 else (0, 1)
         a, b = a % ndim, b % ndim
         self.dim[node] = b if d == a else a if d == b else d
+        if src in self.blocks:
+            self.blocks.add(node)
 
     def _permute(self, node, src, d) -> None:
         dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
@@ -245,7 +293,15 @@ class _Flow:
 
     def _reduce(self, node, src, d) -> None:
         ndim = _val(src).dim()
-        dims = self._dims(node, ndim, 2 if op_name(self.gm, node) in _P_FIRST else 1)
+        name = op_name(self.gm, node)
+        dims = self._dims(node, ndim, 2 if name in _P_FIRST else 1)
+        if dims is not None and d in dims and name in _LINEAR_REDUCTIONS:
+            if src not in self.blocks:
+                self.fail(node, f"sums over the sharded dimension {d} of {src.name}, whose parts "
+                                f"on the tp={self.tp} ranks are not known to be disjoint blocks "
+                                f"(kv heads each rank selects from a whole projection?)")
+            self.found.reduced[node] = name  # whole once the rewrite sums it over the group
+            return
         if dims is None or d in dims:
             self.fail(node, f"reduces or normalises over the sharded dimension {d} "
                             f"(tp={self.tp} ranks would each see a part of it)")
@@ -330,10 +386,12 @@ class _Flow:
 
 
 def check_layer(gm: fx.GraphModule, layer: str, nodes: list[fx.Node], tp: int,
-                whole_heads: set[fx.Node] = frozenset()) -> None:
+                whole_heads: set[fx.Node] = frozenset()) -> Findings:
     """Raise ShardingError unless the column/row-parallel rewrite of `nodes` (one layer, in
-    graph order, with full shapes in node.meta["val"]) computes exactly what the layer does.
+    graph order, with full shapes in node.meta["val"]) computes exactly what the layer does,
+    given the sums and parameter cuts it returns (Findings) are added.
     `whole_heads`: linears kept whole on every rank, of whose output each selects whole heads
     (grouped-query k/v projections whose heads tp does not divide)."""
     if tp > 1:
-        _Flow(gm, layer, nodes, tp, whole_heads).run()
+        return _Flow(gm, layer, nodes, tp, whole_heads).run()
+    return Findings()

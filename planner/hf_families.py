@@ -54,8 +54,8 @@ FAMILIES = (
     Family("mistral", "sliding-window attention on every layer", (("sliding_window", 8),),
            refuses=(("cp", _MASK),)),
     Family("qwen2", "biases on q/k/v only, GQA"),
-    Family("olmo2", "post-norm (norms after attention and MLP), q/k RMSNorm over all heads",
-           refuses=(("tp", "reduces or normalises over the sharded dimension"),)),
+    Family("olmo2", "post-norm (norms after attention and MLP), q/k RMSNorm over all heads "
+           "(under tp: a distributed RMSNorm, its statistics all-reduced)"),
     Family("bloom", "ALiBi, LayerNorm after the embedding, fused QKV",
            refuses=(("tp", "baddbmm"), ("cp", "no attention to ring"))),
     Family("gpt_bigcode", "MQA fused into the QKV projection",

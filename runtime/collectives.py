@@ -15,6 +15,9 @@ Tensor-parallel (Megatron f / g):
   tp_copy        identity forward, all-reduce of the gradient backward (enter a TP region)
   tp_all_reduce  all-reduce forward, identity backward (leave it: sum row-parallel partials)
   tp_grad_sum    as tp_copy, for a replicated weight whose gradient each rank holds only in part
+  tp_sum         all-reduce forward and all-reduce of the gradient backward: a sum over the
+                 sharded features (a norm's statistics over all heads), which every rank then
+                 applies to its own shard, so each holds only its part of the sum's gradient
 Sequence-parallel (along `dim`, the sequence dimension of [batch, seq, hidden]):
   sp_all_gather      all-gather forward, reduce-scatter backward (enter a TP region)
   sp_reduce_scatter  reduce-scatter forward, all-gather backward (leave it)
@@ -175,6 +178,14 @@ def tp_grad_sum(w: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
     return _CopyToRegion.apply(w, group, tag) if _active(w, group) else w
 
 
+def tp_sum(x: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
+    """The sum of the ranks' partial sums over the sharded features, differentiable: Megatron's
+    f then g, so the gradient is summed over the group too."""
+    if not _active(x, group):
+        return x
+    return _ReduceFromRegion.apply(_CopyToRegion.apply(x, group, tag), group, tag)
+
+
 class _Resequence(torch.autograd.Function):
     """One of four sequence moves forward, its adjoint backward (see the module docstring)."""
 
@@ -265,6 +276,7 @@ def sp_gather_linear(x, weights: tuple, biases: tuple, group: str, tag: str = ""
 tp_copy._fxpar_collective = "all_reduce_backward"
 tp_all_reduce._fxpar_collective = "all_reduce"
 tp_grad_sum._fxpar_collective = "all_reduce_backward"
+tp_sum._fxpar_collective = "all_reduce"
 sp_all_gather._fxpar_collective = "all_gather"
 sp_reduce_scatter._fxpar_collective = "reduce_scatter"
 sp_scatter._fxpar_collective = "all_gather_backward"

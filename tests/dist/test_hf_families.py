@@ -16,6 +16,14 @@ from planner.costs import PlanningError  # noqa: E402
 from planner.hf import small_config  # noqa: E402
 from planner.hf_families import FAMILIES  # noqa: E402
 from planner.train import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
+from cost_model.cluster import get_cluster  # noqa: E402
+from cost_model.layer_cost import price, profile_layer  # noqa: E402
+from cost_model.strategy import Strategy  # noqa: E402
+from passes.capture import capture  # noqa: E402
+from passes.program import Layout, rank_programs  # noqa: E402
+from runtime import instrument  # noqa: E402
+from runtime.mesh import Mesh, mesh_groups  # noqa: E402
+from runtime.wire import bytes_on_wire  # noqa: E402
 
 ARCHS = [f.arch for f in FAMILIES]
 FIXED = {"dp": 1, "mb": 2, "schedule": "1f1b"}
@@ -72,6 +80,38 @@ def test_trains_like_one_process(pool4, family, axis):
     parallel = run_parallel(spec, chosen, 2, pool4)
     reference = reference_run(spec, 2)
     assert_same_run(parallel, reference, what=f"{family.arch} {axis}")
+
+
+def _block_traffic(arch: str, tp: int, mb: int) -> tuple[dict, dict]:
+    """One forward and backward of a micro-batch, every block tensor-parallel, pp=1: per block
+    the bytes this rank sent by kind, and what the cost model prices for it."""
+    torch.manual_seed(0)
+    model, batch = build(HFSpec(arch, global_batch=8, seq=32))
+    micro = tuple(x[:mb] for x in batch)
+    captured = capture(model, micro)
+    priced = {b.name: dict(price(profile_layer(captured, b, tp), Strategy.parse("tp"), mb,
+                                 get_cluster("cpu-gloo"), tp).comm_bytes)
+              for b in captured.blocks}
+    groups = mesh_groups(Mesh(1, 4 // tp, tp))
+    layout = Layout(tp, tuple((b.name, "tp") for b in captured.blocks), (len(captured.layers),))
+    program = rank_programs(captured, layout, groups.tp_index, (0,))[0]
+    with instrument.counting() as traffic:
+        out = program.gm(*micro)
+        (out[0] if isinstance(out, tuple) else out).backward()
+    return {b.name: traffic.layer(b.name) for b in captured.blocks}, priced
+
+
+@pytest.mark.dist
+def test_a_norm_over_all_heads_sends_what_is_priced(pool4):
+    """OLMo-2's q/k RMSNorms under tp=2 sum their statistics over the group, forward and
+    backward: the bytes counted on the wire are the bytes the cost model prices, which are
+    the attention's and the MLP's all-reduces (one each way, [mb, seq, hidden]) and the
+    norms' (two each way, [mb, seq, 1])."""
+    mb, seq, hidden = 2, 32, 64
+    sent, priced = pool4.run(_block_traffic, "olmo2", 2, mb)[0]
+    expected = bytes_on_wire("all_reduce", 4 * 4 * mb * seq * (hidden + 1), 2)
+    for block, counted in sent.items():
+        assert counted == priced[block] == {"all_reduce": expected}, block
 
 
 @pytest.mark.dist

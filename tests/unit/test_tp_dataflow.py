@@ -84,6 +84,44 @@ class HeadBiasBlock(nn.Module):
         return x + self.proj(y.transpose(1, 2).flatten(2))
 
 
+class AllHeadsNormBlock(nn.Module):
+    """Attention whose q and k are RMS-normalised over all heads' features (OLMo-2), with
+    `kv_heads` key/value heads of width 8."""
+
+    def __init__(self, kv_heads: int = 4):
+        super().__init__()
+        self.q, self.proj = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.k, self.v = nn.Linear(HIDDEN, 8 * kv_heads), nn.Linear(HIDDEN, 8 * kv_heads)
+        self.q_weight = nn.Parameter(torch.ones(HIDDEN))
+        self.k_weight = nn.Parameter(torch.ones(8 * kv_heads))
+
+    def forward(self, x):
+        def norm(t, weight):
+            return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+        q, k = norm(self.q(x), self.q_weight), norm(self.k(x), self.k_weight)
+        q, k, v = (t.unflatten(-1, (-1, 8)).transpose(1, 2) for t in (q, k, self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.proj(y.transpose(1, 2).flatten(2))
+
+
+def test_a_norm_over_all_heads_is_summed_over_the_group():
+    """The statistics of a norm over all heads' features are summed over the tp group and its
+    weight is cut like the features; kv heads that each rank selects from a whole projection
+    overlap, so a norm over them is refused."""
+    costs = _costs(_Chain(AllHeadsNormBlock))
+    for tp in (2, 4):
+        profile = costs.block_profile(tp)
+        assert profile is not None, costs.tp_errors.get(tp)
+        # each way: the block's all-reduce of [1, SEQ, HIDDEN] fp32 and each norm's of [1, SEQ, 1]
+        for phase in ("fwd", "bwd"):
+            assert sorted(c.nbytes for c in profile.collectives if c.phase == phase) == [
+                4 * SEQ, 4 * SEQ, 4 * SEQ * HIDDEN]
+    costs = _costs(_Chain(lambda: AllHeadsNormBlock(kv_heads=1)))
+    assert costs.block_profile(2) is None
+    assert "not known to be disjoint blocks" in costs.tp_errors[2]
+
+
 def _costs(model) -> ModelCosts:
     tokens = torch.zeros(1, SEQ, dtype=torch.long)
     captured = capture(model, (tokens, tokens))
