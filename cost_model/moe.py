@@ -22,6 +22,11 @@ Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype
                                                  of the two (tests/dist/test_expert_parallel.py).
   expert weights    3 E h f d / ep               per rank (and their gradients and optimizer
                                                  states, as for any weight)
+  balance stats     2 b E d                      under context parallelism, per micro-batch of
+                                                 b sequences: the balance loss's expert counts
+                                                 and score sums, all-reduced over the cp group
+                                                 forward and (their gradient) backward
+                                                 (`balance_bytes`; priced by layer_cost.price)
 
 Imbalance: with uniform random routing, each token puts k distinct experts among E; the slots an
 EP rank of E/ep experts receives from N tokens have mean N k / ep and, per token, the
@@ -92,6 +97,17 @@ def facts(node) -> MoEFacts:
     router, w_gate = tensor_of(node.args[1]), tensor_of(node.args[2])
     return MoEFacts(tokens, hidden, int(router.shape[0]), int(node.kwargs.get("top_k", 1)),
                     int(w_gate.shape[1]), x.element_size())
+
+
+def balance_bytes(node) -> float:
+    """Bytes of the per-sequence statistics a moe_ffn node's balance loss sums over the
+    context-parallel group (runtime.experts: expert counts and router score sums, [b, 2E] in
+    x's dtype; all-reduced once forward and once backward). 0 without a balance loss, and for a
+    routed_experts op (its router and any loss on it are in the graph)."""
+    if node.kwargs.get("top_k") is None or not node.kwargs.get("aux_coef"):
+        return 0.0
+    x, router = tensor_of(node.args[0]), tensor_of(node.args[1])
+    return float(math.prod(x.shape[:-2]) * 2 * router.shape[0] * x.element_size())
 
 
 def moe_rule(call: Call) -> OpCost:

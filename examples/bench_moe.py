@@ -15,9 +15,9 @@ import time
 from planner.api import plan
 
 CASES = [
-    ("deepseek-v3", 1024, dict(tp=2, pp=8, v=4, schedule="interleaved-1f1b", ep=64, mb=1, zero=1),
-     "TP2 x PP8 x VP4 x EP64"),
-    ("mixtral-8x7b", 64, dict(tp=1, pp=4, ep=8, mb=1), "TP1 x PP4 x EP8"),
+    ("deepseek-v3", 1024, dict(tp=2, pp=8, v=4, schedule="interleaved-1f1b", ep=64, mb=1, zero=1,
+                               cp=1), "TP2 x PP8 x VP4 x EP64"),
+    ("mixtral-8x7b", 64, dict(tp=1, pp=4, ep=8, mb=1, cp=1), "TP1 x PP4 x EP8"),
 ]
 
 

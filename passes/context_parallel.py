@@ -16,7 +16,9 @@ rewritten, in place:
 
 The loss needs no rewrite: each rank takes the mean over its own tokens, and with equal token
 counts per rank the average of those means over the group (a data-parallel style gradient average)
-is the global mean.
+is the global mean. A mixture-of-experts balance loss is formed from per-sequence statistics
+(expert counts, mean router scores): `passes.expert_parallel.split_balance` makes each MoE node
+sum them over the group first.
 
 Every attention of the graph must be converted (a plain attention over local tokens would be
 silently wrong), so attention outside `layers` or in a form not recognised is an error.
@@ -35,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture import propagate_shapes
-from passes.expert_parallel import sequence_refusal
+from passes.expert_parallel import split_balance
 from passes.tables import table
 from runtime import rng
 from runtime.cp_data import check_sequence, global_positions
@@ -76,11 +78,9 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
         return gm
     seq = _sequence_length(gm)
     check_sequence(seq, cp, layout)
-    refusal = sequence_refusal(gm, list(layers.values()))
-    if refusal:
-        raise ContextParallelError(refusal)
     for found, layer in find_attentions(gm, layers):
         _replace(gm, found, group, layout, layer)
+    split_balance(gm, cp, group)
     gm.graph.eliminate_dead_code()
     _fix_positions(gm, seq, cp, rank, layout)
     gm.graph.lint()
@@ -112,9 +112,6 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
 
 def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | None:
     """None when context_parallel can rewrite this graph, else the reason it cannot."""
-    refusal = sequence_refusal(gm, list(layers.values()))
-    if refusal:
-        return refusal
     try:
         return None if find_attentions(gm, layers) else (
             "the graph has no attention to ring: context parallel needs "

@@ -82,21 +82,39 @@ def _cut(gm, arg, spec: ShardSpec, layer: str) -> str:
 
 def sequence_refusal(gm: fx.GraphModule, layers, sp: bool = False) -> str | None:
     """Why the sequence of these layers' MoE nodes cannot be split, or None. Context parallel
-    (sp=False): the balance loss is a per-sequence statistic (counts and mean scores over the
-    whole sequence) a sequence shard does not see; without one, tokens are routed one by one and
-    the split is exact. Sequence parallel (sp=True) is not implemented for MoE layers: their
-    tokens would need the tp ranks' shards regathered around the experts."""
+    (sp=False) always can: tokens are routed one by one, and the balance loss's per-sequence
+    statistics are summed over the cp group (`split_balance`). Sequence parallel (sp=True) is
+    not implemented for MoE layers: their tokens would need the tp ranks' shards regathered
+    around the experts."""
+    if not sp:
+        return None
     names = {n for layer_nodes in layers for n in layer_nodes}
     for node in moe_nodes(gm):
-        layer = node.meta.get(LAYER, node.name)
-        if node.name in names and sp:
-            return (f"{layer}: a mixture-of-experts layer is run with its sequence whole on every "
-                    f"tp rank (use tp without sp there)")
-        if node.name in names and node.kwargs.get("aux_coef"):
-            return (f"{layer}: the mixture-of-experts balance loss is computed per whole "
-                    f"sequence, so the sequence cannot be split (set the model's aux_loss to 0, "
-                    f"or keep cp=1)")
+        if node.name in names:
+            return (f"{node.meta.get(LAYER, node.name)}: a mixture-of-experts layer is run with "
+                    f"its sequence whole on every tp rank (use tp without sp there)")
     return None
+
+
+def split_balance(gm: fx.GraphModule, cp: int, group: str = "cp") -> list[str]:
+    """Context parallel: every MoE node with a balance loss (moe_ffn with aux_coef) sums its
+    per-sequence statistics over the `cp` ranks of the named group before forming the loss
+    (runtime.experts: seq_parts, seq_group; counted under the layer's tag), so that loss and
+    gradients are those of the whole sequences; in place. Returns the nodes' layers. Nodes
+    without a balance loss (and routed_experts ops, which have none) need nothing: their tokens
+    are routed one by one."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ShardingError(f"context-parallel size must be a positive integer, got {cp!r}")
+    done = []
+    for node in moe_nodes(gm):
+        if cp == 1 or _is_op(node) or not node.kwargs.get("aux_coef"):
+            continue
+        layer = node.meta.get(LAYER, node.name)
+        node.kwargs = {**node.kwargs, "seq_parts": cp, "seq_group": group, "tag": layer}
+        done.append(layer)
+    if done:
+        gm.recompile()
+    return done
 
 
 def read_replicated(gm: fx.GraphModule) -> None:

@@ -122,7 +122,8 @@ class ModelCosts:
                     tp: int, cp: int = 1, kind: int = 0) -> LayerCost:
         cost = self._price(strategy, micro_batch, cluster, tp, cp, kind)
         if self.ep_pricing is not None:
-            cost = self.ep_pricing(cost, micro_batch, cluster, tp if strategy.tp else 1, kind)
+            cost = self.ep_pricing(cost, micro_batch, cluster, tp if strategy.tp else 1, kind,
+                                   cp)
         return cost
 
     def _price_uncached(self, strategy, micro_batch, cluster, tp, cp, kind=0) -> LayerCost:

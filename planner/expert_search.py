@@ -16,7 +16,10 @@ What ep changes in a MoE block's per-micro-batch price (cost_model.moe.ExpertPri
                rank's (smaller) gradient bytes over the whole dp group, an upper bound
 
 The EP sizes tried divide every MoE layer's expert count and are at most the GPUs; a mesh whose
-dp x cp ep does not divide is refused with the reason (planner.search.mesh_refusal).
+dp x cp ep does not divide is refused with the reason (planner.search.mesh_refusal). Under
+context parallelism a rank routes its seq / cp tokens of each sequence, and a balance loss's
+statistics are all-reduced over the cp group (priced with the block: cost_model.layer_cost.price),
+so cp is searched for MoE models like any other.
 """
 from __future__ import annotations
 
@@ -76,11 +79,11 @@ class EPPricing:
                    for f in self.by_kind.get(kind, ()))
 
     def __call__(self, cost: LayerCost, micro_batch: int, cluster: Cluster, tp: int,
-                 kind: int) -> LayerCost:
+                 kind: int, cp: int = 1) -> LayerCost:
         layers = self.by_kind.get(kind)
         if not layers or self.ep == 1 and self.imbalance in (None, 1.0):
             return cost
-        scale = micro_batch / self.captured_batch
+        scale = micro_batch / self.captured_batch / cp   # a rank routes its 1/cp of the tokens
         for f in layers:
             cost = _with_ep(cost, dataclasses.replace(f, tokens=int(f.tokens * scale)), self.ep,
                             tp, cluster, self.imbalance)

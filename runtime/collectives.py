@@ -25,6 +25,11 @@ Sequence-parallel (along `dim`, the sequence dimension of [batch, seq, hidden]):
   sp_gather          all-gather forward, keep this rank's slice backward (sharded -> replicated)
   sp_gather_linear   sp_all_gather fused with the column-parallel linears reading its output; it
                      keeps only the local slice for backward and gathers it again there
+Statistics of a split sequence:
+  group_sum      all-reduce (sum) forward and all-reduce of the gradient backward: every rank
+                 holds the group's sum and feeds it to its own loss, which the trainer averages
+                 over the group, so the summed gradient is what one process computes (the
+                 mixture-of-experts balance statistics under context parallelism)
 
 Outside a process group, or on fake/meta tensors (shape propagation, pricing), they compute shapes
 only: the TP ones are identities, the SP ones change dimension `dim` by the factor `parts`.
@@ -186,6 +191,29 @@ def tp_sum(x: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
     return _ReduceFromRegion.apply(_CopyToRegion.apply(x, group, tag), group, tag)
 
 
+class _SumBothWays(torch.autograd.Function):
+    """all-reduce forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, name, tag):
+        ctx.name, ctx.tag, ctx.summed = name, tag, None
+        return all_reduce(x, name, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A split backward (ZB-H1) reaches this node twice, towards the stage's inputs and its
+        # weights, with the same gradient: sum it once, as priced, and hand both the result.
+        if ctx.summed is None:
+            ctx.summed = all_reduce(grad, ctx.name, ctx.tag)
+        return ctx.summed, None, None
+
+
+def group_sum(x: torch.Tensor, group: str, tag: str = "", parts: int = 1) -> torch.Tensor:
+    """The sum of x over the `parts` ranks of `group`, differentiable: the gradient is summed
+    over the group too (see the module docstring). parts == 1: x itself."""
+    return _SumBothWays.apply(x, group, tag) if _check_parts(x, group, parts) else x
+
+
 class _Resequence(torch.autograd.Function):
     """One of four sequence moves forward, its adjoint backward (see the module docstring)."""
 
@@ -281,3 +309,4 @@ sp_all_gather._fxpar_collective = "all_gather"
 sp_reduce_scatter._fxpar_collective = "reduce_scatter"
 sp_scatter._fxpar_collective = "all_gather_backward"
 sp_gather._fxpar_collective = "all_gather"
+group_sum._fxpar_collective = "all_reduce"

@@ -25,6 +25,12 @@ Auxiliary load-balancing loss (Switch / Mixtral form, computed per sequence as D
 so that it is a mean over sequences like the language-model loss, and splitting the batch over
 data-parallel ranks and micro-batches leaves it exact):
   aux = coef * mean_b  sum_e  (E / (k s)) count_{b,e} * mean_s p_{b,s,e}
+Under context parallelism (`seq_parts` > 1, set by passes.expert_parallel.split_balance) a rank
+holds s / seq_parts tokens of each sequence: its counts and sums of p ([b, E] each, one [b, 2E]
+tensor) are summed over the group `seq_group` with collectives.group_sum (counted as
+"all_reduce" under the layer's tag, forward and backward) and divided by the whole s, so every
+rank forms the loss of the whole sequences; the trainer's average over the group and the summed
+gradient of group_sum make loss and gradients those of one process.
 On fake or meta tensors (shape propagation, pricing) only shapes are computed.
 """
 from __future__ import annotations
@@ -50,9 +56,12 @@ def _fake(x: torch.Tensor) -> bool:
 
 def moe_ffn(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
             w_down: torch.Tensor, *, top_k: int, score: str = "softmax", norm_topk: bool = True,
-            scale: float = 1.0, aux_coef: float = 0.0, ep: int = 1, tag: str = "moe"):
+            scale: float = 1.0, aux_coef: float = 0.0, ep: int = 1, tag: str = "moe",
+            seq_parts: int = 1, seq_group: str = "cp"):
     """x [b, s, h] -> (y [b, s, h], aux loss scalar or None). `w_*` hold this rank's E/ep
-    experts; router [E, h] is whole."""
+    experts; router [E, h] is whole. seq_parts > 1: x holds this rank's share of sequences split
+    over the `seq_parts` ranks of group `seq_group` (the balance loss is then of the whole
+    sequences)."""
     experts = router.shape[0]
     if _fake(x):
         aux = x.new_empty(()) if aux_coef else None
@@ -62,7 +71,8 @@ def moe_ffn(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: t
     if norm_topk or score == "sigmoid":
         top = top / top.sum(-1, keepdim=True)
     top = top * scale
-    aux = _balance_loss(probs, index, experts, top_k) * aux_coef if aux_coef else None
+    aux = (_balance_loss(probs, index, experts, top_k, seq_parts, seq_group, tag) * aux_coef
+           if aux_coef else None)
     flat = x.flatten(0, -2)
     y = _routed(flat, top.flatten(0, -2), index.flatten(0, -2), w_gate, w_up, w_down,
                 experts, ep, tag)
@@ -77,13 +87,25 @@ def _scores(logits: torch.Tensor, score: str) -> torch.Tensor:
     raise ValueError(f"router score must be 'softmax' or 'sigmoid', got {score!r}")
 
 
-def _balance_loss(probs: torch.Tensor, index: torch.Tensor, experts: int, k: int):
-    """Per-sequence balance loss, averaged over the sequences of the batch (dim 0)."""
+def _balance_loss(probs: torch.Tensor, index: torch.Tensor, experts: int, k: int,
+                  seq_parts: int = 1, seq_group: str = "cp", tag: str = "moe"):
+    """Per-sequence balance loss, averaged over the sequences of the batch (dim 0); with
+    seq_parts > 1, of the whole sequences whose shares the ranks of `seq_group` hold."""
+    if isinstance(seq_parts, bool) or not isinstance(seq_parts, int) or seq_parts < 1:
+        raise ValueError(f"moe_ffn seq_parts (the ranks a sequence is split over) must be a "
+                         f"positive integer, got {seq_parts!r}")
     seq = probs.shape[-2]
     counts = torch.zeros(*index.shape[:-2], experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(-1, index.flatten(-2), torch.ones_like(index.flatten(-2), dtype=probs.dtype))
+    if seq_parts == 1:
+        mean = probs.mean(-2)
+    else:
+        stats = collectives.group_sum(torch.cat([counts, probs.sum(-2)], -1), seq_group, tag,
+                                      seq_parts)
+        seq *= seq_parts
+        counts, mean = stats[..., :experts], stats[..., experts:] / seq
     load = counts * (experts / (k * seq))
-    return (load * probs.mean(-2)).sum(-1).mean()
+    return (load * mean).sum(-1).mean()
 
 
 def _routed(flat, weights, index, w_gate, w_up, w_down, experts: int, ep: int, tag: str):

@@ -1,6 +1,7 @@
 """Expert parallelism on real gloo ranks against one process: losses of every step, every
-gradient and the final parameters (rtol 1e-5), for EP carved from dp (x pp, x tp x pp); and the
-all-to-all bytes the runtime counts against cost_model.moe's formula for the routing that ran."""
+gradient and the final parameters (rtol 1e-5), for EP carved from dp (x pp, x tp x pp) and from
+dp x cp, with the balance loss's statistics summed over the cp group; and the all-to-all and
+all-reduce bytes the runtime counts against cost_model's formulas for the routing that ran."""
 import dataclasses
 
 import pytest
@@ -16,11 +17,11 @@ MIXTRAL = get_config("mixtral-tiny").with_(layers=2, global_batch=8)
 DEEPSEEK = get_config("deepseek-tiny").with_(layers=3, global_batch=8)
 
 
-def _plan(config, gpus, ep, dp, tp=1, pp=1, schedule="1f1b", zero=0):
+def _plan(config, gpus, ep, dp, tp=1, pp=1, schedule="1f1b", zero=0, cp=1):
     """A plan fixed but for ep (captured from the whole model: dense and MoE blocks)."""
     per_replica = config.global_batch // dp
     fix = {"dp": dp, "tp": tp, "pp": pp, "mb": 1 if pp > 1 else min(2, per_replica),
-           "schedule": schedule, "zero": zero}
+           "schedule": schedule, "zero": zero, "cp": cp}
     if tp > 1:
         fix["strategy"] = "tp"
     model, batch = build_model(config), example_batch(config, config.global_batch)
@@ -46,9 +47,30 @@ def test_expert_parallel_matches_one_process(config, gpus, ep, dp, tp, pp, sched
     assert_same_run(parallel, reference_run(config, STEPS))
 
 
+# The balance loss at 25x its preset weight, so that a wrong share of its gradient shows.
+BALANCED = MIXTRAL.with_(aux_loss=0.5)
+CP_CASES = [  # (config, gpus, ep, dp, cp, pp, schedule)
+    pytest.param(MIXTRAL, 4, 1, 1, 2, 2, "1f1b", id="cp2-pp2"),
+    pytest.param(BALANCED, 4, 1, 2, 2, 1, "1f1b", id="cp2-dp2-aux0.5"),
+    pytest.param(BALANCED, 4, 2, 1, 2, 2, "zb-h1", id="ep2-of-cp2-pp2-zb"),
+    pytest.param(BALANCED, 4, 4, 2, 2, 1, "1f1b", id="ep4-of-dp2-cp2"),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("config,gpus,ep,dp,cp,pp,schedule", CP_CASES)
+def test_balance_loss_under_context_parallel_matches_one_process(config, gpus, ep, dp, cp, pp,
+                                                                 schedule):
+    chosen = _plan(config, gpus, ep, dp, pp=pp, schedule=schedule, cp=cp)
+    assert (chosen.ep, chosen.cp, chosen.dp, chosen.pp) == (ep, cp, dp, pp)
+    parallel = run_parallel(config, chosen, STEPS, rank_pool(gpus))
+    assert_same_run(parallel, reference_run(config, STEPS))
+
+
 def _traffic_worker(config, plan_json: str):
-    """One step; per rank: local expert rows, the all-to-all bytes counted per layer, and the
-    slots this rank routed to other ranks' experts (from the routing the step used)."""
+    """One step; per rank: local expert rows, the all-to-all bytes counted per layer, the slots
+    this rank routed to other ranks' experts (from the routing the step used), the all-reduce
+    bytes counted per layer and the number of micro-batches."""
     import torch.distributed as dist
 
     from planner.api import ParallelModel
@@ -81,7 +103,8 @@ def _traffic_worker(config, plan_json: str):
     rows = {n: tuple(p.shape) for prog in trainer.programs.values()
             for n, p in prog.gm.named_parameters() if experts.is_expert(p)}
     sent = {tag: b for (kind, tag), b in traffic.sent.items() if kind == "all_to_all"}
-    return rows, sent, remote
+    reduced = {tag: b for (kind, tag), b in traffic.sent.items() if kind == "all_reduce"}
+    return rows, sent, remote, reduced, trainer.schedule.num_microbatches
 
 
 @pytest.mark.dist
@@ -93,13 +116,46 @@ def test_all_to_all_bytes_counted_as_priced(pool4, ep, dp, pp, schedule):
     results = pool4.run(_traffic_worker, MIXTRAL, chosen.dumps())
     e, f, h = MIXTRAL.experts, MIXTRAL.expert_ffn, MIXTRAL.hidden
     layers = set()
-    for rows, sent, remote in results:
+    for rows, sent, remote, _, _ in results:
         assert rows and all(shape[0] == e // ep for shape in rows.values())
         assert sent.keys() == remote.keys() and sent
         layers |= sent.keys()
         for layer, slots in remote.items():
             # cost_model.moe: 4 T k h d r per micro-batch, T k r the slots a rank sends away,
             # which routing balances against those it receives: here their mean, slots / 2
+            facts = MoEFacts(tokens=slots, hidden=h, experts=e, top_k=1, ffn=f, dtype_bytes=4)
+            assert sent[layer] == facts.all_to_all_bytes(4, remote=0.5)
+    assert layers == {"blocks.0", "blocks.1"}
+
+
+@pytest.mark.dist
+def test_balance_all_reduce_and_all_to_all_under_cp_counted_as_priced(pool4):
+    """ep=2 carved from cp=2, pp=2, ZB-H1 (a split backward sums the statistics' gradient once):
+    each MoE layer's balance statistics (2 b E values per micro-batch of b sequences) are
+    all-reduced forward and backward, the bytes layer_cost.price adds under cp; the all-to-all
+    moves the rank's seq / cp tokens."""
+    from cost_model.cluster import get_cluster
+    from cost_model.comm import bytes_on_wire
+    from cost_model.layer_cost import price, profile_layer
+    from cost_model.moe import MoEFacts
+    from cost_model.strategy import Strategy
+    from passes.capture import capture
+
+    cp, mb = 2, 1
+    chosen = _plan(BALANCED, 4, 2, 1, pp=2, schedule="zb-h1", cp=cp)
+    assert (chosen.cp, chosen.ep, chosen.micro_batch) == (cp, 2, mb)
+    captured = capture(build_model(BALANCED), tuple(x[:mb] for x in example_batch(BALANCED, mb)))
+    e, f, h = BALANCED.experts, BALANCED.expert_ffn, BALANCED.hidden
+    priced = {}
+    for block in captured.blocks:
+        cost = price(profile_layer(captured, block), Strategy(), mb, get_cluster("cpu-gloo"), 1, cp)
+        priced[block.name] = dict(cost.comm_bytes)["all_reduce"]
+        assert priced[block.name] == 2 * bytes_on_wire("all_reduce", mb * 2 * e * 4, cp)
+    layers = set()
+    for rows, sent, remote, reduced, micro in pool4.run(_traffic_worker, BALANCED, chosen.dumps()):
+        assert reduced and all(reduced[layer] == micro * priced[layer] for layer in reduced)
+        layers |= reduced.keys()
+        for layer, slots in remote.items():
             facts = MoEFacts(tokens=slots, hidden=h, experts=e, top_k=1, ffn=f, dtype_bytes=4)
             assert sent[layer] == facts.all_to_all_bytes(4, remote=0.5)
     assert layers == {"blocks.0", "blocks.1"}

@@ -19,7 +19,8 @@ def test_deepseek_v3_on_1024_gpus_beats_the_hand_tuned_configuration():
     assert best.ep > 1 and (best.dp * best.cp) % best.ep == 0
     assert sum(len(s.layers) for s in best.stages) == 61 + 2
     hand = plan("deepseek-v3", 1024, cluster=H100,
-                fix=dict(tp=2, pp=8, v=4, schedule="interleaved-1f1b", ep=64, mb=1, zero=1))[0]
+                fix=dict(tp=2, pp=8, v=4, schedule="interleaved-1f1b", ep=64, mb=1, zero=1,
+                         cp=1))[0]
     assert (hand.tp, hand.pp, hand.virtual_stages, hand.ep, hand.dp) == (2, 8, 4, 64, 64)
     assert best.predicted.iteration_s <= hand.predicted.iteration_s
 
@@ -56,6 +57,39 @@ def test_ep_prices_all_to_all_weights_and_imbalance_by_formula():
     assert priced.fwd_s - base.fwd_s == pytest.approx(2 * a2a + extra)
     assert priced.bwd_s - base.bwd_s == pytest.approx(2 * a2a + 2 * extra)
     assert priced.act_bytes - base.act_bytes == pytest.approx(0.25 * t * k * (2 * h + 4 * f) * d)
+
+
+def test_cp_prices_the_balance_all_reduce_and_routes_local_tokens():
+    """Under cp a rank routes seq / cp tokens of each sequence (all-to-all bytes / cp) and
+    all-reduces each MoE layer's balance statistics, 2 b E values, forward and backward."""
+    from cost_model.comm import bytes_on_wire
+    costs, *_ = api._model_costs("mixtral-8x7b", None, None, None)
+    cluster, ep, b, cp = get_cluster(H100), 8, 1, 4
+    assert costs.cp_error is None and costs.supports_cp(cp, 4096)
+    (facts,) = expert_search.moe_facts(costs)[0]
+    t, e, h, k, d = facts.tokens, facts.experts, facts.hidden, facts.top_k, facts.dtype_bytes
+    plain = costs.price_block(Strategy(), b, cluster, 1)
+    split = costs.price_block(Strategy(), b, cluster, 1, cp)
+    stats = b * 2 * e * d
+    assert "all_reduce" not in dict(plain.comm_bytes)
+    assert dict(split.comm_bytes)["all_reduce"] == 2 * bytes_on_wire("all_reduce", stats, cp)
+    assert split.comm_s >= 2 * collective_time(cluster, "all_reduce", stats, cp)
+    full = costs.price_block(Strategy.parse("full"), b, cluster, 1, cp)
+    assert dict(full.repeated_bytes)["all_reduce"] == bytes_on_wire("all_reduce", stats, cp)
+    costs.ep_pricing = expert_search.EPPricing(ep, expert_search.moe_facts(costs), 1, 1.0)
+    try:
+        priced = costs.price_block(Strategy(), b, cluster, 1, cp)
+    finally:
+        costs.ep_pricing = None
+    assert dict(priced.comm_bytes)["all_to_all"] == 4 * (t // cp) * k * h * d * (ep - 1) / ep
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny"])
+def test_moe_models_with_a_balance_loss_plan_with_cp(name):
+    from planner.models import get_config
+    assert get_config(name).aux_loss > 0
+    best = plan(name, 8, cluster="cpu-gloo", fix={"cp": 2, "ep": 2, "pp": 2})[0]
+    assert (best.cp, best.ep, best.pp) == (2, 2, 2)
 
 
 def test_imbalance_override_slows_the_plan():
