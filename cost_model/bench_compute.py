@@ -122,24 +122,32 @@ def measure_linear(m: int, n: int, k: int, device: str = "cpu", reps: int = 5) -
     return median_time(linear_step(m, n, k, device), device, reps)
 
 
-def linear_step(m: int, n: int, k: int, device: str = "cpu") -> Callable[[], None]:
-    """Forward + backward of a Linear(k -> n) with bias on m tokens:
-    (1 + BWD_FACTOR) * 2*m*n*k FLOPs as the cost model counts them.
+def linear_step(m: int, n: int, k: int, device: str = "cpu",
+                chain: int = 1) -> Callable[[], None]:
+    """Forward + backward of `chain` Linear layers with bias on m tokens, k -> n -> k -> ...:
+    chain * (1 + BWD_FACTOR) * 2*m*n*k FLOPs as the cost model counts them.
 
     This, not a bare matmul, is what `matmul_eff` prices in training: the
     forward runs x @ W^T (+ bias), the backward grad @ W and grad^T @ x (two
     transposed layouts BLAS runs at its own speeds) plus the bias gradient
     and autograd's bookkeeping. Pricing blocks from bare contiguous matmuls
-    made every block predicted too fast."""
+    made every block predicted too fast. A chain shares one backward call
+    among its layers, as a block's layers do: a single small Linear would
+    charge autograd's start-up (the runtime's, per action) to its matmuls."""
     dtype = _dtype(device)
-    layer = torch.nn.Linear(k, n, device=device, dtype=dtype)
+    layers = [torch.nn.Linear(*((k, n) if i % 2 == 0 else (n, k)), device=device, dtype=dtype)
+              for i in range(chain)]
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(m, n, device=device, dtype=dtype)
+    grad = torch.randn(m, n if chain % 2 else k, device=device, dtype=dtype)
 
     def step() -> None:
-        layer.zero_grad(set_to_none=True)  # fresh grads, as the first micro-batch writes them
+        for layer in layers:  # fresh grads, as the first micro-batch writes them
+            layer.zero_grad(set_to_none=True)
         x.grad = None
-        layer(x).backward(grad)
+        y = x
+        for layer in layers:
+            y = layer(y)
+        y.backward(grad)
 
     return step
 

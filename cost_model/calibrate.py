@@ -60,8 +60,8 @@ KiB, MiB = 2**10, 2**20
 COLLECTIVE_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 # Linear layers (tokens, out_features, in_features) timed forward + backward;
 # matmul_eff is the median rate over them.
-CPU_MATMULS = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
-               (2048, 512, 512), (512, 2048, 512), (512, 512, 2048))
+CPU_MATMULS = ((64, 64, 64), (256, 128, 128), (256, 256, 256), (512, 512, 512),
+               (1024, 1024, 1024), (2048, 512, 512), (512, 2048, 512), (512, 512, 2048))
 CUDA_MATMULS = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
                 (16384, 4096, 4096), (4096, 16384, 4096), (4096, 4096, 16384))
 # Causal attention shapes (batch, heads, seq, head_dim); attention_eff is the
@@ -117,10 +117,12 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
     cuda = device.startswith("cuda")
     linears = CUDA_MATMULS if cuda else CPU_MATMULS
     attentions = CUDA_ATTENTION if cuda else CPU_ATTENTION
-    steps = ([linear_step(m, n, k, device) for m, n, k in linears]
+    chains = [linear_chain(m, n, k) for m, n, k in linears]
+    steps = ([linear_step(m, n, k, device, c) for (m, n, k), c in zip(linears, chains)]
              + [attention_step(b, h, s, d, device) for b, h, s, d in attentions])
     seconds = interleaved_medians(steps, device, on_round=lambda r: bar.step(
         f"linear fwd+bwd, causal attention fwd+bwd: round {r + 1}/{COMPUTE_ROUNDS}"))
+    seconds = [t / c for t, c in zip(seconds, chains)] + seconds[len(linears):]  # per Linear
     flops = ([(1 + BWD_FACTOR) * 2 * m * n * k for m, n, k in linears]
              + [attention_flops(*shape) for shape in attentions])
     rates = [f / t for f, t in zip(flops, seconds)]
@@ -169,6 +171,12 @@ def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -
             fields["cores"] = measure_cores(max(sizes, default=2))
         bar.step(label)
     return fields
+
+
+def linear_chain(m: int, n: int, k: int) -> int:
+    """Linear layers per timed step: small ones in a chain of 8, so that one backward call's
+    start-up is shared as a block shares it; large ones alone (their overhead is noise)."""
+    return 8 if m * n * k <= 2**24 else 1
 
 
 def _collective_plan(sizes: Sequence[int]) -> list[tuple[str, int]]:

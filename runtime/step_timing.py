@@ -30,6 +30,7 @@ PARTS = ("p2p wait", "dp sync", "optimizer", "overhead", "idle")
 
 # runtime.trainer's activity texts, by the part they belong to; "action ..." is the schedule.
 _PHASES = (("waiting for the data-parallel", "dp sync"), ("waiting for the sharded", "dp sync"),
+           ("data-parallel all-reduce of stage", "dp sync"),
            ("sharded data-parallel all-gather", "dp sync"), ("gradient-norm", "dp sync"),
            ("optimizer step", "optimizer"), ("loss broadcast", "idle"),
            ("action ", "schedule"), ("the end of the schedule", "schedule"))
@@ -55,6 +56,7 @@ class StepClock:
         activity.unlisten(self._mark)
         self._mark("idle")  # a barrier after the step, if any, up to here
         self._end = time.perf_counter()
+        self._parts = self._split()  # now: the executor's records are this step's
 
     def _mark(self, doing: str) -> None:
         self._marks.append((time.perf_counter(), doing))
@@ -66,6 +68,9 @@ class StepClock:
 
     def parts(self) -> dict[str, float]:
         """Seconds per part; they add up to the time inside the `with`."""
+        return dict(self._parts)
+
+    def _split(self) -> dict[str, float]:
         totals: dict[str, float] = defaultdict(float)
         ends = [t for t, _ in self._marks[1:]] + [self._end]
         for (start, doing), end in zip(self._marks, ends):
