@@ -471,9 +471,14 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     open_bound = math.inf  # least proven bound among ILPs a time limit stopped
     queue = [(c.lower_bound, i, c, None) for i, c in enumerate(candidates(costs, req))]
     heapq.heapify(queue)  # already sorted, so already a heap; (bound, i) are unique keys
+    # A simulated step (planner.step_prediction) may come out below the ILP's bounds: no
+    # candidate can be ruled out by them, so every one is solved (such clusters are CPU hosts:
+    # few ranks, few candidates).
+    exhaustive = req.cluster.runtime_priced
     while queue:
         bound, i, cand, built = heapq.heappop(queue)
         cutoff = found[-1].predicted.iteration_s if len(found) >= req.top_k else req.cutoff_s
+        cutoff = math.inf if exhaustive else cutoff
         if bound >= cutoff:
             break  # every bound left is at least this one: nothing left can enter the list
         if built is None:

@@ -1,4 +1,5 @@
 """The stage ILP against brute-force enumeration of the same space under the same costs."""
+import dataclasses
 import itertools
 import math
 import random
@@ -97,6 +98,19 @@ def _solved(seed: int) -> tuple[ilp.StageProblem, ilp.Solution]:
 @pytest.mark.parametrize("seed", range(80))
 def test_ilp_matches_brute_force(seed):
     assert_matches_brute_force(random_problem(random.Random(seed)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ilp_with_the_runtimes_own_terms_matches_brute_force(seed):
+    """q (seconds per stage and micro-batch) and o_k (each block's optimizer step, in σ's rows)
+    of a calibrated CPU cluster, on the same random problems."""
+    rng = random.Random(1000 + seed)
+    problem = random_problem(random.Random(seed))
+    options = tuple(dataclasses.replace(o, step_s=rng.uniform(0, 0.5)) for o in problem.options)
+    embed, head = (dataclasses.replace(e, step_s=rng.uniform(0, 0.5))
+                   for e in (problem.embed, problem.head))
+    assert_matches_brute_force(dataclasses.replace(problem, options=options, embed=embed,
+                                                   head=head, stage_s=rng.uniform(0, 0.4)))
 
 
 def test_memory_objective_finds_the_smallest_peak():
