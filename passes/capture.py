@@ -8,6 +8,10 @@ Layers: the largest outermost `nn.ModuleList` is the list of repeated blocks (it
 not be alike: passes.block_runs groups them into runs of identical blocks); each block is one
 layer, everything before the first block is the "embed" layer and everything after the last one
 the "head" layer.
+
+Every node computed from no input and no trained parameter (position tables, BLOOM's ALiBi bias,
+masks from aranges) carries node.meta[CONSTANT] = True, which a layer cut out of the graph still
+reads on its placeholders: a rewrite may slice such a value per rank without a gradient to sum.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+CONSTANT = "fxpar_constant"
 
 
 class CaptureError(RuntimeError):
@@ -64,6 +70,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
         gm, method = _export(model, example_inputs, trace_error), "export"
     propagate_shapes(gm, example_inputs)
     check_loss(gm, model)
+    mark_constants(gm)
     layers = _group_layers(gm, block_prefix)
     inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
@@ -71,6 +78,21 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
     return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq,
                     tied_parameters(model))
+
+
+def mark_constants(gm: fx.GraphModule) -> None:
+    """node.meta[CONSTANT] on the nodes computed from no placeholder and no trained parameter."""
+    constant: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            prefix, _, name = str(node.target).rpartition(".")
+            value = getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
+            if not (isinstance(value, torch.nn.Parameter) and value.requires_grad):
+                constant.add(node)
+        elif node.op in ("call_function", "call_method") and all(
+                a in constant for a in node.all_input_nodes):
+            constant.add(node)
+            node.meta[CONSTANT] = True
 
 
 def check_loss(gm: fx.GraphModule, model: torch.nn.Module) -> None:

@@ -24,7 +24,8 @@ Collectives inserted, as named call nodes:
                     them: an RMSNorm over all heads, OLMo-2's q/k norms), a mean then divided
                     by tp; that norm's weight is sharded like the features
 so each attention and MLP pair costs one all-reduce forward and one backward, and each norm over
-all heads one more of each.
+all heads one more of each. A constant per head built outside the layer (BLOOM's ALiBi bias) is
+read per rank: unflatten / narrow / flatten to the rank's heads, no communication.
 
 Inserted nodes are tagged with their layer; afterwards node.meta["val"] holds local shapes
 (`passes.sharding.localize_shapes`).
@@ -38,6 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from passes.capture import CONSTANT
 from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_views,
                              before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
@@ -108,6 +110,8 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
     for path, dim in found.cut_params.items():  # weights of norms over all heads' features
         replace_param(gm, path, shard_of(get_param(gm, path), ShardSpec(dim, tp, rank), path,
                                          layer))
+    for (user, whole), (dim, heads) in found.sliced.items():  # constants per head (ALiBi)
+        _take_heads(gm, user, whole, dim, heads, tp, rank, layer)
     sharded: set[fx.Node] = set()
     selected: set[fx.Node] = set()  # kv heads taken from a replicated projection: already local
     entries: dict[fx.Node, fx.Node] = {}
@@ -160,6 +164,22 @@ def _own_dropout(gm, node: fx.Node) -> None:
         return
     node.op, node.target = "call_function", rng.tp_dropout
     node.args, node.kwargs = (node.args[0], p, train), {}
+
+
+def _take_heads(gm, user: fx.Node, whole: fx.Node, dim: int, heads: int, tp: int, rank: int,
+                layer: str) -> None:
+    """`user` reads this rank's heads of `whole`, a constant whose dimension `dim` holds `heads`
+    heads (innermost: BLOOM's ALiBi bias is [batch x heads, 1, seq]): viewed as (-1, heads),
+    narrowed to the rank's block, flattened back."""
+    local = heads // tp
+    graph = gm.graph
+    with graph.inserting_before(user):
+        split = graph.call_function(torch.unflatten, (whole, dim, (-1, heads)))
+        mine = graph.call_function(torch.narrow, (split, dim + 1, rank * local, local))
+        taken = graph.call_function(torch.flatten, (mine, dim, dim + 1))
+    for new in (split, mine, taken):
+        new.meta = {LAYER: layer, CONSTANT: True}
+    user.replace_input_with(whole, taken)
 
 
 def _sum_over_group(gm, node: fx.Node, op: str, layer: str, tp: int, group: str) -> None:

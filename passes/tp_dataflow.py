@@ -24,6 +24,14 @@ the sharded dimension (the statistics of an RMSNorm over all heads, OLMo-2's q/k
 partial results are then summed over the group (`Findings.reduced`), and an elementwise op with
 a whole trained parameter of the sharded dimension's full size (that norm's weight), which is
 then sharded like the value (`Findings.cut_params`).
+
+A view may merge the sharded dimension, innermost, with dimensions before it (BLOOM's eager
+attention runs on [batch x heads, seq, head_dim]); each rank then holds its heads of every batch
+row, which batched matmuls, elementwise ops and views that split the dimensions again keep, and
+which no linear may contract. A whole value computed from no input and no trained parameter
+(passes.capture marks them: BLOOM's ALiBi bias, built before the blocks per batch row and head)
+that meets such a value along the sharded dimension is read per rank, its heads' part only
+(`Findings.sliced`).
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from passes.capture import CONSTANT
 from passes.sharding import ShardingError, chunk_user, linear_site
 
 _ELEMENTWISE = {
@@ -64,6 +73,9 @@ class Findings:
 
     reduced: dict[fx.Node, str] = field(default_factory=dict)  # sum / mean over the sharded dim
     cut_params: dict[str, int] = field(default_factory=dict)   # parameter path -> dim to shard
+    # (node, whole constant operand) -> (its dim along the sharded one, heads in that dim):
+    # each rank reads its heads' part
+    sliced: dict[tuple[fx.Node, fx.Node], tuple[int, int]] = field(default_factory=dict)
 
 
 def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -103,6 +115,8 @@ class _Flow:
         # Values whose part on tp rank r is block r of tp equal contiguous blocks of the sharded
         # dimension (so the parts of all ranks are disjoint and in order).
         self.blocks: set[fx.Node] = set()
+        # Sizes of the dimensions merged in front of the sharded one, where a view merged them.
+        self.outer: dict[fx.Node, int] = {}
         self.found = Findings()
 
     def fail(self, node: fx.Node, why: str) -> None:
@@ -140,6 +154,9 @@ class _Flow:
         if self.dim[x] != _val(x).dim() - 1:
             self.fail(node, f"contracts over its last dimension, but its input {x.name} is "
                             f"sharded on dimension {self.dim[x]}")
+        if self.outer.get(x, 1) > 1:
+            self.fail(node, f"contracts over features of {x.name} in which the sharded "
+                            f"dimension is merged after others (not a block of the weight)")
 
     def _other(self, node: fx.Node) -> None:
         name = op_name(self.gm, node)
@@ -161,12 +178,19 @@ class _Flow:
                  "repeat_interleave": self._keep, "chunk": self._split, "split": self._split,
                  "cat": self._cat, "stack": self._stack,
                  "scaled_dot_product_attention": self._attention,
-                 "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul}
+                 "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul,
+                 "baddbmm": self._baddbmm}
         rule = rules.get(name)
         if rule is None:
             self.fail(node, f"reads a value sharded over tp={self.tp} (dimension {d} of "
                             f"{src.name}) and is not known to work shard by shard")
         rule(node, src, d)
+        if node in self.dim and node not in self.outer and self.outer.get(src, 1) > 1:
+            self.outer[node] = self.outer[src]
+        # ops on the other dimensions keep each rank's part a block of the sharded one
+        if node in self.dim and rule != self._view and all(
+                a in self.blocks for a in node.all_input_nodes if a in self.dim):
+            self.blocks.add(node)
 
     # -- rules: each sets self.dim[node] or fails ---------------------------------------------
     def _elementwise(self, node: fx.Node, out) -> None:
@@ -188,14 +212,31 @@ class _Flow:
             v = _val(a)
             aligned = d - (out.dim() - v.dim()) if v is not None else -1
             if a not in self.dim and v is not None and 0 <= aligned and v.shape[aligned] > 1:
-                if in_blocks and self._param_of_full_size(a, v, aligned, out.shape[d]):
+                if in_blocks and self._param_of_full_size(a, v, aligned, out.shape[d]) and \
+                        all(self.outer.get(x, 1) == 1 for x in sharded):
                     self.found.cut_params[str(a.target)] = aligned
+                    continue
+                if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
                     continue
                 self.fail(node, f"combines a sharded value with {a.name}, which is whole along "
                                 f"the sharded dimension")
         self.dim[node] = d
         if in_blocks:
             self.blocks.add(node)
+
+    def _slices(self, node, a: fx.Node, v: torch.Tensor, dim: int, size: int, sharded) -> bool:
+        """A whole value computed from no input and no trained parameter (an ALiBi bias built
+        before the blocks), as long along `dim` as the sharded dimension it meets: each rank can
+        take its part of it (no gradient to sum)."""
+        outers = {self.outer.get(x, 1) for x in sharded}
+        if not a.meta.get(CONSTANT) or v.shape[dim] != size or len(outers) != 1:
+            return False
+        heads = size // outers.pop()
+        if heads % self.tp:
+            self.fail(node, f"meets {a.name}, whole along {heads} heads, which tp={self.tp} "
+                            f"does not divide")
+        self.found.sliced[(node, a)] = (dim, heads)
+        return True
 
     def _param_of_full_size(self, a: fx.Node, v: torch.Tensor, dim: int, size: int) -> bool:
         """A trained parameter read as is, as long along `dim` as the sharded dimension: it can
@@ -221,6 +262,8 @@ class _Flow:
             return
         index = index if isinstance(index, tuple) else (index,)
         self.dim[node] = self._index_dim(node, index, d, _val(src).dim())
+        if src in self.blocks:
+            self.blocks.add(node)
 
     def _index_dim(self, node, index: tuple, d: int, ndim: int) -> int:
         """Output dimension of input dimension d under basic indexing (ints, slices, None, ...)."""
@@ -243,7 +286,11 @@ class _Flow:
 
     def _view(self, node, src, d) -> None:
         full_in, full_out = tuple(_val(src).shape), tuple(_val(node).shape)
-        before = math.prod(full_in[:d])
+        # The sharded dimension may hold dimensions merged in front of it (outer): it is then
+        # read as (outer, size) with the second one sharded.
+        outer = self.outer.get(src, 1)
+        size_d = full_in[d] // outer
+        before = math.prod(full_in[:d]) * outer
         prefix = 1
         # Splitting the sharded dimension into (heads, head_dim) puts it on the heads, also when
         # there is one: multi-query k/v (kept whole, one head selected) or a head tp cuts. Other
@@ -256,13 +303,22 @@ class _Flow:
             self.whole_heads.add(node)
         for j, size in enumerate(full_out):
             if prefix == before and (size > 1 or heads_first):
-                carved = full_in[d] // size if size < full_in[d] else 1
-                cuts = size < full_in[d] and (full_in[d] // self.tp) % max(carved, 1)
+                carved = size_d // size if size < size_d else 1
+                cuts = size < size_d and (size_d // self.tp) % max(carved, 1)
                 if cuts and src not in self.whole_heads:
-                    self.fail(node, f"splits the sharded dimension ({full_in[d]} over "
+                    self.fail(node, f"splits the sharded dimension ({size_d} over "
                                     f"tp={self.tp}) into pieces of {carved}, cutting one")
                 self.dim[node] = j
+                self.outer[node] = 1
                 if src in self.blocks and src not in self.whole_heads:
+                    self.blocks.add(node)
+                return
+            if (prefix < before < prefix * size and before % prefix == 0
+                    and prefix * size == before * size_d and src not in self.whole_heads):
+                # merged, innermost, with dimensions before it (BLOOM's batch x heads): each
+                # rank holds its part of the sharded dimension in every one of them
+                self.dim[node], self.outer[node] = j, before // prefix
+                if src in self.blocks:
                     self.blocks.add(node)
                 return
             prefix *= size
@@ -366,7 +422,10 @@ class _Flow:
         self.dim[node] = heads
 
     def _matmul(self, node, src, d) -> None:
-        a, b = node.args[:2]
+        self._product(node, *node.args[:2])
+
+    def _product(self, node, a, b) -> None:
+        """node = a @ b (with batch dimensions)."""
         va, vb, out = _val(a), _val(b), _val(node)
         if va is None or vb is None or va.dim() < 2 or vb.dim() < 2:
             self.fail(node, "multiplies a sharded vector")
@@ -383,6 +442,33 @@ class _Flow:
             self.fail(node, "multiplies a sharded value by one sharded differently or whole "
                             "along a batch dimension")
         self.dim[node] = dims.pop()
+        sharded = [t for t in (a, b) if t in self.dim]
+        if len({self.outer.get(t, 1) for t in sharded}) > 1:
+            self.fail(node, "multiplies values whose sharded dimension holds different merged "
+                            "dimensions")
+        if all(t in self.blocks for t in sharded):
+            self.blocks.add(node)
+
+    def _baddbmm(self, node, src, d) -> None:
+        """bias + a @ b (BLOOM's ALiBi scores): the product as a matmul; the bias as an
+        elementwise operand of it (sliced when whole and constant)."""
+        bias, a, b = node.args[:3]
+        self._product(node, a, b)
+        if not isinstance(bias, fx.Node):
+            return
+        out, v = _val(node), _val(bias)
+        d = self.dim[node]
+        if bias in self.dim:
+            if self.dim[bias] + out.dim() - v.dim() != d:
+                self.fail(node, "adds a bias sharded on another dimension")
+            return
+        aligned = d - (out.dim() - v.dim())
+        if v is not None and aligned >= 0 and v.shape[aligned] > 1:
+            sharded = [t for t in (a, b) if t in self.dim]
+            if not (node in self.blocks and self._slices(node, bias, v, aligned, out.shape[d],
+                                                          sharded)):
+                self.fail(node, f"adds {bias.name}, whole along the sharded dimension (a bias "
+                                f"per head that is not sharded by heads)")
 
 
 def check_layer(gm: fx.GraphModule, layer: str, nodes: list[fx.Node], tp: int,

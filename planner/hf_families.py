@@ -56,8 +56,8 @@ FAMILIES = (
     Family("qwen2", "biases on q/k/v only, GQA"),
     Family("olmo2", "post-norm (norms after attention and MLP), q/k RMSNorm over all heads "
            "(under tp: a distributed RMSNorm, its statistics all-reduced)"),
-    Family("bloom", "ALiBi, LayerNorm after the embedding, fused QKV",
-           refuses=(("tp", "baddbmm"), ("cp", "no attention to ring"))),
+    Family("bloom", "ALiBi (under tp: each rank's heads of the bias), LayerNorm after the "
+           "embedding, fused QKV", refuses=(("cp", "no attention to ring"),)),
     Family("gpt_bigcode", "MQA fused into the QKV projection",
            refuses=(("tp", "fused with the queries"),)),
 )
