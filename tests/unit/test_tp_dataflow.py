@@ -122,6 +122,57 @@ def test_a_norm_over_all_heads_is_summed_over_the_group():
     assert "not known to be disjoint blocks" in costs.tp_errors[2]
 
 
+class AlibiBlock(nn.Module):
+    """BLOOM's eager attention: batch and heads merged, scores = bias + q @ k^T (baddbmm)."""
+
+    def __init__(self, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, bias):
+        b, s, _ = x.shape
+        q, k, v = (t.unflatten(-1, (-1, HIDDEN // self.heads)).transpose(1, 2).flatten(0, 1)
+                   for t in self.qkv(x).chunk(3, -1))
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2)).view(b, self.heads, s, s)
+        probs = scores.softmax(-1).view(b * self.heads, s, s)
+        y = torch.bmm(probs, v).view(b, self.heads, s, -1).transpose(1, 2).flatten(2)
+        return x + self.proj(y)
+
+
+class AlibiChain(_Chain):
+    """The bias, one slope per head, built before the blocks as [batch x heads, 1, seq]; from a
+    trained parameter when `learned`."""
+
+    def __init__(self, learned: bool = False, heads: int = 4):
+        super().__init__(lambda: AlibiBlock(heads))
+        self.heads = heads
+        self.slopes = nn.Parameter(torch.ones(heads)) if learned else None
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        slopes = self.slopes if self.slopes is not None else \
+            0.5 ** torch.arange(1, self.heads + 1, dtype=torch.float32)
+        bias = (slopes[:, None] * torch.arange(SEQ)).repeat(tokens.shape[0], 1)[:, None, :]
+        for block in self.blocks:
+            x = block(x, bias)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_constant_bias_per_head_is_read_per_rank(batch):
+    """Batch and heads merged into one dimension keep each rank's heads in every batch row; a
+    bias computed from constants before the blocks is then read per rank, one computed from a
+    trained parameter is refused."""
+    tokens = torch.zeros(batch, SEQ, dtype=torch.long)
+    costs = ModelCosts(capture(AlibiChain(), (tokens, tokens)), 3, 4)
+    for tp in (2, 4):
+        assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
+    costs = ModelCosts(capture(AlibiChain(learned=True), (tokens, tokens)), 3, 4)
+    assert costs.block_profile(2) is None
+    assert "not sharded by heads" in costs.tp_errors[2]
+
+
 def _costs(model) -> ModelCosts:
     tokens = torch.zeros(1, SEQ, dtype=torch.long)
     captured = capture(model, (tokens, tokens))
