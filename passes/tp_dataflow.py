@@ -229,13 +229,36 @@ class _Flow:
         before the blocks), as long along `dim` as the sharded dimension it meets: each rank can
         take its part of it (no gradient to sum)."""
         outers = {self.outer.get(x, 1) for x in sharded}
-        if not a.meta.get(CONSTANT) or v.shape[dim] != size or len(outers) != 1:
+        if v.shape[dim] != size or len(outers) != 1 or not self._constant(a):
             return False
         heads = size // outers.pop()
         if heads % self.tp:
             self.fail(node, f"meets {a.name}, whole along {heads} heads, which tp={self.tp} "
                             f"does not divide")
         self.found.sliced[(node, a)] = (dim, heads)
+        return True
+
+    def _constant(self, value: fx.Node, limit: int = 256) -> bool:
+        """Whether `value` and what it is computed from, as far as the graph shows, are marked
+        constant by the capture (a placeholder of a layer cut out of the graph keeps its mark)
+        and read no trained parameter."""
+        seen, stack = set(), [value]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if len(seen) > limit:
+                return False
+            if node.op == "get_attr":
+                prefix, _, name = str(node.target).rpartition(".")
+                param = getattr(self.gm.get_submodule(prefix) if prefix else self.gm, name, None)
+                if isinstance(param, nn.Parameter) and param.requires_grad:
+                    return False
+                continue
+            if not node.meta.get(CONSTANT):
+                return False
+            stack.extend(node.all_input_nodes)
         return True
 
     def _param_of_full_size(self, a: fx.Node, v: torch.Tensor, dim: int, size: int) -> bool:
