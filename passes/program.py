@@ -16,8 +16,10 @@ each reading what the previous ones left in the graph:
                         again when it recomputes)
 
 Every pass tags the nodes it inserts with their layer (node.meta["fxpar_layer"]); shapes are
-propagated once, after the last pass, so node.meta["val"] holds local shapes and the pipeline split
-that follows places every node by its layer and records the local shapes crossing stages.
+propagated once, after the sharding passes 0-4 and before recompute (which only moves nodes into
+checkpointed regions, where the literal sizes of views - a captured graph's concrete shapes - could
+no longer be rewritten), so node.meta["val"] holds local shapes and the pipeline split that follows
+places every node by its layer and records the local shapes crossing stages.
 """
 from __future__ import annotations
 
@@ -92,9 +94,11 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0,
     sequence_parallel(gm, layers, layout.layers_with("sp") & tp_layers, layout.tp, localize=False,
                       cp=layout.cp)
     context_parallel(gm, layers, layout.cp, cp_rank, localize=False)
-    recompute(gm, layers, full=layout.layers_with("full"), selective=layout.layers_with("sel"))
     if (layout.tp > 1 and tp_layers) or layout.cp > 1:  # one shape propagation for all of them
         localize_shapes(gm, local_inputs(gm, layout.cp))
+    # Last, on local shapes: the literal sizes of views inside a checkpointed region (BLOOM's
+    # [batch x heads, seq, seq] scores) are rewritten before the region hides them.
+    recompute(gm, layers, full=layout.layers_with("full"), selective=layout.layers_with("sel"))
     return gm
 
 

@@ -102,6 +102,22 @@ def _block_traffic(arch: str, tp: int, mb: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("arch,strategy", [("bloom", "tp+sel"), ("gemma2", "tp+full")])
+def test_recomputed_eager_attention_trains_like_one_process(pool4, arch, strategy):
+    """Checkpointed regions holding views of literal sizes (BLOOM's [batch x heads, seq, seq]
+    scores, a whole Gemma-2 block) under tp=2 x pp=2: those sizes are localised before the
+    regions are cut."""
+    family = next(f for f in FAMILIES if f.arch == arch)
+    spec = _spec(family)
+    torch.manual_seed(0)
+    model, batch = build(spec)
+    chosen = plan(model, 4, batch, cluster="cpu-gloo",
+                  fix={**FIXED, **MESHES["tp"], "strategy": strategy})[0]
+    assert_same_run(run_parallel(spec, chosen, 2, pool4), reference_run(spec, 2),
+                    what=f"{arch} {strategy}")
+
+
+@pytest.mark.dist
 def test_a_norm_over_all_heads_sends_what_is_priced(pool4):
     """OLMo-2's q/k RMSNorms under tp=2 sum their statistics over the group, forward and
     backward: the bytes counted on the wire are the bytes the cost model prices, which are
