@@ -196,6 +196,48 @@ def measure_add(nbytes: int, device: str = "cpu") -> float:
     return median_time(lambda: torch.add(x, y, out=z), device)
 
 
+# Pointwise activations timed forward + backward, with the FLOPs per element their cost rules
+# count (cost_model.op_tables): GELU 8, SiLU 4, exp 4; the backward counts BWD_FACTOR times that.
+POINTWISE_PROBES = (("gelu", 8.0), ("silu", 4.0), ("exp", 4.0))
+
+
+def pointwise_step(name: str, elements: int, device: str = "cpu") -> Callable[[], None]:
+    """Forward + backward of one pointwise op on `elements` values."""
+    fn = {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
+          "exp": torch.exp}[name]
+    x = torch.randn(elements, device=device, dtype=_dtype(device), requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step() -> None:
+        x.grad = None
+        fn(x).backward(grad)
+
+    return step
+
+
+def measure_autograd_floors(device: str = "cpu", ops: int = 200,
+                            rounds: int = 15) -> tuple[float, float]:
+    """(forward, backward) seconds per tiny op of a training step: a chain of `ops`
+    multiplies recorded by autograd, then its backward, one autograd node per op."""
+    x = torch.ones(16, device=device, requires_grad=True)
+    now = CLOCKS["thread" if device == "cpu" else "wall"]
+    fwd, bwd = [], []
+    for _ in range(rounds + 1):
+        sync(device)
+        start = now()
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        loss = y.sum()
+        sync(device)
+        mid = now()
+        loss.backward()
+        sync(device)
+        fwd.append(mid - start)
+        bwd.append(now() - mid)
+    return statistics.median(fwd[1:]) / ops, statistics.median(bwd[1:]) / ops
+
+
 def measure_kernel_floor(device: str = "cpu") -> float:
     """Seconds per tiny op in a back-to-back stream: the dispatch/launch cost
     every eager kernel pays however little it does."""

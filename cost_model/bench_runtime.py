@@ -11,6 +11,9 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   step_overhead    actions: slope and intercept over two micro-batch counts
   split_backward   a transformer block's backward run whole (B) and split the way ZB-H1's
                    executor splits it (I, keeping the graph, then W): (I + W) / B - 1
+  send_overhead    two ranks, two stages, one micro-batch (every message waited for): the time
+  p2p_handoff      a rank spends posting a message, and from the end of the sender's action to
+                   the start of the receiver's (post, wire, wake-up), medians over the steps
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter
   cores            a matmul loop timed alone and in N processes at once: N busy ranks run at
@@ -79,6 +82,49 @@ def _runtime_worker(cluster_json: str) -> dict:
     slope, intercept = _line([2 * m_ for m_ in runs], [p["overhead"] for p, _, _ in runs.values()])
     return dict(action_floor=floor, action_overhead=max(0.0, slope),
                 step_overhead=max(0.0, intercept))
+
+
+def _handoff_worker(cluster_json: str) -> dict | None:
+    """Two ranks, two stages, one micro-batch: every message is waited for. Per step, the
+    sender's time posting each message and the gap from the sender's action to the receiver's."""
+    import torch.distributed as dist
+
+    from planner.api import ParallelModel
+    from planner.models import build_model, example_batch
+    from planner.train import make_optimizer
+    from runtime.step_timing import StepClock
+
+    torch.set_num_threads(1)
+    config, _ = _plan(Cluster.from_json(json.loads(cluster_json)), "1f1b", 1)
+    from planner.api import plan
+    chosen = plan(config, 2, cluster=dataclasses.replace(
+        Cluster.from_json(json.loads(cluster_json)), **_NEUTRAL),
+        fix={"schedule": "1f1b", "pp": 2, "mb": config.global_batch})[0]
+    batch = example_batch(config, config.global_batch)
+    pm = ParallelModel(build_model(config, device="meta"), chosen, [], batch, make_optimizer)
+    sends, spans = [], []
+    for step in range(WARMUP + STEPS):
+        dist.barrier()
+        with StepClock(pm.shard()) as clock:
+            pm.train_step(*batch)
+        if step >= WARMUP:
+            sends += clock.intervals("action ", "SEND")
+            spans.append({str(e.action): (e.start, e.end) for e in pm.shard().executor.events})
+    everyone = [None, None]
+    dist.all_gather_object(everyone, (sends, spans))
+    if dist.get_rank():
+        return None
+    (sends0, first), (sends1, second) = everyone
+    hops = [b["1F0"][0] - a["0F0"][1] for a, b in zip(first, second)]
+    hops += [a["0B0"][0] - b["1B0"][1] for a, b in zip(first, second)]
+    return dict(send_overhead=statistics.median(sends0 + sends1),
+                p2p_handoff=statistics.median(hops))
+
+
+def measure_handoff(cluster: Cluster) -> dict:
+    """send_overhead and p2p_handoff on a two-rank pipeline (gloo)."""
+    from runtime.launch import run_local
+    return run_local(_handoff_worker, 2, (json.dumps(cluster.to_json()),))[0]
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -170,8 +216,12 @@ def _spin(n: int = 192, rounds: int = 150) -> float:
 
 def _spin_worker() -> float:
     import torch.distributed as dist
-    dist.barrier()
-    return _spin()
+    _spin(rounds=20)  # warm-up: the first matmuls of a process pay for the library's set-up
+    times = []
+    for _ in range(3):
+        dist.barrier()  # every rank busy at once
+        times.append(_spin())
+    return statistics.median(times)
 
 
 def measure_cores(ranks: int) -> float:

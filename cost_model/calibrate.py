@@ -5,8 +5,9 @@
 Compute, timed as training runs it and counted by the cost model's own
 FLOP conventions (bench_compute.py): Linear forward + backward at several
 shapes (peak_flops, matmul_eff, matmul_overhead), causal SDPA forward +
-backward (attention_eff), large copies (mem_bw, bw_eff) and a tiny op
-(kernel_floor).
+backward (attention_eff, attention_overhead per batch x head pair), large copies (mem_bw, bw_eff), a tiny op
+(kernel_floor, and forward_floor / backward_floor: a tiny op recorded by autograd and its
+backward node) and GELU, SiLU and exp forward + backward (pointwise_flops).
 
 Communication: every collective the cost model prices, over several sizes
 and group sizes, in real process groups (gloo on CPU, NCCL on CUDA), timed
@@ -43,14 +44,15 @@ import torch
 from runtime.progress import Progress
 
 from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
-from .bench_compute import (COMPUTE_ROUNDS, attention_flops, attention_step, interleaved_medians,
-                            linear_step, measure_add, measure_copy, measure_kernel_floor)
-from .bench_runtime import (measure_cores, measure_optimizer, measure_runtime,
-                            measure_split_backward)
+from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES, attention_flops, attention_step,
+                            interleaved_medians, linear_step, measure_add, measure_copy,
+                            measure_autograd_floors, measure_kernel_floor, pointwise_step)
+from .bench_runtime import (measure_cores, measure_handoff, measure_optimizer,
+                            measure_runtime, measure_split_backward)
 from .cluster import PRESETS, Cluster, save_profile
 from .comm import KINDS
-from .fitting import fit_links, fit_matmul
-from .op_graph import BWD_FACTOR
+from .fitting import fit_alpha_beta, fit_links, fit_matmul
+from .op_graph import BWD_FACTOR, SDPA_BWD_FACTOR
 
 __all__ = ["calibrate", "format_bytes", "main"]
 
@@ -64,9 +66,12 @@ CPU_MATMULS = ((64, 64, 64), (256, 128, 128), (256, 256, 256), (512, 512, 512),
                (1024, 1024, 1024), (2048, 512, 512), (512, 2048, 512), (512, 512, 2048))
 CUDA_MATMULS = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
                 (16384, 4096, 4096), (4096, 16384, 4096), (4096, 4096, 16384))
+# Activations timed for pointwise_flops: large enough that the kernel floor is noise.
+POINTWISE_ELEMENTS_CPU, POINTWISE_ELEMENTS_CUDA = 2**18, 2**26
 # Causal attention shapes (batch, heads, seq, head_dim); attention_eff is the
 # median rate over them.
-CPU_ATTENTION = ((1, 8, 512, 64), (2, 8, 256, 64), (4, 8, 128, 64))
+CPU_ATTENTION = ((1, 8, 512, 64), (2, 8, 256, 64), (4, 8, 128, 64), (16, 8, 64, 16),
+                 (32, 8, 32, 8))
 CUDA_ATTENTION = ((4, 16, 2048, 128), (2, 32, 4096, 128), (8, 16, 1024, 128))
 
 
@@ -118,21 +123,31 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
     linears = CUDA_MATMULS if cuda else CPU_MATMULS
     attentions = CUDA_ATTENTION if cuda else CPU_ATTENTION
     chains = [linear_chain(m, n, k) for m, n, k in linears]
+    elements = POINTWISE_ELEMENTS_CUDA if cuda else POINTWISE_ELEMENTS_CPU
     steps = ([linear_step(m, n, k, device, c) for (m, n, k), c in zip(linears, chains)]
-             + [attention_step(b, h, s, d, device) for b, h, s, d in attentions])
+             + [attention_step(b, h, s, d, device) for b, h, s, d in attentions]
+             + [pointwise_step(name, elements, device) for name, _ in POINTWISE_PROBES])
     seconds = interleaved_medians(steps, device, on_round=lambda r: bar.step(
-        f"linear fwd+bwd, causal attention fwd+bwd: round {r + 1}/{COMPUTE_ROUNDS}"))
+        f"linear, causal attention, activations fwd+bwd: round {r + 1}/{COMPUTE_ROUNDS}"))
+    pointwise = [(1 + BWD_FACTOR) * per * elements / t for (_, per), t in
+                 zip(POINTWISE_PROBES, seconds[len(steps) - len(POINTWISE_PROBES):])]
+    seconds = seconds[:len(steps) - len(POINTWISE_PROBES)]
     seconds = [t / c for t, c in zip(seconds, chains)] + seconds[len(linears):]  # per Linear
     flops = ([(1 + BWD_FACTOR) * 2 * m * n * k for m, n, k in linears]
              + [attention_flops(*shape) for shape in attentions])
     rates = [f / t for f, t in zip(flops, seconds)]
-    rates, attn_rates = rates[:len(linears)], rates[len(linears):]
+    rates = rates[:len(linears)]
     matmul_rate, overhead = fit_matmul(flops[:len(linears)], seconds[:len(linears)])
+    # per (batch x head) pair, forward + backward weighted as compute_time weighs them
+    attention_overhead, attention_rate = fit_alpha_beta(
+        [(b * h * (1 + SDPA_BWD_FACTOR), f, t) for (b, h, _, _), f, t in
+         zip(attentions, flops[len(linears):], seconds[len(linears):])])
     big = 1 * 2**30 if cuda else 64 * MiB  # well past the last-level cache
     bw_rates = [2 * big / measure_copy(big, device), 2 * 2 * big / measure_copy(2 * big, device),
                 3 * big / measure_add(big, device)]
     bar.step(f"memory bandwidth {format_bytes(big)}")
     floor = measure_kernel_floor(device)
+    forward_floor, backward_floor = measure_autograd_floors(device)
     bar.step("kernel floor")
     # Datasheet peaks are the honest denominators when the GPU is known; on
     # CPU (and unknown GPUs) the best rate seen is the practical peak, since
@@ -145,15 +160,19 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
         peak_flops=peak,
         matmul_eff=min(1.0, matmul_rate / peak),
         matmul_overhead=overhead,
-        attention_eff=min(1.0, statistics.median(attn_rates) / peak),
+        attention_eff=min(1.0, attention_rate / peak),
+        attention_overhead=attention_overhead,
         mem_bw=mem_bw,
         bw_eff=min(1.0, statistics.median(bw_rates) / mem_bw),
         kernel_floor=floor,
+        pointwise_flops=statistics.median(pointwise),
+        forward_floor=forward_floor,
+        backward_floor=backward_floor,
     )
 
 
 RUNTIME_STEPS = ("optimizer step", "split backward", "runtime per action and step",
-                 "ranks sharing cores")
+                 "pipeline hand-off", "ranks sharing cores")
 
 
 def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -> dict:
@@ -167,6 +186,8 @@ def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -
             fields["split_backward"] = measure_split_backward()
         elif label == "runtime per action and step":
             fields.update(measure_runtime(cluster))
+        elif label == "pipeline hand-off":
+            fields.update(measure_handoff(cluster))
         else:
             fields["cores"] = measure_cores(max(sizes, default=2))
         bar.step(label)

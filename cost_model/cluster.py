@@ -60,6 +60,10 @@ _RULES: dict[str, tuple] = {
     "dp_overlap": _SHARE,
     "comm_corrections": ("corrections",),
     "matmul_overhead": _NONNEG,
+    "pointwise_flops": _NONNEG,
+    "attention_overhead": _NONNEG,
+    "forward_floor": _NONNEG,
+    "backward_floor": _NONNEG,
     "action_floor": _NONNEG,
     "action_overhead": _NONNEG,
     "step_overhead": _NONNEG,
@@ -67,6 +71,8 @@ _RULES: dict[str, tuple] = {
     "optimizer_per_param": _NONNEG,
     "optimizer_per_tensor": _NONNEG,
     "cores": _NONNEG,
+    "send_overhead": _NONNEG,
+    "p2p_handoff": _NONNEG,
 }
 
 _DEVICES = ("cuda", "cpu")
@@ -144,6 +150,19 @@ class Cluster:
     # cannot express. Calibration fits it with matmul_eff; 0 keeps the plain
     # roofline, as in the presets.
     matmul_overhead: float = 0.0
+    # FLOP/s at which pointwise ops (activations, exp, their backward) run the FLOPs their rules
+    # count: a CPU evaluates erf or exp far below its matmul rate, which left a small model's
+    # GELU priced at a twentieth of its time. 0: the matmul rate, as in the presets.
+    pointwise_flops: float = 0.0
+    # Seconds fused attention takes per (batch x head) pair beyond its FLOPs (per forward;
+    # backward counts SDPA_BWD_FACTOR of it): a CPU kernel's per-pair set-up, which dominates
+    # small heads (head_dim 8: 8x the FLOP-priced time). 0 in the presets.
+    attention_overhead: float = 0.0
+    # The least seconds of an op in a training step: recorded by autograd in the forward, run
+    # as an autograd node in the backward (more than a bare kernel's kernel_floor on CPU).
+    # 0: kernel_floor, as in the presets.
+    forward_floor: float = 0.0
+    backward_floor: float = 0.0
     # The runtime's own time, which op costs leave out (Python, autograd's set-up), measured by
     # calibration on a one-rank training run (cost_model.bench_runtime); 0 in the presets, where
     # a GPU runs kernels while the host prepares the next ones.
@@ -153,6 +172,9 @@ class Cluster:
     split_backward: float = 0.0    # I + W take (1 + this) x B's compute: a second traversal
     optimizer_per_param: float = 0.0   # seconds of the optimizer step per parameter
     optimizer_per_tensor: float = 0.0  # and per parameter tensor
+    send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
+    p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
+    #                                a message the receiver waited for (post, wire, wake-up)
     # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
     # each other down); 0: every rank has a device of its own.
     cores: float = 0.0
@@ -172,7 +194,7 @@ class Cluster:
         simulating the whole step (planner.step_prediction)."""
         return any((self.action_floor, self.action_overhead, self.step_overhead,
                     self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
-                    self.cores))
+                    self.cores, self.send_overhead, self.p2p_handoff))
 
     def comm_correction(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) multipliers for `kind`; (1, 1) when not measured."""
@@ -218,9 +240,10 @@ class Cluster:
 
 
 # Fields a profile may leave out; each has a neutral default in Cluster.
-_OPTIONAL = ("comm_corrections", "matmul_overhead", "action_floor", "action_overhead",
+_OPTIONAL = ("comm_corrections", "matmul_overhead", "pointwise_flops", "attention_overhead",
+             "forward_floor", "backward_floor", "action_floor", "action_overhead",
              "step_overhead", "split_backward", "optimizer_per_param", "optimizer_per_tensor",
-             "cores")
+             "cores", "send_overhead", "p2p_handoff")
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

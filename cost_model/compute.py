@@ -40,9 +40,12 @@ def _check_amount(name: str, value: float) -> None:
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
 
 
-def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str) -> float:
+def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str,
+                 pairs: float = 0.0, floor: float = 0.0) -> float:
     """Seconds for one kernel doing `flops` arithmetic over `nbytes` of memory
-    traffic (reads + writes)."""
+    traffic (reads + writes); fused attention also pays `cluster.attention_overhead` per
+    (batch x head) pair (`pairs`, weighted by the pass: backward counts SDPA_BWD_FACTOR).
+    `floor` raises the least time above cluster.kernel_floor (a training pass's op floor)."""
     if op_class not in OP_CLASSES:
         raise ValueError(f"unknown op_class {op_class!r}; expected one of {list(OP_CLASSES)}")
     _check_amount("flops", flops)
@@ -54,7 +57,11 @@ def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str) -
     # pricing their flops at matmul speed keeps odd cases finite and sane.
     eff = cluster.attention_eff if op_class == "attention" else cluster.matmul_eff
     t_math = flops / (cluster.peak_flops * eff)
+    if op_class == "elementwise" and cluster.pointwise_flops:
+        t_math = flops / cluster.pointwise_flops
+    if op_class == "attention" and flops > 0:
+        t_math += pairs * cluster.attention_overhead
     if op_class == "matmul" and flops > 0:
         t_math += cluster.matmul_overhead
     t_mem = nbytes / (cluster.mem_bw * cluster.bw_eff)
-    return max(t_math, t_mem, cluster.kernel_floor)
+    return max(t_math, t_mem, cluster.kernel_floor, floor)

@@ -61,6 +61,7 @@ class OpRecord:
     bwd_bytes: float
     matmul_flops: float
     core: bool                     # part of the attention core (see _core_nodes)
+    pairs: float = 0.0             # fused attention's (batch x head) pairs
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
             continue
         cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
-                            cost.bwd_bytes, cost.matmul_flops, node.name in core))
+                            cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs))
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
@@ -392,9 +393,11 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     causal attention too — and adds the key/value ring (`_ring`) and the all-reduce of any
     mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
-    fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
-              for op in profile.ops)
-    bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
+    fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class,
+                           op.pairs * scale, cluster.forward_floor) for op in profile.ops)
+    bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class,
+                           op.pairs * scale * op_graph.SDPA_BWD_FACTOR,
+                           cluster.backward_floor if op.bwd_flops or op.bwd_bytes else 0.0)
               for op in profile.ops)
     fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale

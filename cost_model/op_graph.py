@@ -46,6 +46,7 @@ class OpCost:
     bwd_bytes: float
     saved: tuple[tuple[str, float], ...]  # (node kept for backward, bytes)
     matmul_flops: float = 0  # part of fwd_flops done in matmuls/attention
+    pairs: float = 0  # fused attention: (batch x head) pairs, each a run of score tiles
 
 
 ZERO = OpCost("view", 0.0, 0.0, 0.0, 0.0, ())

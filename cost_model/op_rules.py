@@ -17,6 +17,7 @@ Conventions, and why:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch.fx import Node
@@ -110,7 +111,8 @@ def attention(call: Call) -> OpCost:
              + ((output_ref(node), nbytes(out)), (f"{node.name}{SUFFIX_SEP}logsumexp", lse)))
     fwd_bytes = nbytes(tq) + nbytes(tk) + nbytes(tv) + nbytes(tensor_of(mask)) + nbytes(out) + lse
     bwd_bytes = grad_io_bytes(node, [q, k, v]) + saved_bytes(saved)
-    return finish("attention", flops, SDPA_BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved, flops)
+    cost = finish("attention", flops, SDPA_BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved, flops)
+    return replace(cost, pairs=rows / tq.shape[-2])
 
 
 def convolution(call: Call) -> OpCost:

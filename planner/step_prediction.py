@@ -14,6 +14,7 @@ import math
 from dataclasses import replace
 
 from cost_model.cluster import Cluster
+from cost_model.comm import collective_time
 from planner.plan import Plan, Predicted
 from runtime.generators import make_schedule
 from runtime.schedule import Action, Kind, Schedule
@@ -36,10 +37,26 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
 
     optimizer = [sum(plan.stages[s].step_s for s in schedule.stages_of(r))
                  for r in range(plan.pp)]
-    p = plan.predicted
-    return schedule, StepCosts(duration, p.p2p_s, cluster.action_overhead, cluster.step_overhead,
-                               p.rank_sync_s or 0.0, optimizer, plan.dp * plan.tp * plan.cp,
-                               cluster.cores or math.inf)
+    p, replicas = plan.predicted, plan.dp * plan.tp * plan.cp
+    # a message's hand-off as measured (post, wire, wake-up), if slower than the wire alone
+    p2p = max(p.p2p_s, cluster.p2p_handoff) if plan.pp > 1 else 0.0
+    return schedule, StepCosts(duration, p2p, cluster.action_overhead, cluster.step_overhead,
+                               p.rank_sync_s or 0.0, optimizer, replicas,
+                               cluster.cores or math.inf, cluster.send_overhead,
+                               *_step_syncs(plan, cluster, replicas))
+
+
+def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:
+    """(start, finish): the all-reduce checking every rank got the same batch
+    (runtime.batch.compare_batches), and the loss's way from the last stage to every rank
+    (the trainer's broadcast over the pipeline, an all-reduce over the replicas)."""
+    world = replicas * plan.pp
+    start = collective_time(cluster, "all_reduce", 16, world) if world > 1 else 0.0
+    finish = collective_time(cluster, "all_reduce", 4, plan.pp, stride=replicas) \
+        if plan.pp > 1 else 0.0
+    if plan.dp * plan.cp > 1:
+        finish += collective_time(cluster, "all_reduce", 4, plan.dp * plan.cp, stride=plan.tp)
+    return start, finish
 
 
 def predicted_step(plan: Plan, cluster: Cluster) -> StepTimeline:

@@ -4,12 +4,17 @@ runtime.simulator lays a schedule out with each rank on a device of its own. A s
 than its schedule, and on CPU several ranks may share a core; this simulates both. Each pipeline
 rank runs, in order:
 
+  step sync           waiting (no CPU) for the step's opening check across ranks
   set-up              CPU: splitting the batch, zeroing gradients (the runtime's own per step)
   its actions         a compute action costs the runtime's per-action overhead, then, if it needs
                       a message, waits until the message has arrived (p2p seconds after the send
-                      was posted), then its compute; posting a send or a receive takes no time
+                      was posted), then its compute; a send is on its way once posted and
+                      then costs the sender CPU (send_overhead), a receive costs nothing
   dp sync             waiting (no CPU) for the exposed part of the data-parallel collectives
   optimizer           CPU: the optimizer step over the rank's parameters
+
+and the step ends `finish_s` (the loss handed from the last stage to every rank) after the last
+rank is done.
 
 Shared cores are processor sharing, as an OS scheduler time-slices: while k ranks use CPU on C
 cores, each runs at min(1, C / k) of its own speed. A pipeline rank stands for `replicas` ranks
@@ -18,7 +23,7 @@ cores = inf and no overheads the schedule part equals runtime.simulator.simulate
 
 The step's parts per rank use runtime.step_timing's names, so a prediction and a measurement
 line up part by part: F<s> B<s> I<s> W<s> (compute of stage s), "p2p wait", "dp sync",
-"optimizer", "overhead", and "idle" (waiting for the last rank at the end).
+"step sync", "optimizer", "overhead", and "idle" (waiting for the last rank at the end).
 """
 from __future__ import annotations
 
@@ -43,6 +48,9 @@ class StepCosts:
     optimizer_s: float | Sequence[float] = 0.0  # CPU
     replicas: int = 1                     # ranks each pipeline rank stands for
     cores: float = math.inf               # cores the ranks share
+    send_overhead_s: float = 0.0          # CPU of the sender per message posted
+    start_s: float = 0.0                  # waiting at the start (the step's check across ranks)
+    finish_s: float = 0.0                 # after the last rank: the loss reaching every rank
 
 
 @dataclass(frozen=True)
@@ -81,10 +89,11 @@ def _per_rank(value, ranks: int) -> list[float]:
 
 
 def _tasks(schedule: Schedule, rank: int, costs: StepCosts, sync: float, opt: float):
-    tasks = [_Task("overhead", cpu=costs.setup_s)]
+    tasks = [_Task("step sync", wait=costs.start_s), _Task("overhead", cpu=costs.setup_s)]
     for action in schedule.actions[rank]:
         if action.kind.is_send:
             tasks.append(_Task("", send=action))
+            tasks.append(_Task("overhead", cpu=costs.send_overhead_s))
         elif action.is_compute:
             tasks.append(_Task("overhead", cpu=costs.action_overhead_s))
             if (recv := schedule.recv_for(action)) is not None:
@@ -120,6 +129,7 @@ def simulate_step(schedule: Schedule, costs: StepCosts) -> StepTimeline:
             if r.task.cpu <= 1e-15 * max(1.0, later):
                 r.task.cpu = 0.0
         now = later
+    now += costs.finish_s
     for r in ranks:
         r.parts["idle"] += now - r.end
     events.sort(key=lambda e: (e.rank, e.start))

@@ -11,6 +11,7 @@ The parts:
                            the last sends to complete
   dp sync                  waiting for the data-parallel gradient collectives and the gradient
                            norm's all-reduce, and the all-gather after a sharded step
+  step sync                the step's opening check that every rank was given the same batch
   optimizer                the optimizer step
   overhead                 everything else inside the step: Python between actions, posting
                            messages, splitting the batch, zeroing gradients
@@ -26,13 +27,14 @@ from collections import defaultdict
 
 from runtime import activity
 
-PARTS = ("p2p wait", "dp sync", "optimizer", "overhead", "idle")
+PARTS = ("p2p wait", "dp sync", "step sync", "optimizer", "overhead", "idle")
 
 # runtime.trainer's activity texts, by the part they belong to; "action ..." is the schedule.
 _PHASES = (("waiting for the data-parallel", "dp sync"), ("waiting for the sharded", "dp sync"),
            ("data-parallel all-reduce of stage", "dp sync"),
            ("sharded data-parallel all-gather", "dp sync"), ("gradient-norm", "dp sync"),
            ("optimizer step", "optimizer"), ("loss broadcast", "idle"),
+           ("comparing the ranks' batches", "step sync"),
            ("action ", "schedule"), ("the end of the schedule", "schedule"))
 
 
@@ -65,6 +67,13 @@ class StepClock:
     def seconds(self) -> float:
         """The time inside the `with`."""
         return self._end - self._marks[0][0]
+
+    def intervals(self, prefix: str, containing: str = "") -> list[float]:
+        """Seconds of each phase whose activity text starts with `prefix` and contains
+        `containing` ("action ", "SEND": the time posting each send)."""
+        ends = [t for t, _ in self._marks[1:]] + [self._end]
+        return [end - start for (start, doing), end in zip(self._marks, ends)
+                if doing.startswith(prefix) and containing in doing]
 
     def parts(self) -> dict[str, float]:
         """Seconds per part; they add up to the time inside the `with`."""
