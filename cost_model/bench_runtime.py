@@ -14,6 +14,7 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   send_overhead    two ranks, two stages, one micro-batch (every message waited for): the time
   p2p_handoff      a rank spends posting a message, and from the end of the sender's action to
                    the start of the receiver's (post, wire, wake-up), medians over the steps
+  collective_handoff  two ranks all-reduce after a burst of computation, against back to back
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter
   cores            a matmul loop timed alone and in N processes at once: N busy ranks run at
@@ -119,6 +120,36 @@ def _handoff_worker(cluster_json: str) -> dict | None:
     hops += [a["0B0"][0] - b["1B0"][1] for a, b in zip(first, second)]
     return dict(send_overhead=statistics.median(sends0 + sends1),
                 p2p_handoff=statistics.median(hops))
+
+
+HANDOFF_BYTES = 64 * 2**10  # an all-reduce of a small layer's activations
+
+
+def _collective_handoff_worker(rounds: int = 15) -> float:
+    """Median all-reduce after a burst of computation minus back to back, on this rank."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    x, a = torch.randn(HANDOFF_BYTES // 4), torch.randn(128, 128)
+
+    def timed(compute: bool) -> float:
+        times = []
+        for _ in range(rounds):
+            if compute:
+                for _ in range(20):
+                    a.copy_(torch.tanh(a @ a * 1e-3))
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    timed(False)
+    return timed(True) - timed(False)
+
+
+def measure_collective_handoff() -> float:
+    """collective_handoff: what an all-reduce its ranks reach from computing takes beyond one
+    run back to back (waking up, the ranks' skew), two gloo ranks."""
+    from runtime.launch import run_local
+    return max(0.0, statistics.median(run_local(_collective_handoff_worker, 2)))
 
 
 def measure_handoff(cluster: Cluster) -> dict:

@@ -47,8 +47,8 @@ from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
 from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES, attention_flops, attention_step,
                             interleaved_medians, linear_step, measure_add, measure_copy,
                             measure_autograd_floors, measure_kernel_floor, pointwise_step)
-from .bench_runtime import (measure_cores, measure_handoff, measure_optimizer,
-                            measure_runtime, measure_split_backward)
+from .bench_runtime import (measure_collective_handoff, measure_cores, measure_handoff,
+                            measure_optimizer, measure_runtime, measure_split_backward)
 from .cluster import PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_alpha_beta, fit_links, fit_matmul
@@ -188,6 +188,7 @@ def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -
             fields.update(measure_runtime(cluster))
         elif label == "pipeline hand-off":
             fields.update(measure_handoff(cluster))
+            fields["collective_handoff"] = measure_collective_handoff()
         else:
             fields["cores"] = measure_cores(max(sizes, default=2))
         bar.step(label)
@@ -288,6 +289,11 @@ def calibrate(
         fields.update(_comm_fields(base, _calibrate_comm(device, sizes, bar)))
     if n_runtime:
         fields.update(_calibrate_runtime(dataclasses.replace(base, **fields), sizes, bar))
+    if device == "cpu":
+        # The runtime starts a stage's data-parallel all-reduce once its last backward is done;
+        # with one stage per rank that is the end of the rank's schedule (and gloo's reductions
+        # want the same cores): nothing hides it.
+        fields["dp_overlap"] = 0.0
     cluster = dataclasses.replace(base, name=f"{base.name}-calibrated", **fields)
     if out is not None:
         save_profile(cluster, out)

@@ -71,6 +71,7 @@ _RULES: dict[str, tuple] = {
     "optimizer_per_param": _NONNEG,
     "optimizer_per_tensor": _NONNEG,
     "cores": _NONNEG,
+    "collective_handoff": _NONNEG,
     "send_overhead": _NONNEG,
     "p2p_handoff": _NONNEG,
 }
@@ -172,6 +173,7 @@ class Cluster:
     split_backward: float = 0.0    # I + W take (1 + this) x B's compute: a second traversal
     optimizer_per_param: float = 0.0   # seconds of the optimizer step per parameter
     optimizer_per_tensor: float = 0.0  # and per parameter tensor
+    collective_handoff: float = 0.0  # seconds a collective takes in a step beyond back to back
     send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
     p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
     #                                a message the receiver waited for (post, wire, wake-up)
@@ -194,7 +196,8 @@ class Cluster:
         simulating the whole step (planner.step_prediction)."""
         return any((self.action_floor, self.action_overhead, self.step_overhead,
                     self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
-                    self.cores, self.send_overhead, self.p2p_handoff))
+                    self.cores, self.collective_handoff, self.send_overhead,
+                    self.p2p_handoff))
 
     def comm_correction(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) multipliers for `kind`; (1, 1) when not measured."""
@@ -243,7 +246,7 @@ class Cluster:
 _OPTIONAL = ("comm_corrections", "matmul_overhead", "pointwise_flops", "attention_overhead",
              "forward_floor", "backward_floor", "action_floor", "action_overhead",
              "step_overhead", "split_backward", "optimizer_per_param", "optimizer_per_tensor",
-             "cores", "send_overhead", "p2p_handoff")
+             "cores", "collective_handoff", "send_overhead", "p2p_handoff")
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

@@ -98,10 +98,12 @@ def collective_time(
     cluster: Cluster, kind: str, nbytes: float, group_size: int, stride: int = 1
 ) -> float:
     """Seconds for one `kind` collective over `group_size` ranks; see module doc
-    for what `nbytes` means per kind."""
+    for what `nbytes` means per kind. Inside a training step a collective also pays
+    `cluster.collective_handoff` (calibrated; 0 in the presets): its ranks come to it from
+    computing, not from the previous collective."""
     steps, volume, crosses = collective_terms(cluster, kind, nbytes, group_size, stride)
     if steps == 0:
         return 0.0
     alpha, bw = link(cluster, crosses)
     latency, bandwidth = cluster.comm_correction(kind)
-    return steps * alpha * latency + volume / (bw * bandwidth)
+    return steps * alpha * latency + volume / (bw * bandwidth) + cluster.collective_handoff

@@ -450,17 +450,24 @@ def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: in
     """Exposed forward and backward seconds and bytes sent of ring attention per micro-batch:
     forward passes this rank's key/value block cp − 1 times; backward passes it again and carries
     fp32 dK/dV accumulators cp hops home. Each transfer overlaps the attention computed on the
-    block in hand, so only what the transfers exceed the attention time is exposed."""
+    block in hand, so only what the transfers exceed the attention time is exposed. On a
+    cluster that prices the runtime's own time, a hop takes at least the measured hand-off, and
+    each message (keys and values apart, dK and dV apart) costs its sender the post, which no
+    computation hides."""
     kv, acc = profile.kv_bytes * scale, profile.kv_grad_bytes * scale
     sent = (cp - 1) * kv + (cp - 1) * kv + cp * acc
-    hop = lambda nbytes: collective_time(cluster, "p2p", nbytes, 2, stride=tp)  # noqa: E731
+
+    def hop(nbytes: float) -> float:
+        return max(collective_time(cluster, "p2p", nbytes, 2, stride=tp), cluster.p2p_handoff)
+    posts = 2 * cluster.send_overhead
     attention = [op for op in profile.ops if op.op_class == "attention"]
     fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
               for op in attention)
     bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
               for op in attention)
-    return _Ring(max(0.0, (cp - 1) * hop(kv) - fwd),
-                 max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd), sent, (cp - 1) * kv)
+    return _Ring(max(0.0, (cp - 1) * hop(kv) - fwd) + (cp - 1) * posts,
+                 max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd) + (2 * cp - 1) * posts,
+                 sent, (cp - 1) * kv)
 
 
 def _balance(profile: LayerProfile, micro_batch: int, cluster: Cluster, tp: int,

@@ -57,7 +57,8 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
         if fix.setdefault("zero", 1) != 1:
             raise ValueError(f"zero1 contradicts zero={fix['zero']}; give one of them")
     check_fix(fix)
-    costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1)
+    costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1,
+                                           fp32=hw.runtime_priced)
     req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k)
     plans = search_experts(costs, req, search, moe_imbalance)  # every ep size (dense: ep=1)
     if not plans:
@@ -97,17 +98,22 @@ def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
         f"limit (GiB) to at least that or use more GPUs")
 
 
-def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False):
+def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
+                 fp32: bool = False):
     """Capture the model on fake tensors. A config is captured with one block (blocks are identical,
-    so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds."""
+    so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds. A
+    config is planned for bf16 mixed precision, or with fp32 for fp32 training (what CPU ranks
+    run, on a profile calibrated on them: Cluster.runtime_priced)."""
     if isinstance(model, (str, ModelConfig)):
         cfg = get_config(model, seq=seq)
         _, runs = preset_runs(cfg)  # one block per kind (MoE: dense first blocks, then MoE)
-        meta = build_model(captured_config(cfg), device="meta", dtype=torch.bfloat16)
+        dtype_bytes = 4 if fp32 else 2
+        meta = build_model(captured_config(cfg), device="meta",
+                           dtype=torch.float32 if fp32 else torch.bfloat16)
         tokens = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
         captured = capture(meta, (tokens, tokens))
-        training = TrainingMemory.for_dtype(2, zero1=zero1)
-        return (ModelCosts(captured, cfg.layers, 2, training, runs=runs), cfg.name,
+        training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
+        return (ModelCosts(captured, cfg.layers, dtype_bytes, training, runs=runs), cfg.name,
                 global_batch or cfg.global_batch, cfg.seq)
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "

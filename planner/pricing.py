@@ -112,7 +112,7 @@ class Pricer:
         self.cluster = get_cluster(cluster or default_cluster())
         self.limit = _memory_limit_bytes(memory_limit, self.cluster)
         self.costs, self.name, self.global_batch, self.seq = _model_costs(
-            model, example_inputs, global_batch, seq, zero1)
+            model, example_inputs, global_batch, seq, zero1, fp32=self.cluster.runtime_priced)
         # What Megatron-LM and torchtitan configurations state of data parallel: replicated, or
         # ZeRO-1 (--use-distributed-optimizer, --zero1); the other levels are not carried over.
         self.zero = 1 if zero1 else 0
