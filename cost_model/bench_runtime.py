@@ -17,7 +17,7 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   collective_handoff  two ranks all-reduce after a burst of computation, against back to back
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter
-  cores            a matmul loop timed alone and in N processes at once: N busy ranks run at
+  cores            a small block's training loop timed alone and in N processes at once: N busy ranks run at
                    1/slowdown of their speed, i.e. on N / slowdown cores (0: no slowdown seen,
                    every rank has a core of its own)
 """
@@ -236,20 +236,25 @@ def measure_split_backward(rounds: int = 15) -> float:
     return max(0.0, iw / b - 1)
 
 
-def _spin(n: int = 192, rounds: int = 150) -> float:
+def _spin(rounds: int = 30) -> float:
+    """Seconds of `rounds` forward + backward passes of a small transformer block: the mix of
+    small matmuls, pointwise ops and autograd that CPU ranks run (sharing cores slows a loop
+    of large matmuls differently)."""
     torch.set_num_threads(1)
-    x = torch.randn(n, n)
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    x = torch.randn(8, 32, 64, requires_grad=True)
     start = time.perf_counter()
     for _ in range(rounds):
-        x = torch.tanh(x @ x * 1e-3)
+        block(x).sum().backward()
     return time.perf_counter() - start
 
 
 def _spin_worker() -> float:
     import torch.distributed as dist
-    _spin(rounds=20)  # warm-up: the first matmuls of a process pay for the library's set-up
+    _spin(rounds=5)  # warm-up: the first passes of a process pay for the library's set-up
     times = []
-    for _ in range(3):
+    for _ in range(5):
         dist.barrier()  # every rank busy at once
         times.append(_spin())
     return statistics.median(times)
@@ -258,8 +263,8 @@ def _spin_worker() -> float:
 def measure_cores(ranks: int) -> float:
     """Cores `ranks` busy CPU ranks share (0 when they do not slow each other down)."""
     from runtime.launch import run_local
-    _spin(rounds=20)
-    alone = statistics.median(_spin() for _ in range(3))
+    _spin(rounds=5)
+    alone = statistics.median(_spin() for _ in range(5))
     together = statistics.median(run_local(_spin_worker, ranks))
     return cores_from_slowdown(ranks, together / alone)
 

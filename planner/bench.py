@@ -137,6 +137,9 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
             json.dump({"step_s": step_s, "tokens_per_s": config.global_batch * config.seq / step_s,
                        "peak_memory_bytes": max(r.pop("peak") for r in ranks), "losses": losses,
                        "ranks": ranks}, f)
+    # Leave together: a rank that tears its process group down while another still writes
+    # the result makes gloo's threads on that one abort at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 

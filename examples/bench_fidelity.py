@@ -1,0 +1,68 @@
+"""Whole-plan fidelity on this machine: predicted against measured step time for the planner's top
+plans, and whether the measured-fastest plan is the planner's first choice.
+
+    fxpar calibrate --out cal.json
+    python examples/bench_fidelity.py --cluster cal.json [--runs 3]
+
+Benchmarks gpt-tiny and llama-tiny on 2 and 4 devices (fxpar bench's top 3 plans each, gloo
+ranks under torchrun) and prints, per run, one table of every plan with predicted ms, measured
+ms and predicted / measured, then each case's verdict: the largest |predicted / measured - 1|
+(target <= 0.20) and how much slower the planner's first choice ran than the fastest measured
+(target <= 5%).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tabulate import tabulate  # noqa: E402
+
+from planner.api import plan  # noqa: E402
+from planner.bench import bench  # noqa: E402
+from planner.explain import _mesh  # noqa: E402
+from planner.models import get_config  # noqa: E402
+
+CASES = (("gpt-tiny", 2), ("gpt-tiny", 4), ("llama-tiny", 2), ("llama-tiny", 4))
+
+
+def run_once(cluster: str, steps: int, warmup: int, top_k: int = 3) -> tuple[list, list]:
+    rows, verdicts = [], []
+    for model, gpus in CASES:
+        config = get_config(model)
+        plans = plan(config, gpus, cluster=cluster, top_k=top_k)
+        results = bench(plans, config, steps, warmup)
+        ratios = [p.predicted.iteration_s / m.step_s for p, m in zip(plans, results)]
+        for i, (p, m, r) in enumerate(zip(plans, results, ratios)):
+            rows.append([f"{model} x{gpus}", i + 1, _mesh(p), f"{p.predicted.iteration_s * 1e3:.1f}",
+                         f"{m.step_s * 1e3:.1f}", f"{r:.2f}"])
+        fastest = min(m.step_s for m in results)
+        verdicts.append((f"{model} x{gpus}", max(abs(r - 1) for r in ratios),
+                         results[0].step_s / fastest - 1))
+    return rows, verdicts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", required=True, help="a profile from fxpar calibrate")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    for run in range(args.runs):
+        rows, verdicts = run_once(args.cluster, args.steps, args.warmup)
+        print(f"run {run + 1}")
+        print(tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
+                                      "pred/meas"], disable_numparse=True))
+        for case, worst, first in verdicts:
+            print(f"{case}: largest |pred/meas - 1| {worst:.2f} "
+                  f"({'ok' if worst <= 0.20 else 'over 0.20'}); first choice "
+                  f"{first:+.1%} vs the fastest measured ({'ok' if first <= 0.05 else 'over 5%'})")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
