@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -137,8 +138,12 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
             json.dump({"step_s": step_s, "tokens_per_s": config.global_batch * config.seq / step_s,
                        "peak_memory_bytes": max(r.pop("peak") for r in ranks), "losses": losses,
                        "ranks": ranks}, f)
-    # Leave together: a rank that tears its process group down while another still writes
-    # the result makes gloo's threads on that one abort at exit.
+    # The trainer holds its process groups (data-parallel, pipeline, ...): dropped while they
+    # still work, not at interpreter exit after the default group is gone, where gloo's
+    # threads aborted the process ("terminate called without an active exception", 1 run in 4
+    # with two data-parallel ranks).
+    del pm
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
