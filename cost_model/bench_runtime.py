@@ -250,23 +250,26 @@ def _spin(rounds: int = 30) -> float:
     return time.perf_counter() - start
 
 
-def _spin_worker() -> float:
+def _spin_worker(trials: int = 9) -> float | None:
+    """On every rank: in turns, rank 0 trains the block alone (the others wait at a barrier),
+    then every rank at once; rank 0 returns the median of its together / alone ratios (the
+    same warm processes in both, interleaved so that the host's drift falls on both)."""
     import torch.distributed as dist
     _spin(rounds=5)  # warm-up: the first passes of a process pay for the library's set-up
-    times = []
-    for _ in range(5):
+    ratios = []
+    for _ in range(trials):
+        dist.barrier()
+        alone = _spin() if dist.get_rank() == 0 else 0.0
         dist.barrier()  # every rank busy at once
-        times.append(_spin())
-    return statistics.median(times)
+        together = _spin()
+        ratios.append(together / alone if alone else 0.0)
+    return statistics.median(ratios) if dist.get_rank() == 0 else None
 
 
 def measure_cores(ranks: int) -> float:
     """Cores `ranks` busy CPU ranks share (0 when they do not slow each other down)."""
     from runtime.launch import run_local
-    _spin(rounds=5)
-    alone = statistics.median(_spin() for _ in range(5))
-    together = statistics.median(run_local(_spin_worker, ranks))
-    return cores_from_slowdown(ranks, together / alone)
+    return cores_from_slowdown(ranks, run_local(_spin_worker, ranks)[0])
 
 
 def cores_from_slowdown(ranks: int, slowdown: float) -> float:
