@@ -40,19 +40,23 @@ MICROBATCHES = (2, 8)
 STEPS, WARMUP = 6, 2
 
 
-def _plan(cluster: Cluster, schedule: str, m: int):
+def _plan(cluster_json: str, gpus: int, m: int, **fix):
+    """RUNTIME_MODEL and its 1F1B plan with m micro-batches, priced by the compute numbers
+    of `cluster_json` and none of the runtime's own terms (which it is here to measure)."""
     from planner.api import plan
     from planner.models import ModelConfig
     config = ModelConfig(**RUNTIME_MODEL)
-    fix = {"schedule": schedule, "mb": config.global_batch // m, "pp": 1, "dp": 1, "tp": 1}
-    return config, plan(config, 1, cluster=dataclasses.replace(cluster, **_NEUTRAL), fix=fix)[0]
+    cluster = dataclasses.replace(Cluster.from_json(json.loads(cluster_json)), **_NEUTRAL)
+    fix = {"schedule": "1f1b", "mb": config.global_batch // m, **fix}
+    return config, plan(config, gpus, cluster=cluster, fix=fix)[0]
 
 
 _NEUTRAL = dict(action_floor=0.0, action_overhead=0.0, step_overhead=0.0, split_backward=0.0,
-                optimizer_per_param=0.0, optimizer_per_tensor=0.0, cores=0.0)
+                optimizer_per_param=0.0, optimizer_per_tensor=0.0, cores=0.0,
+                collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0)
 
 
-def _train_parts(cluster_json: str, schedule: str, m: int) -> tuple[dict, float, float]:
+def _train_parts(cluster_json: str, m: int) -> tuple[dict, float, float]:
     """On a one-rank world: mean parts of a step, and the plan's priced fwd and bwd per
     micro-batch."""
     from planner.api import ParallelModel
@@ -61,7 +65,7 @@ def _train_parts(cluster_json: str, schedule: str, m: int) -> tuple[dict, float,
     from runtime.step_timing import StepClock
 
     torch.set_num_threads(1)
-    config, plan = _plan(Cluster.from_json(json.loads(cluster_json)), schedule, m)
+    config, plan = _plan(cluster_json, 1, m, pp=1, dp=1, tp=1)
     batch = example_batch(config, config.global_batch)
     pm = ParallelModel(build_model(config, device="meta"), plan, [], batch, make_optimizer)
     parts = []
@@ -75,7 +79,7 @@ def _train_parts(cluster_json: str, schedule: str, m: int) -> tuple[dict, float,
 
 
 def _runtime_worker(cluster_json: str) -> dict:
-    runs = {m: _train_parts(cluster_json, "1f1b", m) for m in MICROBATCHES}
+    runs = {m: _train_parts(cluster_json, m) for m in MICROBATCHES}
     m = MICROBATCHES[-1]
     parts, fwd, bwd = runs[m]
     floor = max(0.0, ((parts["F0"] / m - fwd) + (parts["B0"] / m - bwd)) / 2)
@@ -96,11 +100,7 @@ def _handoff_worker(cluster_json: str) -> dict | None:
     from runtime.step_timing import StepClock
 
     torch.set_num_threads(1)
-    config, _ = _plan(Cluster.from_json(json.loads(cluster_json)), "1f1b", 1)
-    from planner.api import plan
-    chosen = plan(config, 2, cluster=dataclasses.replace(
-        Cluster.from_json(json.loads(cluster_json)), **_NEUTRAL),
-        fix={"schedule": "1f1b", "pp": 2, "mb": config.global_batch})[0]
+    config, chosen = _plan(cluster_json, 2, 1, pp=2)
     batch = example_batch(config, config.global_batch)
     pm = ParallelModel(build_model(config, device="meta"), chosen, [], batch, make_optimizer)
     sends, spans = [], []
