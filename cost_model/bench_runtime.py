@@ -17,9 +17,10 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   collective_handoff  two ranks all-reduce after a burst of computation, against back to back
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter
-  cores            a small block's training loop timed alone and in N processes at once: N busy ranks run at
-                   1/slowdown of their speed, i.e. on N / slowdown cores (0: no slowdown seen,
-                   every rank has a core of its own)
+  cores,           a small block's training loop timed alone and in N processes at once, for
+  unshared_ranks   each calibrated N in turn: the largest N with no slowdown is unshared_ranks;
+                   the first that slows down runs at 1/slowdown of its speed, i.e. on
+                   N / slowdown cores
 """
 from __future__ import annotations
 
@@ -270,6 +271,18 @@ def measure_cores(ranks: int) -> float:
     """Cores `ranks` busy CPU ranks share (0 when they do not slow each other down)."""
     from runtime.launch import run_local
     return cores_from_slowdown(ranks, run_local(_spin_worker, ranks)[0])
+
+
+def measure_sharing(world_sizes: list[int]) -> dict:
+    """cores (from the largest world size that slows its ranks down) and unshared_ranks (the
+    largest that does not), over the calibrated world sizes in increasing order."""
+    unshared, cores = 0, 0.0
+    for ranks in world_sizes:
+        cores = measure_cores(ranks)
+        if cores:
+            break
+        unshared = ranks
+    return dict(cores=cores, unshared_ranks=float(unshared))
 
 
 def cores_from_slowdown(ranks: int, slowdown: float) -> float:

@@ -47,8 +47,8 @@ from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
 from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES, attention_flops, attention_step,
                             interleaved_medians, linear_step, measure_add, measure_copy,
                             measure_autograd_floors, measure_kernel_floor, pointwise_step)
-from .bench_runtime import (measure_collective_handoff, measure_cores, measure_handoff,
-                            measure_optimizer, measure_runtime, measure_split_backward)
+from .bench_runtime import (measure_collective_handoff, measure_handoff, measure_optimizer,
+                            measure_runtime, measure_sharing, measure_split_backward)
 from .cluster import PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_alpha_beta, fit_links, fit_matmul
@@ -190,7 +190,7 @@ def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -
             fields.update(measure_handoff(cluster))
             fields["collective_handoff"] = measure_collective_handoff()
         else:
-            fields["cores"] = measure_cores(max(sizes, default=2))
+            fields.update(measure_sharing(sorted(sizes) or [2]))
         bar.step(label)
     return fields
 

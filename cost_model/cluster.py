@@ -71,6 +71,7 @@ _RULES: dict[str, tuple] = {
     "optimizer_per_param": _NONNEG,
     "optimizer_per_tensor": _NONNEG,
     "cores": _NONNEG,
+    "unshared_ranks": _NONNEG,
     "collective_handoff": _NONNEG,
     "send_overhead": _NONNEG,
     "p2p_handoff": _NONNEG,
@@ -180,6 +181,9 @@ class Cluster:
     # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
     # each other down); 0: every rank has a device of its own.
     cores: float = 0.0
+    # Busy ranks that run at full speed together (measured: no slowdown); more than that share
+    # `cores`. 0: they share `cores` from the second one on.
+    unshared_ranks: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.comm_corrections, dict):
@@ -246,7 +250,7 @@ class Cluster:
 _OPTIONAL = ("comm_corrections", "matmul_overhead", "pointwise_flops", "attention_overhead",
              "forward_floor", "backward_floor", "action_floor", "action_overhead",
              "step_overhead", "split_backward", "optimizer_per_param", "optimizer_per_tensor",
-             "cores", "collective_handoff", "send_overhead", "p2p_handoff")
+             "cores", "unshared_ranks", "collective_handoff", "send_overhead", "p2p_handoff")
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

@@ -42,8 +42,8 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
     p2p = max(p.p2p_s, cluster.p2p_handoff) if plan.pp > 1 else 0.0
     return schedule, StepCosts(duration, p2p, cluster.action_overhead, cluster.step_overhead,
                                p.rank_sync_s or 0.0, optimizer, replicas,
-                               cluster.cores or math.inf, cluster.send_overhead,
-                               *_step_syncs(plan, cluster, replicas))
+                               cluster.cores or math.inf, cluster.unshared_ranks,
+                               cluster.send_overhead, *_step_syncs(plan, cluster, replicas))
 
 
 def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:

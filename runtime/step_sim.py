@@ -17,7 +17,8 @@ and the step ends `finish_s` (the loss handed from the last stage to every rank)
 rank is done.
 
 Shared cores are processor sharing, as an OS scheduler time-slices: while k ranks use CPU on C
-cores, each runs at min(1, C / k) of its own speed. A pipeline rank stands for `replicas` ranks
+cores, each runs at min(1, C / k) of its own speed — unless k is at most `unshared` (busy ranks
+measured not to slow each other down), when each runs at full speed. A pipeline rank stands for `replicas` ranks
 (its dp × tp × cp copies, which run the same timeline), so k counts all of them. With
 cores = inf and no overheads the schedule part equals runtime.simulator.simulate.
 
@@ -48,6 +49,7 @@ class StepCosts:
     optimizer_s: float | Sequence[float] = 0.0  # CPU
     replicas: int = 1                     # ranks each pipeline rank stands for
     cores: float = math.inf               # cores the ranks share
+    unshared: float = 0.0                 # busy ranks that still run at full speed
     send_overhead_s: float = 0.0          # CPU of the sender per message posted
     start_s: float = 0.0                  # waiting at the start (the step's check across ranks)
     finish_s: float = 0.0                 # after the last rank: the loss reaching every rank
@@ -118,7 +120,7 @@ def simulate_step(schedule: Schedule, costs: StepCosts) -> StepTimeline:
         if not running:
             break
         busy = [r for r in running if r.task.cpu > 0]
-        rate = min(1.0, costs.cores / (len(busy) * costs.replicas)) if busy else 1.0
+        rate = _rate(len(busy) * costs.replicas, costs)
         ends = [now + r.task.cpu / rate for r in busy]
         ends += [r.task.until for r in running if r.task.until is not None]
         if not ends:
@@ -134,6 +136,13 @@ def simulate_step(schedule: Schedule, costs: StepCosts) -> StepTimeline:
         r.parts["idle"] += now - r.end
     events.sort(key=lambda e: (e.rank, e.start))
     return StepTimeline(Timeline(tuple(events), now), tuple(dict(r.parts) for r in ranks), now)
+
+
+def _rate(busy: int, costs: StepCosts) -> float:
+    """Each busy rank's share of its own speed."""
+    if busy <= costs.unshared or busy == 0:
+        return 1.0
+    return min(1.0, costs.cores / busy)
 
 
 def _start_ready(ranks: list[_Rank], sent, p2p_s: float, now: float, events) -> None:

@@ -90,3 +90,14 @@ def test_sync_waits_without_cpu():
     assert step.parts[0]["dp sync"] == pytest.approx(5.0)
     assert step.makespan == pytest.approx(11.0)
     assert math.isclose(step.parts[1]["idle"], 11 - 5)
+
+
+def test_ranks_measured_not_to_slow_each_other_run_at_full_speed():
+    """Two busy ranks unshared, four sharing 1.5 cores: the same one-stage schedule takes its
+    own time with 2 replicas and 4 / 1.5 of it with 4."""
+    schedule = make_schedule("1f1b", 1, 2)
+    alone = simulate_step(schedule, StepCosts(lambda a: 1.0)).makespan
+    two = simulate_step(schedule, StepCosts(lambda a: 1.0, replicas=2, cores=1.5, unshared=2))
+    four = simulate_step(schedule, StepCosts(lambda a: 1.0, replicas=4, cores=1.5, unshared=2))
+    assert two.makespan == pytest.approx(alone)
+    assert four.makespan == pytest.approx(alone * 4 / 1.5)
