@@ -17,7 +17,8 @@ alpha and bw per link class (intra- or inter-node, classed by the rule
 comm.collective_time uses) from all_reduce, and per other kind the
 latency/bandwidth multipliers that its own timings want (`fit_links`).
 
-The runtime's own time, on CPU (bench_runtime.py): the optimizer step per
+The runtime's own time, on CPU (planner/bench_runtime.py, through `fxpar
+calibrate`; `python -m cost_model.calibrate` leaves it out): the optimizer step per
 tensor and per parameter, ZB-H1's split backward, the runtime's time per
 pipeline action and per step on a one-rank training run, and how many cores
 the ranks share. Plans on such a profile simulate the whole step
@@ -47,8 +48,6 @@ from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
 from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES, attention_flops, attention_step,
                             interleaved_medians, linear_step, measure_add, measure_copy,
                             measure_autograd_floors, measure_kernel_floor, pointwise_step)
-from .bench_runtime import (measure_collective_handoff, measure_handoff, measure_optimizer,
-                            measure_runtime, measure_sharing, measure_split_backward)
 from .cluster import PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_alpha_beta, fit_links, fit_matmul
@@ -171,30 +170,6 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
     )
 
 
-RUNTIME_STEPS = ("optimizer step", "split backward", "runtime per action and step",
-                 "pipeline hand-off", "ranks sharing cores")
-
-
-def _calibrate_runtime(cluster: Cluster, sizes: Sequence[int], bar: _Progress) -> dict:
-    """The runtime's own time and the cores CPU ranks share (bench_runtime.py), measured with
-    the compute numbers just calibrated."""
-    fields = {}
-    for label in RUNTIME_STEPS:
-        if label == "optimizer step":
-            fields.update(measure_optimizer())
-        elif label == "split backward":
-            fields["split_backward"] = measure_split_backward()
-        elif label == "runtime per action and step":
-            fields.update(measure_runtime(cluster))
-        elif label == "pipeline hand-off":
-            fields.update(measure_handoff(cluster))
-            fields["collective_handoff"] = measure_collective_handoff()
-        else:
-            fields.update(measure_sharing(sorted(sizes) or [2]))
-        bar.step(label)
-    return fields
-
-
 def linear_chain(m: int, n: int, k: int) -> int:
     """Linear layers per timed step: small ones in a chain of 8, so that one backward call's
     start-up is shared as a block shares it; large ones alone (their overhead is noise)."""
@@ -266,8 +241,11 @@ def calibrate(
     world_sizes: Sequence[int] = (2, 4),
     out: str | os.PathLike | None = None,
     progress: bool = True,
+    runtime=None,
 ) -> Cluster:
-    """Measure this machine and return (and, with `out`, save) its profile."""
+    """Measure this machine and return (and, with `out`, save) its profile. `runtime` measures
+    the runtime's own terms on CPU (planner.bench_runtime.RuntimeProbe, which `fxpar calibrate`
+    passes; it trains a probe, which needs the planner above this package)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -275,7 +253,7 @@ def calibrate(
     base = _base_cluster(device)
     sizes = _usable_world_sizes(device, world_sizes)
     n_compute = COMPUTE_ROUNDS + 2
-    n_runtime = len(RUNTIME_STEPS) if device == "cpu" else 0
+    n_runtime = runtime.steps if runtime is not None and device == "cpu" else 0
     bar = _Progress(n_compute + len(sizes) * collective_steps() + n_runtime, progress)
     threads = torch.get_num_threads()
     if device == "cpu":
@@ -287,8 +265,8 @@ def calibrate(
     if sizes:
         base = _with_ranks_per_node(base, device, sizes)
         fields.update(_comm_fields(base, _calibrate_comm(device, sizes, bar)))
-    if n_runtime:
-        fields.update(_calibrate_runtime(dataclasses.replace(base, **fields), sizes, bar))
+    if n_runtime:  # the runtime's own terms, measured with the compute numbers just fitted
+        fields.update(runtime(dataclasses.replace(base, **fields), sizes, bar.step))
     if device == "cpu":
         # The runtime starts a stage's data-parallel all-reduce once its last backward is done;
         # with one stage per rank that is the end of the rank's schedule (and gloo's reductions
@@ -315,7 +293,7 @@ def _warn_if_busy(load: float) -> None:
               file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, runtime=None) -> int:
     parser = argparse.ArgumentParser(prog="fxpar calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -323,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     t0, load = time.perf_counter(), _load()
-    cluster = calibrate(args.device, args.world_sizes, args.out, progress=not args.quiet)
+    cluster = calibrate(args.device, args.world_sizes, args.out, progress=not args.quiet,
+                        runtime=runtime)
     _warn_if_busy(max(load, _load()))
     for key, value in cluster.to_json().items():
         if key == "comm_corrections":

@@ -166,7 +166,7 @@ class Cluster:
     forward_floor: float = 0.0
     backward_floor: float = 0.0
     # The runtime's own time, which op costs leave out (Python, autograd's set-up), measured by
-    # calibration on a one-rank training run (cost_model.bench_runtime); 0 in the presets, where
+    # calibration on a one-rank training run (planner.bench_runtime); 0 in the presets, where
     # a GPU runs kernels while the host prepares the next ones.
     action_floor: float = 0.0      # seconds added to every pipeline compute action (F, B, I, W)
     action_overhead: float = 0.0   # seconds per compute action between actions (bookkeeping)

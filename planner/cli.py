@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["calibrate"]:  # its own parser (it also runs as python -m cost_model.calibrate)
         from cost_model.calibrate import main as calibrate_main
-        return _guarded(calibrate_main, argv[1:])
+        from planner.bench_runtime import RuntimeProbe
+        return _guarded(lambda args: calibrate_main(args, runtime=RuntimeProbe()), argv[1:])
     args = build_parser().parse_args(argv)
     return _guarded(args.func, args)
 

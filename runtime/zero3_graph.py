@@ -8,19 +8,16 @@ The inserted calls find their ShardedDP by the key it was registered under (`reg
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-if TYPE_CHECKING:
-    from runtime.sharded_dp import ShardedDP
-
 LAYER = "fxpar_layer"  # the node meta key the rewrite passes tag every node with
-_REGISTRY: dict[str, ShardedDP] = {}
+# key -> runtime.sharded_dp.ShardedDP (not imported: sharded_dp imports this module)
+_REGISTRY: dict[str, object] = {}
 
 
-def register(key: str, sharded: ShardedDP) -> None:
+def register(key: str, sharded) -> None:
     """The ShardedDP that the calls `insert_gathers` put in with `key` act on."""
     _REGISTRY[key] = sharded
 

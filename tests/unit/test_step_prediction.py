@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cost_model.bench_runtime import cores_from_slowdown, per_tensor_and_param
+from planner.bench_runtime import cores_from_slowdown, per_tensor_and_param
 from cost_model.cluster import PRESETS
 from planner.api import plan
 from planner.models import get_config

@@ -1,4 +1,6 @@
-"""The runtime's own time and shared cores, measured for `fxpar calibrate` (CPU ranks).
+"""The runtime's own time and shared cores, measured for `fxpar calibrate` (CPU ranks): the
+runtime terms of a cluster profile (cost_model.cluster), which need the planner and the runtime
+to train a probe, so they are measured here and handed to cost_model.calibrate.
 
 Op costs price the kernels of a layer. A training step also spends time the ops leave out, and
 on a CPU host its ranks may share cores. Calibration measures each part on its own:
@@ -289,3 +291,32 @@ def cores_from_slowdown(ranks: int, slowdown: float) -> float:
     """`ranks` busy ranks each `slowdown` times slower than one alone share ranks / slowdown
     cores; under 15% slower is noise, not sharing (0: a core per rank)."""
     return 0.0 if slowdown < 1.15 else ranks / slowdown
+
+
+RUNTIME_STEPS = ("optimizer step", "split backward", "runtime per action and step",
+                 "pipeline hand-off", "ranks sharing cores")
+
+
+class RuntimeProbe:
+    """cost_model.calibrate's hook for the runtime's own terms: `steps` progress steps, then
+    `probe(cluster, world_sizes, step)` returns the fields, measured with the cluster's compute
+    numbers; `step(label)` advances calibration's progress bar."""
+
+    steps = len(RUNTIME_STEPS)
+
+    def __call__(self, cluster: Cluster, sizes, step) -> dict:
+        fields = {}
+        for label in RUNTIME_STEPS:
+            if label == "optimizer step":
+                fields.update(measure_optimizer())
+            elif label == "split backward":
+                fields["split_backward"] = measure_split_backward()
+            elif label == "runtime per action and step":
+                fields.update(measure_runtime(cluster))
+            elif label == "pipeline hand-off":
+                fields.update(measure_handoff(cluster))
+                fields["collective_handoff"] = measure_collective_handoff()
+            else:
+                fields.update(measure_sharing(sorted(sizes) or [2]))
+            step(label)
+        return fields
