@@ -23,7 +23,8 @@ from cost_model.strategy import Strategy
 from planner import ilp
 from planner.plan import Plan, gib
 from planner.refusals import why_nothing_plans
-from planner.search import Request, check_fix, configurations, make_plan, search, stage_problem
+from planner.search import (Request, check_fix, configurations, make_plan, search, stage_problem,
+                             transient_bytes)
 
 ENDS = ("auto", "vocab-tp", "none")
 
@@ -191,7 +192,8 @@ class Pricer:
                                                   self._ends(config.ends, cand))
         parts = ilp.breakdown(problem, counts)
         solution = ilp.Solution(counts, parts.iteration_s, "given", 0.0, 0.0)
-        plan = make_plan(costs, req, cand, problem, blocks, solution)
+        plan = make_plan(costs, req, cand, problem, blocks, solution,
+                         transient_bytes(costs, req, cand))
         plan = replace(plan, solver="", timing={}, stages=tuple(
             replace(st, strategies=tuple(self._end_label(config.ends, cand) if layer in
                                          ("embed", "head") else s
