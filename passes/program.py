@@ -3,6 +3,8 @@
 `rewrite` applies the rewrite passes for this rank's tensor-parallel index, always in this order,
 each reading what the previous ones left in the graph:
 
+     token_mean         a mean cross-entropy divides by the step's targets, which the trainer
+                        counts with the graph's own nodes (read before 5, at local shapes)
   0. expert_parallel    ep > 1: each rank keeps E/ep experts of every MoE layer (first; it changes
                         no shape, only the stacked expert weights and the moe_ffn call's ep)
   1. vocab_parallel     "embed"/"head" layers with tp: vocabulary-sharded embedding and loss
@@ -23,7 +25,7 @@ places every node by its layer and records the local shapes crossing stages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch.fx as fx
@@ -36,12 +38,15 @@ from passes.recompute import recompute
 from passes.sequence_parallel import sequence_parallel
 from passes.sharding import LAYER, localize_shapes, tag_layers
 from passes.tensor_parallel import tensor_parallel
+from passes.token_mean import loss_counts, token_mean
 from passes.vocab_parallel import vocab_parallel
 from runtime.measure import balanced_stage_sizes
 from runtime.mesh import RankGroups
 from runtime.schedule import Schedule
 from runtime.stage import StageProgram
 from runtime.trainer import PipelineTrainer, TrainOptions
+
+LOSS_COUNTS = "fxpar_loss_counts"   # gm.meta: the rewritten losses' counters (passes.token_mean)
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0,
     gm = captured.gm
     layers = {layer.name: layer.nodes for layer in captured.layers}
     tag_layers(gm, layers)
+    token_mean(gm)
     if layout.ep > 1:  # cuts expert weights only: no shape in the graph changes
         expert_parallel(gm, layout.ep, ep_rank)
     ends = {layer.name for layer in captured.layers if layer.kind != "block"}
@@ -96,6 +102,7 @@ def rewrite(captured: Captured, layout: Layout, tp_rank: int, cp_rank: int = 0,
     context_parallel(gm, layers, layout.cp, cp_rank, localize=False)
     if (layout.tp > 1 and tp_layers) or layout.cp > 1:  # one shape propagation for all of them
         localize_shapes(gm, local_inputs(gm, layout.cp))
+    gm.meta[LOSS_COUNTS] = loss_counts(gm)  # what leads to each count, not yet checkpointed
     # Last, on local shapes: the literal sizes of views inside a checkpointed region (BLOOM's
     # [batch x heads, seq, seq] scores) are rewritten before the region hides them.
     recompute(gm, layers, full=layout.layers_with("full"), selective=layout.layers_with("sel"))
@@ -127,6 +134,9 @@ def rank_programs(captured: Captured, layout: Layout, tp_rank: int,
             node_stage[node.name] = node_stage[source.name]
         previous = node
     programs = split_stages(gm, node_stage, layout.num_stages)
+    for count in gm.meta[LOSS_COUNTS]:
+        stage = next(s for s, p in enumerate(programs) if hasattr(p.gm, count.buffer))
+        programs[stage].loss_counts += (replace(count, stage=stage),)
     return {s: programs[s] for s in stages}
 
 

@@ -29,12 +29,11 @@ from passes.sharding import (LAYER, ShardingError, ShardSpec, call_after, full_s
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
                              shard_of, tag_layers)
 from passes.tensor_parallel import make_column
+from passes.token_mean import cross_entropy_args
 from runtime import collectives
 
 aten = torch.ops.aten
 _EMBEDDING = {F.embedding, aten.embedding.default}
-_CROSS_ENTROPY = {F.cross_entropy, aten.cross_entropy_loss.default}
-_REDUCTIONS = ("none", "mean", "sum")  # aten's enum order
 # Ops between the logits projection and the loss that only re-view the logits.
 _VIEWS = {"flatten", "view", "reshape", "contiguous", torch.flatten, torch.reshape,
           aten.flatten.using_ints, aten.view.default, aten.reshape.default,
@@ -134,31 +133,13 @@ def _embedding_slice(full: nn.Embedding, shard: nn.Parameter, start: int) -> nn.
 
 def _loss_args(gm, node: fx.Node):
     """(logits, target, ignore_index, reduction) of a cross-entropy node, else None."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if not isinstance(module, nn.CrossEntropyLoss):
-            return None
-        extra = (module.weight, module.label_smoothing)
-        found = (*node.args[:2], module.ignore_index, module.reduction)
-    elif node.op == "call_function" and node.target in _CROSS_ENTROPY:
-        names = ("weight", "reduction", "ignore_index", "label_smoothing")
-        if node.target is F.cross_entropy:
-            names = ("weight", "size_average", "ignore_index", "reduce", "reduction",
-                     "label_smoothing")
-        given = {**dict(zip(names, node.args[2:])), **node.kwargs}
-        reduction = given.get("reduction", "mean")
-        if isinstance(reduction, int):
-            reduction = _REDUCTIONS[reduction]
-        if given.get("size_average") is not None or given.get("reduce") is not None:
-            raise ShardingError(f"{node.name}: size_average/reduce are not supported")
-        extra = (given.get("weight"), given.get("label_smoothing", 0.0))
-        found = (*node.args[:2], given.get("ignore_index", -100), reduction)
-    else:
+    found = cross_entropy_args(gm, node)
+    if found is None:
         return None
-    if extra[0] is not None or extra[1]:
+    if found["weight"] is not None or found["label_smoothing"]:
         raise ShardingError(f"{node.name}: vocabulary-parallel cross-entropy supports neither "
                             f"class weights nor label smoothing")
-    return found
+    return found["logits"], found["target"], found["ignore_index"], found["reduction"]
 
 
 def _shard_loss(gm, node: fx.Node, layer: str, tp: int, rank: int, group: str, pad: bool) -> None:

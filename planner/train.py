@@ -43,6 +43,9 @@ class HFSpec:
     # the transformers model is then trained as it is, its logits (a ModelOutput) through
     # loss_fn=planner.loss.causal_lm_loss, with train_step(tokens, *extra, targets).
     extra_inputs: tuple[str, ...] = ()
+    # With an attention mask: targets at padded positions are -100, cross-entropy's ignore_index,
+    # as fine-tuning data marks them (the samples then count different numbers of tokens).
+    ignore_padding: bool = False
 
     def build(self):
         from planner.hf import build_hf, extra_batch, sequence_length, vocab_size
@@ -54,7 +57,11 @@ class HFSpec:
             return model, batch
         from planner.loss import causal_lm_loss, with_loss
         extra = extra_batch(self.extra_inputs, shape, gen)
-        return with_loss(model.model, causal_lm_loss), (batch[0], *extra, batch[1])
+        targets = batch[1]
+        if self.ignore_padding:
+            mask = extra[self.extra_inputs.index("attention_mask")]
+            targets = targets.masked_fill(mask == 0, -100)
+        return with_loss(model.model, causal_lm_loss), (batch[0], *extra, targets)
 
 
 def build(spec: ModelConfig | HFSpec):

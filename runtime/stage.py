@@ -28,6 +28,7 @@ class StageProgram:
     input_specs: tuple[TensorSpec, ...]   # of boundary_inputs, at the micro-batch shape captured
     output_specs: tuple[TensorSpec, ...]  # of outputs (empty on the last stage)
     shared_params: tuple[str, ...] = ()   # of the whole model: read by several stages (tied)
+    loss_counts: tuple = ()               # runtime.loss_tokens.LossCount of its losses
 
     @property
     def is_last(self) -> bool:

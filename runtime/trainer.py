@@ -14,6 +14,7 @@ from runtime import activity, rng
 from runtime.batch import BatchSpec, compare_batches
 from runtime.cp_data import shard_sequence
 from runtime.executor import StageExecutor, wait_or_explain
+from runtime.loss_tokens import StepTokens
 from runtime.experts import ExpertGroups, broadcast_experts, is_expert
 from runtime.memory import SavedActivations
 from runtime.mesh import RankGroups
@@ -200,6 +201,9 @@ class PipelineTrainer:
                                groups.rank) if groups.replicas is not None and
                      self.sharded is None else None)
         self.executor.sharding = self.sharded
+        self.tokens = StepTokens(programs, tuple(c for prog in programs.values()
+                                                 for c in prog.loss_counts),
+                                 groups.replicas, groups.num_replicas)
         self.expert_sync = self._expert_sync(options)
         self.scaler = (_LossScale(options.init_scale, options.growth_interval)
                        if options.precision == "fp16" else None)
@@ -238,6 +242,7 @@ class PipelineTrainer:
             self.expert_sync.zero()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        self.tokens.before_step(micro)  # a mean loss's count of the step's targets
         pending_loss = self._await_loss()
         # The mean over replicas is folded into the loss, so the all-reduce is a plain sum.
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
