@@ -309,6 +309,7 @@ _MOVES = {
     C.sp_scatter: (None, "all_gather"),
     C.sp_gather: ("all_gather", None),
     C.sp_gather_linear: ("all_gather", "reduce_scatter"),  # + the re-gather in backward
+    C.whole_sequence: ("all_gather", None),
 }
 
 

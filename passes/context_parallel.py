@@ -4,7 +4,9 @@ The batch is cut on its sequence dimension (`runtime.cp_data`, zig-zag by defaul
 work (embeddings, norms, MLPs, the loss) is local as it stands. Two things see across tokens and are
 rewritten, in place:
 
-  attention  F.scaled_dot_product_attention, or its written-out form
+  attention  F.scaled_dot_product_attention (is_causal, or an explicit attn_mask, of which each
+             rank gets its query rows of the whole sequence's mask: passes.cp_masks), or its
+             written-out form
                softmax(q @ kᵀ * scale [.masked_fill(causal mask, -inf)]) [dropout, p=0] @ v
              becomes a call of `runtime.ring_attention.ring_attention(q, k, v, group, causal=...,
              layout=..., scale=..., tag=layer)`; a grouped k/v repeated by repeat_interleave on the
@@ -14,11 +16,10 @@ rewritten, in place:
              buffer `cp_positions` holds this rank's global token positions. The graph is thereby
              specialised to the sequence length it was captured with.
 
-The loss needs no rewrite: each rank takes the mean over its own tokens, and with equal token
-counts per rank the average of those means over the group (a data-parallel style gradient average)
-is the global mean. A mixture-of-experts balance loss is formed from per-sequence statistics
-(expert counts, mean router scores): `passes.expert_parallel.split_balance` makes each MoE node
-sum them over the group first.
+The loss needs no rewrite here: passes.token_mean divides it by the whole step's count of targets,
+over every rank of the group. A mixture-of-experts balance loss is formed from per-sequence
+statistics (expert counts, mean router scores): `passes.expert_parallel.split_balance` makes each
+MoE node sum them over the group first.
 
 Every attention of the graph must be converted (a plain attention over local tokens would be
 silently wrong), so attention outside `layers` or in a form not recognised is an error.
@@ -37,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture import propagate_shapes
+from passes.cp_masks import WHOLE, MaskError, attribute, builders, drop_unused, mask_rows
 from passes.expert_parallel import split_balance
 from passes.tables import table
 from runtime import rng
@@ -65,6 +67,7 @@ class Attention:
     v: fx.Node
     causal: bool
     scale: float | None      # None: 1/sqrt(head_dim)
+    mask: fx.Node | None = None   # an explicit attn_mask (passes.cp_masks)
 
 
 def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp: int, rank: int,
@@ -78,10 +81,17 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
         return gm
     seq = _sequence_length(gm)
     check_sequence(seq, cp, layout)
+    masks: dict[fx.Node, fx.Node] = {}   # a mask shared by every layer is built once
     for found, layer in find_attentions(gm, layers):
-        _replace(gm, found, group, layout, layer)
+        if found.mask is not None and found.mask not in masks:
+            _positions_buffer(gm, seq, cp, rank, layout)
+            masks[found.mask] = mask_rows(gm, found.mask, POSITIONS_BUFFER, cp, group, layout,
+                                          found.output)
+        _replace(gm, found, group, layout, layer, masks.get(found.mask))
     split_balance(gm, cp, group)
     gm.graph.eliminate_dead_code()
+    if masks:
+        drop_unused(gm)
     _fix_positions(gm, seq, cp, rank, layout)
     gm.graph.lint()
     gm.recompile()
@@ -115,7 +125,7 @@ def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | No
     try:
         return None if find_attentions(gm, layers) else (
             "the graph has no attention to ring: context parallel needs "
-            "F.scaled_dot_product_attention (is_causal or no mask) or softmax(q @ "
+            "F.scaled_dot_product_attention or softmax(q @ "
             "k.transpose(-2, -1) * scale [masked causal]) @ v, and this model's attention is "
             "neither (soft-capped scores, a position bias such as ALiBi); plan with cp=1")
     except ContextParallelError as err:
@@ -175,20 +185,24 @@ def _check_no_shift(gm: fx.GraphModule, seq: int) -> None:
 
 def _find_attention(gm: fx.GraphModule, node: fx.Node) -> Attention | None:
     if node.op == "call_function" and node.target in _SDPA:
-        return _sdpa(node)
+        return _sdpa(gm, node)
     if node.op in ("call_function", "call_method") and node.target in _SOFTMAX:
         return _math(gm, node)
     return None
 
 
-def _sdpa(node: fx.Node) -> Attention:
+def _sdpa(gm: fx.GraphModule, node: fx.Node) -> Attention:
     args = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
-    if args.get("attn_mask") is not None:
-        _fail(node, "an explicit attn_mask is not supported (only is_causal)")
     if args.get("dropout_p", 0.0):
         _fail(node, f"attention dropout (dropout_p={args['dropout_p']}) is not supported")
+    mask = args.get("attn_mask")
+    if mask is not None:
+        try:
+            builders(gm, mask)
+        except MaskError as err:
+            _fail(node, str(err))
     return Attention(node, args["query"], args["key"], args["value"],
-                     bool(args.get("is_causal", False)), args.get("scale"))
+                     bool(args.get("is_causal", False)), args.get("scale"), mask)
 
 
 def _math(gm: fx.GraphModule, softmax: fx.Node) -> Attention | None:
@@ -263,7 +277,7 @@ def _is_causal_mask(gm: fx.GraphModule, mask) -> bool:
         mask = mask.args[0]
     if not (isinstance(mask, fx.Node) and mask.op == "get_attr"):
         return False
-    table = _attr(gm, mask.target)
+    table = attribute(gm, mask.target)
     if table.dim() != 2 or table.dtype != torch.bool:
         return False
     if table.is_meta:  # a model built on the meta device holds no values to check
@@ -271,12 +285,16 @@ def _is_causal_mask(gm: fx.GraphModule, mask) -> bool:
     return bool(torch.equal(table, torch.ones_like(table).triu(1)))
 
 
-def _replace(gm: fx.GraphModule, found: Attention, group: str, layout: str, layer: str) -> None:
+def _replace(gm: fx.GraphModule, found: Attention, group: str, layout: str, layer: str,
+             mask: fx.Node | None = None) -> None:
     kwargs = {"causal": found.causal, "layout": layout, "scale": found.scale, "tag": layer}
+    if mask is not None:
+        kwargs["mask"] = mask
     with gm.graph.inserting_before(found.output):
         ring = gm.graph.call_function(ring_attention, (found.q, found.k, found.v, group), kwargs)
     ring.meta = dict(found.output.meta)
     found.output.replace_all_uses_with(ring)
+    gm.graph.erase_node(found.output)  # dead-code elimination keeps an sdpa (it may draw dropout)
 
 
 # ---------------------------------------------------------------- positions
@@ -286,6 +304,8 @@ def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str
     """narrow(table, 0, 0, seq) -> index_select(table, 0, this rank's global positions);
     arange(seq) (position ids built in the graph, as Hugging Face models do) -> those positions."""
     for node in list(gm.graph.nodes):
+        if node.meta.get(WHOLE):  # builds a mask on the whole sequence (passes.cp_masks)
+            continue
         if _is_position_range(node, seq):
             _positions_buffer(gm, seq, cp, rank, layout)
             with gm.graph.inserting_before(node):
@@ -344,11 +364,6 @@ def _is_position_prefix(node: fx.Node, seq: int) -> bool:
 # ---------------------------------------------------------------- helpers
 
 
-def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
 def _is_call(node, targets) -> bool:
     return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and \
         node.target in targets
@@ -365,5 +380,5 @@ def _dim_arg(softmax: fx.Node):
 def _fail(node: fx.Node, reason: str):
     raise ContextParallelError(
         f"cannot make attention {node.name} context-parallel: {reason}. Context parallel needs "
-        f"F.scaled_dot_product_attention (is_causal or no mask, no dropout) or the form "
+        f"F.scaled_dot_product_attention (no dropout) or the form "
         f"softmax(q @ k.transpose(-2, -1) * scale [.masked_fill(causal, -inf)]) @ v")

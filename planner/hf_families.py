@@ -25,7 +25,6 @@ class Family:
         return dict(self.refuses).get(axis)
 
 
-_MASK = "explicit attn_mask"
 FAMILIES = (
     Family("gpt2", "tied embeddings, learned absolute positions, LayerNorm, GELU, biases "
            "everywhere, fused QKV (Conv1D)"),
@@ -34,25 +33,24 @@ FAMILIES = (
            "logit soft-capping, Gemma-2 extra norms (pre- and post-norm), tied embeddings, "
            "GeGLU, eager attention", (("sliding_window", 8),),
            refuses=(("cp", "no attention to ring"),)),
-    Family("gemma3_text", "sliding window alternating with global (pattern 2), per-head q/k "
-           "RMSNorm (1 + weight)", (("sliding_window", 8), ("sliding_window_pattern", 2)),
-           refuses=(("cp", _MASK),)),
+    Family("gemma3_text", "sliding window alternating with global (pattern 2; under cp: each "
+           "rank's query rows of the whole mask), per-head q/k RMSNorm (1 + weight)",
+           (("sliding_window", 8), ("sliding_window_pattern", 2))),
     Family("qwen3", "per-head q/k RMSNorm, GQA"),
     Family("gptj", "parallel attention + MLP, partial interleaved rotary (rotary_dim 4 of 8)"),
     Family("starcoder2", "MQA (one kv head), biases everywhere, LayerNorm, GELU",
            (("num_key_value_heads", 1),)),
     Family("granite", "embedding, residual, attention and logit multipliers"),
     Family("cohere", "parallel block, interleaved rotary, logit scale, tied embeddings"),
-    Family("stablelm", "partial rotary, LayerNorm", refuses=(("cp", _MASK),)),
+    Family("stablelm", "partial rotary, LayerNorm"),
     Family("opt", "learned positions with an offset of 2, post-norm, ReLU, biases",
            (("do_layer_norm_before", False),),
            refuses=(("cp", "does not run on one rank's tokens"),)),
     Family("falcon", "parallel attention + MLP, fused QKV, LayerNorm",
-           (("multi_query", False),), refuses=(("cp", _MASK),)),
+           (("multi_query", False),)),
     Family("phi", "parallel attention + MLP, partial rotary, biases, GELU"),
     Family("gpt_neox", "parallel residual, partial rotary, fused QKV"),
-    Family("mistral", "sliding-window attention on every layer", (("sliding_window", 8),),
-           refuses=(("cp", _MASK),)),
+    Family("mistral", "sliding-window attention on every layer", (("sliding_window", 8),)),
     Family("qwen2", "biases on q/k/v only, GQA"),
     Family("olmo2", "post-norm (norms after attention and MLP), q/k RMSNorm over all heads "
            "(under tp: a distributed RMSNorm, its statistics all-reduced)"),

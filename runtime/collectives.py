@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from runtime.cp_data import unshard_sequence
 from runtime.wire import bytes_on_wire
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
@@ -264,6 +265,18 @@ def sp_gather(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
     return _resequence(x, group, tag, parts, dim, "gather", "take")
 
 
+def whole_sequence(x: torch.Tensor, group: str, tag: str = "", parts: int = 1,
+                   layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """A model input's whole sequence (dim 1) from the shards of the cp group (runtime.cp_data's
+    layout), in global order: what a model builds from whole sequences, its attention mask, is
+    built from it. No gradient (masks come from inputs and positions)."""
+    if not _check_parts(x, group, parts):
+        return torch.cat([x] * parts, dim)  # shapes only, or a group of one
+    wire = x.to(torch.uint8) if x.dtype == torch.bool else x  # gloo gathers no booleans
+    pieces = _gather(wire.detach(), group, tag, dim).chunk(parts, dim)
+    return unshard_sequence(pieces, dim, layout).to(x.dtype)
+
+
 class _GatherLinear(torch.autograd.Function):
     """all-gather(x) followed by linears; saves the local x only and gathers it again backward."""
 
@@ -310,3 +323,4 @@ sp_reduce_scatter._fxpar_collective = "reduce_scatter"
 sp_scatter._fxpar_collective = "all_gather_backward"
 sp_gather._fxpar_collective = "all_gather"
 group_sum._fxpar_collective = "all_reduce"
+whole_sequence._fxpar_collective = "all_gather"

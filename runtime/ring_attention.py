@@ -15,6 +15,11 @@ Causal masks are decided per pair of chunks from their global chunk indices: a k
 query chunk is fully visible, one after it is skipped, the same chunk gets the triangular mask. With
 the zig-zag layout every rank then does the same work at every step.
 
+An explicit mask (padding, sliding windows, packed sequences) comes as this rank's query rows of the
+whole mask, [..., local tokens, seq] with the keys in global order (passes.cp_masks builds it); each
+block takes its columns, and a boolean block that masks everything is skipped. A query row that
+sees no key at all gets 0, as F.scaled_dot_product_attention gives it.
+
 K/V may have fewer (grouped) heads than q; they travel unexpanded and are repeated per block.
 """
 from __future__ import annotations
@@ -111,6 +116,7 @@ class Spec:
     layout: str
     causal: bool
     scale: float
+    seq: int = 0      # the whole sequence, with an explicit mask (its columns); else 0
 
     def pairs(self, q_rank: int, k_rank: int) -> list[tuple[int, int, bool]]:
         """(local query chunk, local key chunk, diagonal mask) for each pair that attends."""
@@ -126,6 +132,25 @@ class Spec:
     @property
     def parts(self) -> int:
         return num_chunks(self.cp, self.layout) // self.cp
+
+    def block_mask(self, rows: torch.Tensor | None, k_rank: int, j: int) -> torch.Tensor | None:
+        """The columns of key chunk j of rank k_rank in one query chunk's rows of the mask."""
+        if rows is None:
+            return None
+        width = self.seq // num_chunks(self.cp, self.layout)
+        start = chunk_ids(self.cp, k_rank, self.layout)[j] * width
+        return rows[..., start:start + width]
+
+
+def _skipped(mask: torch.Tensor | None) -> bool:
+    """A boolean block that lets no query see any key does no work."""
+    return mask is not None and mask.dtype == torch.bool and not bool(mask.any())
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp with rows that see no key (-inf) at 0, so that their weights are 0, not
+    nan."""
+    return torch.where(torch.isneginf(lse), 0.0, lse)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -143,19 +168,23 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if grad.size(1) == kv_heads else grad.unflatten(1, (kv_heads, -1)).sum(2)
 
 
-def _scores(q, k, scale: float, diagonal: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, diagonal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
     scores = (q @ k.transpose(-2, -1)) * scale
     if diagonal:
         above = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
+    if mask is not None:  # as F.scaled_dot_product_attention reads attn_mask
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else \
+            scores + mask
     return scores
 
 
-def block_forward(q, k, v, scale: float, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, scale: float, diagonal: bool,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q to one K/V block: (output, log-sum-exp of each query row's scores)."""
-    scores = _scores(q, _expand(k, q.size(1)), scale, diagonal)
+    scores = _scores(q, _expand(k, q.size(1)), scale, diagonal, mask)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ _expand(v, q.size(1)), lse
+    return torch.exp(scores - _safe(lse)) @ _expand(v, q.size(1)), lse
 
 
 def merge(acc, block):
@@ -164,14 +193,16 @@ def merge(acc, block):
         return block
     (out, lse), (block_out, block_lse) = acc, block
     total = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - total) + block_out * torch.exp(block_lse - total), total
+    base = _safe(total)
+    return out * torch.exp(lse - base) + block_out * torch.exp(block_lse - base), total
 
 
-def block_backward(q, k, v, dout, lse, delta, scale: float, diagonal: bool):
+def block_backward(q, k, v, dout, lse, delta, scale: float, diagonal: bool,
+                   mask: torch.Tensor | None = None):
     """(dq, dk, dv) of one block pair, from the final log-sum-exp and delta = rowsum(dout·out)."""
     heads = q.size(1)
     k_full, v_full = _expand(k, heads), _expand(v, heads)
-    probs = torch.exp(_scores(q, k_full, scale, diagonal) - lse)
+    probs = torch.exp(_scores(q, k_full, scale, diagonal, mask) - _safe(lse))
     dv = probs.transpose(-2, -1) @ dout
     dscores = probs * (dout @ v_full.transpose(-2, -1) - delta)
     dq = (dscores @ k_full) * scale
@@ -180,21 +211,28 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, diagonal: bool):
 
 
 def forward_blocks(q: torch.Tensor, blocks: Iterable[tuple[int, torch.Tensor]], spec: Spec,
-                   rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   rank: int, mask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's attention output (≥ fp32) and log-sum-exp over every (source, stacked K/V)
-    block."""
+    block; `mask`: this rank's rows of the whole mask (see the module docstring)."""
     queries = _wide(q).chunk(spec.parts, dim=2)
+    rows = mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
     acc = [None] * spec.parts
     for source, kv in blocks:
         keys, values = _wide(kv[0]).chunk(spec.parts, dim=2), _wide(kv[1]).chunk(spec.parts, dim=2)
         for i, j, diagonal in spec.pairs(rank, source):
-            acc[i] = merge(acc[i], block_forward(queries[i], keys[j], values[j], spec.scale,
-                                                 diagonal))
+            block_mask = spec.block_mask(rows[i], source, j)
+            if not _skipped(block_mask):
+                acc[i] = merge(acc[i], block_forward(queries[i], keys[j], values[j], spec.scale,
+                                                     diagonal, block_mask))
+    nothing = [(torch.zeros_like(x), torch.full_like(x[..., :1], float("-inf"))) for x in queries]
+    acc = [a if a is not None else none for a, none in zip(acc, nothing)]
     return torch.cat([a[0] for a in acc], dim=2), torch.cat([a[1] for a in acc], dim=2)
 
 
 def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]], spec: Spec,
-                    rank: int, settle: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+                    rank: int, settle: Callable[[int, torch.Tensor], None],
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """dq (≥ fp32) of this rank; each block's stacked dK/dV contribution is handed to `settle`."""
     dout, out = _wide(dout), _wide(out)
     delta = (dout * out).sum(-1, keepdim=True)
@@ -202,14 +240,18 @@ def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]
     queries, douts, lses, deltas = split(_wide(q)), split(dout), split(lse), split(delta)
     dq = torch.zeros(q.shape, dtype=queries[0].dtype, device=q.device)
     dqs = split(dq)
+    rows = mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
     for source, kv in blocks:
         kv = _wide(kv)
         grad = torch.zeros_like(kv)
         keys, values = split(kv[0]), split(kv[1])
         dks, dvs = split(grad[0]), split(grad[1])
         for i, j, diagonal in spec.pairs(rank, source):
+            block_mask = spec.block_mask(rows[i], source, j)
+            if _skipped(block_mask):
+                continue
             dq_i, dk_j, dv_j = block_backward(queries[i], keys[j], values[j], douts[i], lses[i],
-                                              deltas[i], spec.scale, diagonal)
+                                              deltas[i], spec.scale, diagonal, block_mask)
             dqs[i].add_(dq_i)
             dks[j].add_(dk_j)
             dvs[j].add_(dv_j)
@@ -219,22 +261,22 @@ def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, spec: Spec):
-        out, lse = forward_blocks(q, ring.blocks(torch.stack([k, v])), spec, ring.rank)
+    def forward(ctx, q, k, v, ring: Ring, spec: Spec, mask: torch.Tensor | None):
+        out, lse = forward_blocks(q, ring.blocks(torch.stack([k, v])), spec, ring.rank, mask)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.ring, ctx.spec = ring, spec
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         ring = ctx.ring
         grads = GradientRing(ring)
         dq = backward_blocks(dout, q, out, lse, ring.blocks(torch.stack([k, v])), ctx.spec,
-                             ring.rank, grads.settle)
+                             ring.rank, grads.settle, mask)
         dkv = grads.finish()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _is_real(x: torch.Tensor) -> bool:
@@ -243,9 +285,11 @@ def _is_real(x: torch.Tensor) -> bool:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str = "cp",
                    causal: bool = False, layout: str = "zigzag", scale: float | None = None,
-                   tag: str = "") -> torch.Tensor:
-    """softmax(q·kᵀ·scale) v over the whole sequence, each rank of the group named `group` holding
-    its own tokens ([batch, heads, local tokens, head_dim]) in `layout`; returns this rank's rows.
+                   tag: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale [+ mask]) v over the whole sequence, each rank of the group named
+    `group` holding its own tokens ([batch, heads, local tokens, head_dim]) in `layout`; returns
+    this rank's rows. `mask` (not with causal): this rank's query rows of the whole sequence's
+    mask, [..., local tokens, seq], boolean (True: attend) or added to the scores.
 
     Outside a process group, and on fake or meta tensors (shape propagation, pricing), it is plain
     scaled-dot-product attention of the local tokens, which is exact for a group of one.
@@ -254,16 +298,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str
         raise ValueError(f"ring attention needs k and v of one shape with heads dividing the "
                          f"query heads; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
+    if mask is not None and (causal or mask.requires_grad or mask.size(-2) != q.size(-2)):
+        raise ValueError(f"ring attention's mask must be a constant of this rank's "
+                         f"{q.size(-2)} query rows, not with causal=True; got "
+                         f"{tuple(mask.shape)}, causal={causal}")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     process_group = collectives._GROUPS.get(group)
     if process_group is None and _is_real(q) and dist.is_initialized():
         raise RuntimeError(f"ring attention over group {group!r}, but no process group is bound "
                            f"to that name (runtime.collectives.bind_groups({group}=...))")
     if process_group is None or not _is_real(q) or dist.get_world_size(process_group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=k.size(1) != q.size(1))
+        local = mask if mask is None or mask.size(-1) == k.size(-2) else None  # shapes only
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=local, is_causal=causal,
+                                              scale=scale, enable_gqa=k.size(1) != q.size(1))
     ring = Ring.of(process_group, tag)
-    return _RingAttention.apply(q, k, v, ring, Spec(ring.size, layout, causal, scale))
+    seq = mask.size(-1) if mask is not None else 0
+    return _RingAttention.apply(q, k, v, ring, Spec(ring.size, layout, causal, scale, seq), mask)
 
 
 ring_attention._fxpar_collective = "ring_p2p"

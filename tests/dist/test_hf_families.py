@@ -131,12 +131,15 @@ def test_a_norm_over_all_heads_sends_what_is_priced(pool4):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mesh", [{"tp": 2, "pp": 2, "dp": 1, "strategy": "tp"},
-                                  {"dp": 2, "pp": 2, "tp": 1}], ids=["tp2-pp2", "dp2-pp2"])
+@pytest.mark.parametrize("mesh", [{"tp": 2, "pp": 2, "dp": 1, "cp": 1, "strategy": "tp"},
+                                  {"dp": 2, "pp": 2, "tp": 1, "cp": 1},
+                                  {"cp": 2, "pp": 2, "tp": 1, "dp": 1}],
+                         ids=["tp2-pp2", "dp2-pp2", "cp2-pp2"])
 def test_model_inputs_beside_the_tokens(pool4, mesh):
     """The transformers model itself, its ModelOutput through loss_fn=causal_lm_loss, given a
     padding attention mask and packed position ids through train_step(tokens, mask, positions,
-    targets): every input is cut along the batch like the tokens."""
+    targets): every input is cut along the batch like the tokens, and under cp along the
+    sequence too, the mask then built on the whole sequence (passes.cp_masks)."""
     spec = HFSpec("llama", global_batch=8, seq=32,
                   extra_inputs=("attention_mask", "position_ids"))
     torch.manual_seed(0)
@@ -145,7 +148,7 @@ def test_model_inputs_beside_the_tokens(pool4, mesh):
     plain = (tokens, torch.ones_like(mask), torch.arange(32).expand(8, 32), targets)
     assert not torch.isclose(model(*batch), model(*plain))  # the inputs matter to the loss
     chosen = plan(model, 4, batch, cluster="cpu-gloo",
-                  fix={**mesh, "cp": 1, "mb": 2, "schedule": "1f1b"})[0]
+                  fix={**mesh, "mb": 2, "schedule": "1f1b"})[0]
     parallel = run_parallel(spec, chosen, 2, pool4)
     assert_same_run(parallel, reference_run(spec, 2))
 

@@ -60,19 +60,22 @@ def test_zigzag_balances_causal_work():
 # ---------------------------------------------------------------- blockwise attention
 
 
-def _emulate(q, k, v, grad_out, cp, causal, layout):
-    """Every rank's forward and backward over all K/V blocks in ring order; unsharded results."""
+def _emulate(q, k, v, grad_out, cp, causal, layout, mask=None):
+    """Every rank's forward and backward over all K/V blocks in ring order; unsharded results.
+    `mask`: the whole sequence's, of which each rank gets its query rows."""
     shard = lambda t: [shard_sequence(t, cp, r, dim=2, layout=layout) for r in range(cp)]  # noqa
     qs, ks, vs, gs = shard(q), shard(k), shard(v), shard(grad_out)
-    spec = Spec(cp, layout, causal, q.size(-1) ** -0.5)
+    rows = ([shard_sequence(mask, cp, r, dim=-2, layout=layout) for r in range(cp)]
+            if mask is not None else [None] * cp)
+    spec = Spec(cp, layout, causal, q.size(-1) ** -0.5, q.size(2) if mask is not None else 0)
     outs, dqs, dkv = [], [], [0] * cp
     for r in range(cp):
         blocks = [((r - t) % cp, torch.stack([ks[(r - t) % cp], vs[(r - t) % cp]]))
                   for t in range(cp)]
-        out, lse = forward_blocks(qs[r], blocks, spec, r)
+        out, lse = forward_blocks(qs[r], blocks, spec, r, rows[r])
         outs.append(out)
         settle = lambda source, grad: dkv.__setitem__(source, dkv[source] + grad)  # noqa: E731
-        dqs.append(backward_blocks(gs[r], qs[r], out, lse, blocks, spec, r, settle))
+        dqs.append(backward_blocks(gs[r], qs[r], out, lse, blocks, spec, r, settle, rows[r]))
     join = lambda xs: unshard_sequence(xs, dim=2, layout=layout)  # noqa: E731
     return join(outs), join(dqs), join([g[0] for g in dkv]), join([g[1] for g in dkv])
 
@@ -89,6 +92,29 @@ def test_blockwise_attention_is_exact(layout, causal, cp, kv_heads):
     grad_out = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
     expected.backward(grad_out)
     got = _emulate(q.detach(), k.detach(), v.detach(), grad_out, cp, causal, layout)
+    for g, want in zip(got, (expected, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(g, want.detach(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("cp", [2, 3])
+def test_blockwise_attention_with_an_explicit_mask_is_exact(layout, kind, cp):
+    """Left padding (query rows that see no key get 0), a sliding window and causality in one
+    mask per sample, boolean or added to the scores: equal to F.scaled_dot_product_attention."""
+    gen = torch.Generator().manual_seed(0)
+    seq = 2 * cp * 3
+    q, k, v = (torch.randn(2, h, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    i, j = torch.arange(seq).view(-1, 1), torch.arange(seq)
+    pads = torch.tensor([0, seq // 2 + 1]).view(2, 1, 1, 1)
+    mask = (j <= i) & (j > i - 5) & (j >= pads)          # [2, 1, seq, seq]
+    if kind == "float":
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    grad_out = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    expected.backward(grad_out)
+    got = _emulate(q.detach(), k.detach(), v.detach(), grad_out, cp, False, layout, mask)
     for g, want in zip(got, (expected, q.grad, k.grad, v.grad)):
         torch.testing.assert_close(g, want.detach(), rtol=1e-10, atol=1e-10)
 
@@ -186,6 +212,26 @@ def test_unrecognised_attention_names_the_sdpa_form():
     softmax = next(n.name for n in gm.graph.nodes if n.target is F.softmax)
     with pytest.raises(ContextParallelError, match="causal mask.*F.scaled_dot_product_attention"):
         context_parallel(gm, {"attn": [softmax]}, cp=2, rank=0)
+
+
+class _LearntMask(nn.Module):
+    """An sdpa mask added from a trained bias: not a function of inputs and positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(8, 8))
+
+    def forward(self, x):
+        q = k = v = x.unflatten(-1, (2, 4)).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias * 2)
+
+
+def test_a_mask_computed_from_weights_is_refused():
+    gm = fx.symbolic_trace(_LearntMask())
+    propagate_shapes(gm, (torch.randn(1, 8, 8),))
+    sdpa = next(n.name for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
+    with pytest.raises(ContextParallelError, match="depends on the model's weights"):
+        context_parallel(gm, {"attn": [sdpa]}, cp=2, rank=0)
 
 
 class _Causal(nn.Module):
