@@ -86,6 +86,9 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
 _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
     "passes.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
     "runtime.rng.tp_dropout": ("dropout", r.dropout),  # a dropout of a tensor-parallel shard
+    "runtime.rng.tp_scaled_dot_product_attention": ("scaled_dot_product_attention", r.attention),
+    "runtime.loss_tokens.per_token": ("div", t.pointwise),   # passes.token_mean
+    "runtime.loss_tokens.count_targets": ("sum", t.pointwise),
     moe.QUALNAME: ("moe_ffn", moe.moe_rule),   # a mixture-of-experts layer (cost_model.moe)
     moe.OP_QUALNAME: ("routed_experts", moe.moe_rule),   # its experts, exported as one op
 }

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from passes.capture import propagate_shapes
 from passes.cp_masks import WHOLE, MaskError, attribute, builders, drop_unused, mask_rows
 from passes.expert_parallel import split_balance
+from passes.sharding import is_sdpa
 from passes.tables import table
 from runtime import rng
 from runtime.cp_data import check_sequence, global_positions
 from runtime.ring_attention import ring_attention
 
-_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _SOFTMAX = {F.softmax, torch.softmax, "softmax"}
@@ -184,7 +184,7 @@ def _check_no_shift(gm: fx.GraphModule, seq: int) -> None:
 
 
 def _find_attention(gm: fx.GraphModule, node: fx.Node) -> Attention | None:
-    if node.op == "call_function" and node.target in _SDPA:
+    if is_sdpa(node):
         return _sdpa(gm, node)
     if node.op in ("call_function", "call_method") and node.target in _SOFTMAX:
         return _math(gm, node)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from runtime import rng
 from runtime.shards import ShardSpec, shard_specs  # noqa: F401 - re-exported for the passes
 
 aten = torch.ops.aten
@@ -116,13 +117,15 @@ def call_after(gm, anchor: fx.Node, fn, extra: tuple, layer: str, value: fx.Node
 _LINEAR = {F.linear, aten.linear.default}
 _ADDMM = {torch.addmm, aten.addmm.default}
 _MM = {torch.mm, torch.matmul, operator.matmul, aten.mm.default, aten.matmul.default}
-_SDPA = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+# rng's is the same attention, its dropout drawn from the tensor-parallel stream (runtime.rng).
+SDPA = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default,
+        rng.tp_scaled_dot_product_attention}
 _CHUNK = {"chunk", torch.chunk, aten.chunk.default}
 _SPLIT = {"split", torch.split, aten.split.Tensor}
 
 
 def is_sdpa(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _SDPA
+    return node.op == "call_function" and node.target in SDPA
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,11 @@ def _own_dropout(gm, node: fx.Node) -> None:
     """A dropout of a sharded value draws from this tp rank's own stream (runtime.rng): each
     shard drops independently, while dropouts of whole values (every tp rank holds the same)
     keep the default stream, seeded alike across the group."""
+    if is_sdpa(node):  # a fused dropout inside: the same call, drawn from the tp stream
+        dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        if dropout:
+            node.target = rng.tp_scaled_dot_product_attention
+        return
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Dropout):
         p, train = gm.get_submodule(node.target).p, True
     elif node.op == "call_function" and node.target in _DROPOUTS:

@@ -14,16 +14,21 @@ Under activation checkpointing the tp stream replays like the default generator 
 (`StreamReplay`, used by passes.recompute), so a recomputed region drops what its forward dropped.
 
 `seed_ranks` sets both at set-up (runtime.trainer calls it); passes.tensor_parallel turns each
-dropout of a sharded value into `tp_dropout`. The dropped elements differ from a one-process run
+dropout of a sharded value into `tp_dropout`, and an sdpa of sharded heads that drops into
+`tp_scaled_dot_product_attention` (its fused dropout drawn from the tp stream). The dropped elements differ from a one-process run
 (that draws one stream over the whole batch), so a run with dropout matches one process in
 distribution, not bit for bit; with p = 0 nothing is drawn and the numerics are unchanged.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 
 _TP_OFFSET = 2718  # Megatron's offset of the model-parallel seed
 _STATE: dict[str, torch.Generator] = {}
+_CUDA: dict[int, torch.Tensor] = {}   # the tp stream's state on each CUDA device, once used
 
 
 def seed_ranks(seed: int, tp_index: int, pp_index: int = 0, dp_index: int = 0,
@@ -34,6 +39,7 @@ def seed_ranks(seed: int, tp_index: int, pp_index: int = 0, dp_index: int = 0,
     gen = torch.Generator()
     gen.manual_seed(replica + _TP_OFFSET + 7 * (tp_index + 1))
     _STATE["tp"] = gen
+    _CUDA.clear()
 
 
 def shared_seed() -> int:
@@ -65,6 +71,53 @@ def tp_dropout(x: torch.Tensor, p: float = 0.5, train: bool = True, tag: str = "
     return x * keep.to(x.device) / (1.0 - p)
 
 
+def tp_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                    is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention of this rank's heads, whose fused dropout draws from the
+    tensor-parallel stream: the default generator takes the stream's state for the call (the
+    kernel draws from it; backward reuses what forward drew) and gets its own state back."""
+    args = (query, key, value, attn_mask, dropout_p, is_causal)
+    kwargs = {"scale": scale, "enable_gqa": enable_gqa}
+    if not dropout_p or query.is_meta or type(query).__name__ == "FakeTensor":
+        return F.scaled_dot_product_attention(*args, **kwargs)
+    with _tp_stream_as_default(query.device):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _tp_stream_as_default(device: torch.device):
+    cuda = device.type == "cuda"
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if cuda else 0)
+    get = (lambda: torch.cuda.get_rng_state(index)) if cuda else torch.get_rng_state
+    put = (lambda state: torch.cuda.set_rng_state(state, index)) if cuda else torch.set_rng_state
+    own = get()
+    if cuda:
+        if index not in _CUDA:  # the stream on this device, seeded from the CPU stream's seed
+            torch.cuda.default_generators[index].manual_seed(tp_generator().initial_seed())
+            _CUDA[index] = get()
+        put(_CUDA[index])
+    else:
+        put(tp_generator().get_state())
+    try:
+        yield
+    finally:
+        if cuda:
+            _CUDA[index] = get()
+        else:
+            tp_generator().set_state(get())
+        put(own)
+
+
+def _stream_state():
+    return tp_generator().get_state(), dict(_CUDA)
+
+
+def _set_stream_state(state) -> None:
+    tp_generator().set_state(state[0])
+    _CUDA.clear()
+    _CUDA.update(state[1])
+
 
 class StreamReplay:
     """The tensor-parallel stream through one activation checkpoint, as torch.utils.checkpoint
@@ -89,7 +142,7 @@ class _Record:
         self.replay = replay
 
     def __enter__(self):
-        self.replay._state = tp_generator().get_state()
+        self.replay._state = _stream_state()
 
     def __exit__(self, *exc):
         return None
@@ -100,10 +153,9 @@ class _Replay:
         self.replay, self.now = replay, []
 
     def __enter__(self):
-        gen = tp_generator()
-        self.now.append(gen.get_state())
+        self.now.append(_stream_state())
         if self.replay._state is not None:
-            gen.set_state(self.replay._state)
+            _set_stream_state(self.replay._state)
 
     def __exit__(self, *exc):
-        tp_generator().set_state(self.now.pop())
+        _set_stream_state(self.now.pop())

@@ -154,13 +154,14 @@ def test_model_inputs_beside_the_tokens(pool4, mesh):
 
 
 @pytest.mark.dist
-def test_dropout_trains_like_one_process_in_distribution(pool4):
-    """Gemma-2's attention dropout (eager: a dropout of this rank's heads, drawn from the rank's
-    own tensor-parallel stream, runtime.rng) under tp=2 x pp=2: the 20-step loss curve stays
-    within a few percent of one process's, while differing from the curve without dropout by
-    more than that (the dropout is active)."""
-    spec = HFSpec("gemma2", global_batch=8, seq=32,
-                  overrides=(("sliding_window", 8), ("attention_dropout", 0.1)))
+@pytest.mark.parametrize("arch,overrides", [("gemma2", (("sliding_window", 8),)),
+                                            ("llama", ())], ids=["eager", "sdpa"])
+def test_dropout_trains_like_one_process_in_distribution(pool4, arch, overrides):
+    """Attention dropout 0.1 under tp=2 x pp=2, written out (Gemma-2's eager attention: a dropout
+    of this rank's heads) or fused into SDPA (Llama), drawn from the rank's own tensor-parallel
+    stream (runtime.rng): the 20-step loss curve stays within a few percent of one process's,
+    while differing from the curve without dropout by more than that (the dropout is active)."""
+    spec = HFSpec(arch, global_batch=8, seq=32, overrides=(*overrides, ("attention_dropout", 0.1)))
     torch.manual_seed(0)
     model, batch = build(spec)
     chosen = plan(model, 4, batch, cluster="cpu-gloo",
@@ -168,8 +169,8 @@ def test_dropout_trains_like_one_process_in_distribution(pool4):
                        "strategy": "tp"})[0]
     parallel = torch.tensor(run_parallel(spec, chosen, 20, pool4, with_grads=False).losses)
     reference = torch.tensor(reference_run(spec, 20).losses)
-    without = torch.tensor(reference_run(HFSpec("gemma2", global_batch=8, seq=32,
-                                                 overrides=(("sliding_window", 8),)), 20).losses)
+    without = torch.tensor(reference_run(HFSpec(arch, global_batch=8, seq=32,
+                                                 overrides=overrides), 20).losses)
     gap = float((parallel - reference).abs().sum() / reference.sum())
     assert gap < 0.05, f"loss curves differ by {gap:.1%} of the one-process curve"
     assert float((without - reference).abs().sum() / reference.sum()) > 2 * gap
