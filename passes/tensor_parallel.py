@@ -13,7 +13,9 @@ by their shard in place.
 Grouped-query attention whose kv heads do not divide by tp keeps the k and v projections whole on
 every rank and selects, per rank, the kv heads its own query heads read (a narrow, or an
 index_select repeating them when the grouping is uneven); the gradients of those replicated
-weights, partial on each rank, are summed by tp_grad_sum.
+weights, partial on each rank, are summed by tp_grad_sum. A projection of the queries fused with
+such kv heads and split into sized parts (GPT-BigCode's multi-query c_attn) is kept whole the same
+way, and each rank takes its query heads from the query part, its kv heads from the others.
 
 Collectives inserted, as named call nodes:
   tp_copy(x)        before each column-parallel linear (identity forward, all-reduce backward)
@@ -32,6 +34,8 @@ Inserted nodes are tagged with their layer; afterwards node.meta["val"] holds lo
 """
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -40,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture import CONSTANT
-from passes.sharding import (LAYER, LinearSite, ShardingError, ShardSpec, after_views,
+from passes.sharding import (_RESHAPES, LAYER, LinearSite, ShardingError, ShardSpec, after_views,
                              before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
                              linear_site, localize_shapes, nodes_by_layer, replace_param,
                              shard_of, shard_param, shard_specs, tag_layers)
@@ -131,8 +135,8 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
             site = linear_site(gm, node)
             if node in replicated:
                 taken = _make_replicated(gm, site, layer, replicated[node], group)
-                sharded.add(taken)
-                selected.add(taken)
+                sharded.update(taken)
+                selected.update(taken)
             else:
                 make_column(gm, site, layer, tp, rank)
                 sharded.add(node)
@@ -294,15 +298,60 @@ def _make_replicated(gm, site: LinearSite, layer: str, select, group: str) -> fx
     linear.meta["val"] = node.meta.get("val")
     node.replace_all_uses_with(linear)
     graph.erase_node(node)
+    if isinstance(select, FusedTake):  # the queries' and the kv heads' parts, each its own
+        return [_select(gm, part, select.of(part), layer) for part in select.parts(linear)]
+    return [_select(gm, linear, select, layer)]
+
+
+def _select(gm, value: fx.Node, select, layer: str) -> fx.Node:
+    """This rank's part of the last dimension of `value`: (start, length), or indices."""
     if isinstance(select, torch.Tensor):
-        name = f"{linear.name}_heads"
-        gm.register_buffer(name, table(select, get_param(gm, site.weight).device),
-                           persistent=False)
-        with graph.inserting_after(linear):
-            index = graph.get_attr(name)
+        name = f"{value.name}_heads"
+        gm.register_buffer(name, table(select, value.meta["val"].device), persistent=False)
+        with gm.graph.inserting_after(value):
+            index = gm.graph.get_attr(name)
         index.meta[LAYER] = layer
-        return call_after(gm, index, torch.index_select, (-1, index), layer, value=linear)
-    return call_after(gm, linear, torch.narrow, (-1, *select), layer)
+        return call_after(gm, index, torch.index_select, (-1, index), layer, value=value)
+    return call_after(gm, value, torch.narrow, (-1, *select), layer)
+
+
+@dataclass(frozen=True)
+class FusedTake:
+    """A projection of the queries fused with kv heads that tp does not divide (GPT-BigCode's
+    multi-query c_attn), kept whole: each part of its split takes this rank's query heads (a
+    block) or the kv heads they read."""
+
+    q_width: int
+    q: tuple[int, int]
+    kv: object              # (start, length) or indices, as _kv_selection gives
+
+    def of(self, part: fx.Node):
+        return self.q if part.meta["val"].shape[-1] == self.q_width else self.kv
+
+    @staticmethod
+    def parts(linear: fx.Node) -> list[fx.Node]:
+        split = fused_split(linear)
+        return sorted(split.users, key=lambda g: g.args[1])
+
+
+def fused_split(linear: fx.Node) -> fx.Node | None:
+    """The split into sized parts of the last dimension that `linear`'s output reaches through
+    views (BigCode's `c_attn(x).unsqueeze(1).split((E, kv, kv), dim=3)`), read only by getitems."""
+    node = linear
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target in ("split", torch.split, aten.split_with_sizes.default, aten.split.Tensor):
+            sizes, dim = user.args[1], user.kwargs.get("dim", user.args[2] if len(user.args) > 2
+                                                       else 0)
+            ndim = node.meta["val"].dim()
+            if isinstance(sizes, (list, tuple)) and dim % ndim == ndim - 1 and all(
+                    u.target is operator.getitem for u in user.users):
+                return user
+            return None
+        if user.target not in ("unsqueeze", aten.unsqueeze.default, *_RESHAPES):
+            return None
+        node = user
+    return None
 
 
 def _grouped_kv(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int) -> dict:
@@ -320,13 +369,30 @@ def _grouped_kv(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int) -> dic
         q_sites = _sources(gm, q, mine)
         for value in (k, v):
             sites = _sources(gm, value, mine)
-            if not sites or sites & q_sites:
+            head_dim = value.meta["val"].shape[-1]
+            take = _kv_selection(q_heads, kv_heads, head_dim, tp, rank)
+            if sites and sites & q_sites:
+                take = _fused_take(sites, q_heads, kv_heads, head_dim, tp, rank, take)
+            if not sites or take is None:
                 raise ShardingError(f"layer {layer}: {kv_heads} kv heads (dim 1 of {value.name}) "
                                     f"are not divisible by tp={tp}, and their projection is fused "
-                                    f"with the queries'")
-            take = _kv_selection(q_heads, kv_heads, value.meta["val"].shape[-1], tp, rank)
+                                    f"with the queries' in a way not split by sized parts")
             result.update(dict.fromkeys(sites, take))
     return result
+
+
+def _fused_take(sites: set[fx.Node], q_heads: int, kv_heads: int, head_dim: int, tp: int,
+                rank: int, kv) -> FusedTake | None:
+    """How a rank reads a fused q/kv projection split into parts of q and kv widths; None when
+    it is not one."""
+    if len(sites) != 1:
+        return None
+    split = fused_split(next(iter(sites)))
+    q_width, kv_width, local = q_heads * head_dim, kv_heads * head_dim, q_heads // tp
+    if split is None or sorted(split.args[1]).count(q_width) != 1 or \
+            any(w not in (q_width, kv_width) for w in split.args[1]):
+        return None
+    return FusedTake(q_width, (rank * local * head_dim, local * head_dim), kv)
 
 
 def _kv_selection(q_heads: int, kv_heads: int, head_dim: int, tp: int, rank: int):

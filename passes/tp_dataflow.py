@@ -176,6 +176,7 @@ class _Flow:
                  "transpose": self._transpose, "swapaxes": self._transpose, "t": self._transpose,
                  "permute": self._permute, "expand": self._expand,
                  "repeat_interleave": self._keep, "chunk": self._split, "split": self._split,
+                 "split_with_sizes": self._split,
                  "cat": self._cat, "stack": self._stack,
                  "scaled_dot_product_attention": self._attention,
                  "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul,
@@ -282,6 +283,8 @@ class _Flow:
             self.dim[node] = d
             if src in self.fused_splits:  # each part of a fused projection is cut in blocks
                 self.blocks.add(node)
+            if src in self.whole_heads:   # of a projection kept whole: heads selected per part
+                self.whole_heads.add(node)
             return
         index = index if isinstance(index, tuple) else (index,)
         self.dim[node] = self._index_dim(node, index, d, _val(src).dim())
@@ -409,10 +412,20 @@ class _Flow:
 
     def _split(self, node, src, d) -> None:
         dim = _arg(node, 2, "dim", 0) % _val(src).dim()
-        if dim == d and node not in self.fused_splits:
+        if dim == d and node not in self.fused_splits and not self._of_whole(src):
             self.fail(node, "splits the sharded dimension (only the split of a fused "
                             "projection right after its linear is cut per rank)")
+        if self._of_whole(src):
+            self.whole_heads.add(node)
         self.dim[node] = d
+
+    def _of_whole(self, value: fx.Node) -> bool:
+        """`value` is a projection kept whole (or views of it), whose parts each rank reads its
+        heads of (passes.tensor_parallel.FusedTake)."""
+        while value not in self.whole_heads and len(value.all_input_nodes) == 1 and \
+                op_name(self.gm, value) in ("unsqueeze", "view", "reshape"):
+            value = value.all_input_nodes[0]
+        return value in self.whole_heads
 
     def _cat(self, node, src, d) -> None:
         tensors = node.args[0]
@@ -432,7 +445,9 @@ class _Flow:
     def _attention(self, node, src, d) -> None:
         q, k, v = node.args[:3]
         heads = _val(q).dim() - 3
-        if any(self.dim.get(t) != heads for t in (q, k, v)):
+        # A single kv head read whole by every rank (multi-query, its projection kept whole).
+        one_head = lambda t: t in self.whole_heads and _val(t).shape[heads] == 1  # noqa: E731
+        if any(self.dim.get(t) != heads and not one_head(t) for t in (q, k, v)):
             self.fail(node, "is attention whose queries, keys and values are not all sharded "
                             "by heads")
         mask = _arg(node, 3, "attn_mask")

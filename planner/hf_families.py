@@ -56,7 +56,7 @@ FAMILIES = (
            "(under tp: a distributed RMSNorm, its statistics all-reduced)"),
     Family("bloom", "ALiBi (under tp: each rank's heads of the bias), LayerNorm after the "
            "embedding, fused QKV", refuses=(("cp", "no attention to ring"),)),
-    Family("gpt_bigcode", "MQA fused into the QKV projection",
-           refuses=(("tp", "fused with the queries"),)),
+    Family("gpt_bigcode", "MQA fused into the QKV projection (under tp: kept whole, each rank "
+           "taking its query heads and the one kv head from the parts of its split)"),
 )
 BY_ARCH = {f.arch: f for f in FAMILIES}

@@ -228,3 +228,36 @@ def test_hugging_face_blocks_are_accepted():
         costs = ModelCosts(captured, len(captured.blocks), 4)
         for tp in (2, 4):
             assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
+
+
+class FusedMQABlock(nn.Module):
+    """One kv head fused with the queries: split into sized parts (GPT-BigCode's c_attn), or
+    sliced out of a view (not a split the rewrite knows how to read per rank)."""
+
+    def __init__(self, sliced: bool = False, heads: int = 4):
+        super().__init__()
+        self.heads, self.dim, self.sliced = heads, HIDDEN // heads, sliced
+        self.c_attn = nn.Linear(HIDDEN, HIDDEN + 2 * self.dim)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        fused = self.c_attn(x)
+        if self.sliced:
+            parts = fused.view(b, s, self.heads + 2, self.dim)
+            q, k, v = parts[:, :, :-2], parts[:, :, -2:-1], parts[:, :, -1:]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        else:
+            q, k, v = fused.unsqueeze(1).split((HIDDEN, self.dim, self.dim), dim=3)
+            q = q.view(b, s, -1, self.dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.proj(y.transpose(1, 2).flatten(2))
+
+
+def test_queries_fused_with_one_kv_head_are_read_per_rank_from_their_split():
+    costs = _costs(_Chain(FusedMQABlock))
+    for tp in (2, 4):
+        assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
+    costs = _costs(_Chain(lambda: FusedMQABlock(sliced=True)))
+    assert costs.block_profile(2) is None
+    assert "fused with the queries' in a way not split by sized parts" in costs.tp_errors[2]
