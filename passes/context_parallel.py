@@ -13,8 +13,10 @@ rewritten, in place:
              head dimension is passed unrepeated (the ring sends the smaller blocks).
   positions  torch.narrow(table, 0, 0, seq) of a table indexed by position (GPT's position ids,
              Llama's rotary cos/sin) becomes torch.index_select(table, 0, cp_positions), where the
-             buffer `cp_positions` holds this rank's global token positions. The graph is thereby
-             specialised to the sequence length it was captured with.
+             buffer `cp_positions` holds this rank's global token positions; arange(seq) becomes
+             those positions; a value built from constants over the whole sequence ([batch, seq,
+             ...], OPT's cumulative sum of ones) is read at them where per-token values meet it.
+             The graph is thereby specialised to the sequence length it was captured with.
 
 The loss needs no rewrite here: passes.token_mean divides it by the whole step's count of targets,
 over every rank of the group. A mixture-of-experts balance loss is formed from per-sequence
@@ -37,10 +39,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.capture import propagate_shapes
+from passes.capture import CONSTANT, propagate_shapes
 from passes.cp_masks import WHOLE, MaskError, attribute, builders, drop_unused, mask_rows
 from passes.expert_parallel import split_balance
-from passes.sharding import is_sdpa
+from passes.sharding import LAYER, is_sdpa
 from passes.tables import table
 from runtime import rng
 from runtime.cp_data import check_sequence, global_positions
@@ -93,6 +95,7 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
     if masks:
         drop_unused(gm)
     _fix_positions(gm, seq, cp, rank, layout)
+    _select_whole_constants(gm, seq, cp, rank, layout)
     gm.graph.lint()
     gm.recompile()
     if localize:
@@ -326,6 +329,35 @@ def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str
         node.replace_all_uses_with(rows)
         gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()  # the size() nodes that fed the narrows
+
+
+def _select_whole_constants(gm: fx.GraphModule, seq: int, cp: int, rank: int,
+                            layout: str) -> None:
+    """A value built in the graph from constants alone over the whole sequence ([batch, seq,
+    ...]: OPT's positions, a cumulative sum of ones) is read at this rank's tokens
+    (index_select on dim 1) where per-token values meet it. Values computed from this rank's
+    positions are local already, and the whole-sequence mask builders stay whole."""
+    local = set()
+    for node in gm.graph.nodes:
+        if (node.op == "get_attr" and node.target == POSITIONS_BUFFER) or any(
+                a in local for a in node.all_input_nodes):
+            local.add(node)
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if not (node.meta.get(CONSTANT) and not node.meta.get(WHOLE) and node not in local
+                and isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq):
+            continue
+        readers = [u for u in node.users if not u.meta.get(CONSTANT) or u in local]
+        if not readers:
+            continue
+        _positions_buffer(gm, seq, cp, rank, layout)
+        with gm.graph.inserting_after(node):
+            positions = gm.graph.get_attr(POSITIONS_BUFFER)
+        with gm.graph.inserting_after(positions):
+            mine = gm.graph.call_function(torch.index_select, (node, 1, positions))
+        mine.meta = {k: v for k, v in node.meta.items() if k == LAYER}
+        for reader in readers:
+            reader.replace_input_with(node, mine)
 
 
 def _positions_buffer(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:

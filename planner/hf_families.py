@@ -43,9 +43,9 @@ FAMILIES = (
     Family("granite", "embedding, residual, attention and logit multipliers"),
     Family("cohere", "parallel block, interleaved rotary, logit scale, tied embeddings"),
     Family("stablelm", "partial rotary, LayerNorm"),
-    Family("opt", "learned positions with an offset of 2, post-norm, ReLU, biases",
-           (("do_layer_norm_before", False),),
-           refuses=(("cp", "does not run on one rank's tokens"),)),
+    Family("opt", "learned positions with an offset of 2 (counted by a cumulative sum over the "
+           "sequence; under cp read at each rank's tokens), post-norm, ReLU, biases",
+           (("do_layer_norm_before", False),)),
     Family("falcon", "parallel attention + MLP, fused QKV, LayerNorm",
            (("multi_query", False),)),
     Family("phi", "parallel attention + MLP, partial rotary, biases, GELU"),
