@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from tabulate import tabulate
 
@@ -92,6 +92,14 @@ class Plan:
         vocab = any(s == "vocab-tp" for st in self.stages for s in st.strategies)
         return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages),
                       pad_vocab=vocab, cp=self.cp, ep=self.ep)
+
+    def with_ends(self, strategy: str, ends: tuple[str, ...] = ("embed", "head")) -> "Plan":
+        """The plan with the end layers named `ends` given `strategy` ("vocab-tp": what a GPU
+        cluster's prices choose where this one's would not), everything else as it is."""
+        stages = tuple(replace(st, strategies=tuple(strategy if layer in ends else s for layer, s
+                                                    in zip(st.layers, st.strategies)))
+                       for st in self.stages)
+        return replace(self, stages=stages)
 
     def _zero_text(self) -> str:
         """The sharded-data-parallel level in the mesh line (nothing for level 0)."""

@@ -1,7 +1,6 @@
 """Guards against silently wrong training, on real gloo ranks against one process: tied weights
 across pipeline stages and tensor-parallel shards, replicas built from different random models,
 and batches that do not match the plan."""
-import json
 
 import pytest
 import torch
@@ -13,15 +12,6 @@ from planner.train import (RunResult, assert_same_run, build, make_optimizer, re
                            run_parallel)
 
 STEPS = 3
-
-
-def _vocab_parallel_ends(chosen: Plan) -> Plan:
-    """The plan with embed and head vocabulary-parallel (what a GPU cluster's prices choose)."""
-    data = json.loads(chosen.dumps())
-    for stage in data["stages"]:
-        stage["strategies"] = ["vocab-tp" if layer in ("embed", "head") else s
-                               for layer, s in zip(stage["layers"], stage["strategies"])]
-    return Plan.from_json(json.dumps(data))
 
 
 def _plan(config, **mesh) -> Plan:
@@ -39,7 +29,7 @@ def test_tied_embedding_and_head_stay_one_parameter(pool4, arch, mesh):
     config = get_config("gpt-tiny" if arch == "gpt" else "llama-tiny", tie=True, layers=2)
     chosen = _plan(config, **mesh)
     if chosen.tp > 1:
-        chosen = _vocab_parallel_ends(chosen)
+        chosen = chosen.with_ends("vocab-tp")
     parallel = run_parallel(config, chosen, STEPS, pool4)
     assert_same_run(parallel, reference_run(config, STEPS), what=f"{arch} {mesh}")
 
@@ -159,6 +149,6 @@ def test_a_head_reading_the_embedding_weight_stays_tied(pool4, mesh):
                   fix={"dp": 1, "tp": 1, "mb": 2, "schedule": "1f1b", "strategy": strategy,
                        **mesh})[0]
     if chosen.tp > 1:
-        chosen = _vocab_parallel_ends(chosen)
+        chosen = chosen.with_ends("vocab-tp")
     parallel = run_parallel(spec, chosen, STEPS, pool4)
     assert_same_run(parallel, reference_run(spec, STEPS), what=str(mesh))

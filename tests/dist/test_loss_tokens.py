@@ -2,14 +2,12 @@
 label smoothing, trained on real gloo ranks with several micro-batches and replicas: equal to one
 process, whose mean is over the whole batch (passes.token_mean). Before the rewrite the mean of
 the micro-batches' means differed from one process at about 3e-4 on these batches."""
-import json
 
 import pytest
 import torch
 
 from planner.api import plan
 from planner.models import build_model, example_batch, get_config
-from planner.plan import Plan
 from planner.train import HFSpec, assert_same_run, reference_run, run_parallel
 
 STEPS = 2
@@ -66,14 +64,6 @@ class _Custom:
         return TinyLM(loss), (batch[0], _ignored(batch[1]))
 
 
-def _vocab_parallel_ends(chosen: Plan) -> Plan:
-    data = json.loads(chosen.dumps())
-    for stage in data["stages"]:
-        stage["strategies"] = ["vocab-tp" if layer in ("embed", "head") else s
-                               for layer, s in zip(stage["layers"], stage["strategies"])]
-    return Plan.from_json(json.dumps(data))
-
-
 def _train(pool, spec, mesh: dict, vocab_parallel: bool = False, steps: int = STEPS):
     torch.manual_seed(0)
     model, batch = spec.build()
@@ -81,7 +71,7 @@ def _train(pool, spec, mesh: dict, vocab_parallel: bool = False, steps: int = ST
            "strategy": "tp" if mesh.get("tp", 1) > 1 else "none", **mesh}
     chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
     if vocab_parallel:
-        chosen = _vocab_parallel_ends(chosen)
+        chosen = chosen.with_ends("vocab-tp")
     assert_same_run(run_parallel(spec, chosen, steps, pool), reference_run(spec, steps),
                     what=str(mesh))
 
