@@ -142,9 +142,19 @@ class Spec:
         return rows[..., start:start + width]
 
 
-def _skipped(mask: torch.Tensor | None) -> bool:
-    """A boolean block that lets no query see any key does no work."""
-    return mask is not None and mask.dtype == torch.bool and not bool(mask.any())
+def _visible(rows: list, spec: Spec) -> list[list[bool]] | None:
+    """For each local query chunk, which global key chunks its boolean mask lets it see at all
+    (a block that sees nothing does no work); read once per call, one host sync, not per block.
+    None without a boolean mask: every block is computed."""
+    if rows[0] is None or rows[0].dtype != torch.bool:
+        return None
+    chunks = num_chunks(spec.cp, spec.layout)
+    return [r.unflatten(-1, (chunks, -1)).transpose(-2, -1).flatten(0, -2).any(0).tolist()
+            for r in rows]
+
+
+def _skipped(visible: list[list[bool]] | None, spec: Spec, i: int, k_rank: int, j: int) -> bool:
+    return visible is not None and not visible[i][chunk_ids(spec.cp, k_rank, spec.layout)[j]]
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -217,12 +227,13 @@ def forward_blocks(q: torch.Tensor, blocks: Iterable[tuple[int, torch.Tensor]], 
     block; `mask`: this rank's rows of the whole mask (see the module docstring)."""
     queries = _wide(q).chunk(spec.parts, dim=2)
     rows = mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
+    visible = _visible(rows, spec)
     acc = [None] * spec.parts
     for source, kv in blocks:
         keys, values = _wide(kv[0]).chunk(spec.parts, dim=2), _wide(kv[1]).chunk(spec.parts, dim=2)
         for i, j, diagonal in spec.pairs(rank, source):
             block_mask = spec.block_mask(rows[i], source, j)
-            if not _skipped(block_mask):
+            if not _skipped(visible, spec, i, source, j):
                 acc[i] = merge(acc[i], block_forward(queries[i], keys[j], values[j], spec.scale,
                                                      diagonal, block_mask))
     nothing = [(torch.zeros_like(x), torch.full_like(x[..., :1], float("-inf"))) for x in queries]
@@ -241,6 +252,7 @@ def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]
     dq = torch.zeros(q.shape, dtype=queries[0].dtype, device=q.device)
     dqs = split(dq)
     rows = mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
+    visible = _visible(rows, spec)
     for source, kv in blocks:
         kv = _wide(kv)
         grad = torch.zeros_like(kv)
@@ -248,7 +260,7 @@ def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]
         dks, dvs = split(grad[0]), split(grad[1])
         for i, j, diagonal in spec.pairs(rank, source):
             block_mask = spec.block_mask(rows[i], source, j)
-            if _skipped(block_mask):
+            if _skipped(visible, spec, i, source, j):
                 continue
             dq_i, dk_j, dv_j = block_backward(queries[i], keys[j], values[j], douts[i], lses[i],
                                               deltas[i], spec.scale, diagonal, block_mask)

@@ -270,3 +270,19 @@ def test_labels_shifted_inside_the_graph_are_refused():
     with pytest.raises(PlanningError, match="shifts the sequence.*; nearest legal cp: 1"):
         plan(_ShiftedLM(), 4, batch, cluster="cpu-gloo", fix={"cp": 2})
     assert plan(_ShiftedLM(), 4, batch, cluster="cpu-gloo")[0].cp == 1
+
+
+def test_blocks_a_boolean_mask_hides_do_no_work(monkeypatch):
+    """A causal mask given explicitly computes the blocks is_causal computes, no more."""
+    from runtime import ring_attention as ring
+    calls = []
+    real = ring.block_forward
+    monkeypatch.setattr(ring, "block_forward", lambda *a: calls.append(1) or real(*a))
+    cp, seq = 2, 8
+    q = k = v = torch.randn(1, 2, seq, 4, dtype=torch.float64)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    got = _emulate(q, k, v, torch.randn(1, 2, seq, 4, dtype=torch.float64), cp, False, "zigzag",
+                   causal)[0]
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    pairs = Spec(cp, "zigzag", True, 1.0)
+    assert len(calls) == sum(len(pairs.pairs(r, s)) for r in range(cp) for s in range(cp))
