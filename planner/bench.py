@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -138,14 +137,7 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
             json.dump({"step_s": step_s, "tokens_per_s": config.global_batch * config.seq / step_s,
                        "peak_memory_bytes": max(r.pop("peak") for r in ranks), "losses": losses,
                        "ranks": ranks}, f)
-    # The trainer holds its process groups (data-parallel, pipeline, ...): dropped while they
-    # still work, not at interpreter exit after the default group is gone, where gloo's
-    # threads aborted the process ("terminate called without an active exception", 1 run in 4
-    # with two data-parallel ranks).
-    del pm
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    pm.close()  # before interpreter exit, where gloo's threads could abort the process
 
 
 def _peak_memory(device: str) -> float:

@@ -148,7 +148,8 @@ def _one_shot(rank, world_size, port, timeout_s, slot, launcher_pid, conn, fn, a
     conn.send_bytes(outcome)
     if pickle.loads(outcome)[0] != "ok":
         _exit_now(1)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # fn may have ended the run itself (ParallelModel.close)
+        dist.destroy_process_group()
 
 
 def _pool_worker(rank, world_size, port, timeout_s, slot, launcher_pid, conn):

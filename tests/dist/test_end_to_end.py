@@ -25,3 +25,31 @@ def test_forced_plan_matches_one_process(pool8, model, dp, tp, pp):
     parallel = run_parallel(config, chosen, STEPS, pool8)
     reference = reference_run(config, STEPS)
     assert_same_run(parallel, reference)
+
+
+def _train_and_close(plan_json: str) -> tuple[float, bool]:
+    import torch.distributed as dist
+
+    from planner.api import ParallelModel
+    from planner.models import build_model, example_batch
+    from planner.plan import Plan
+    from planner.train import make_optimizer
+    config = get_config("gpt-tiny", layers=2)
+    batch = example_batch(config, 8)
+    pm = ParallelModel(build_model(config), Plan.from_json(plan_json), [], batch, make_optimizer)
+    loss = pm.train_step(*batch)
+    pm.close()
+    return loss, dist.is_initialized()
+
+
+@pytest.mark.dist
+def test_close_ends_the_run_on_every_rank():
+    """ParallelModel.close() frees the shard and destroys the process groups on every rank (the
+    launcher, finding none left, does not destroy them twice)."""
+    from runtime.launch import run_local
+    config = get_config("gpt-tiny", layers=2)
+    chosen = plan(config, 2, cluster="cpu-gloo", global_batch=8,
+                  fix={"dp": 2, "tp": 1, "pp": 1, "mb": 1})[0]
+    results = run_local(_train_and_close, 2, (chosen.dumps(),))
+    assert [initialized for _, initialized in results] == [False, False]
+    assert results[0][0] == results[1][0]
