@@ -19,10 +19,12 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   collective_handoff  two ranks all-reduce after a burst of computation, against back to back
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter
-  cores,           a small block's training loop timed alone and in N processes at once, for
-  unshared_ranks   each calibrated N in turn: the largest N with no slowdown is unshared_ranks;
-                   the first that slows down runs at 1/slowdown of its speed, i.e. on
-                   N / slowdown cores
+  cores,           a block's training loop timed alone and in N processes at once, for each
+  unshared_ranks   calibrated N in turn: the largest N with no slowdown is unshared_ranks; the
+                   first that slows down runs at 1/slowdown of its speed, i.e. on N / slowdown
+                   cores. How much ranks slow each other depends on what they run (wider
+                   matmuls share caches worse), so the block is timed at two widths and the
+                   larger slowdown is kept: the fewer cores
 """
 from __future__ import annotations
 
@@ -239,14 +241,18 @@ def measure_split_backward(rounds: int = 15) -> float:
     return max(0.0, iw / b - 1)
 
 
-def _spin(rounds: int = 30) -> float:
-    """Seconds of `rounds` forward + backward passes of a small transformer block: the mix of
-    small matmuls, pointwise ops and autograd that CPU ranks run (sharing cores slows a loop
-    of large matmuls differently)."""
+SPIN_WIDTHS = (64, 256)  # the block's hidden size (its MLP four times that)
+
+
+def _spin(rounds: int = 30, width: int = 64) -> float:
+    """Seconds of `rounds` forward + backward passes of a transformer block of hidden size
+    `width` (the MLP 4x): the mix of matmuls, pointwise ops and autograd that CPU ranks run.
+    The wider block runs fewer rounds, about as many FLOPs."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    block = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
-    x = torch.randn(8, 32, 64, requires_grad=True)
+    block = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+    x = torch.randn(8, 32, width, requires_grad=True)
+    rounds = max(3, rounds * 64**2 // width**2)
     start = time.perf_counter()
     for _ in range(rounds):
         block(x).sum().backward()
@@ -255,18 +261,22 @@ def _spin(rounds: int = 30) -> float:
 
 def _spin_worker(trials: int = 9) -> float | None:
     """On every rank: in turns, rank 0 trains the block alone (the others wait at a barrier),
-    then every rank at once; rank 0 returns the median of its together / alone ratios (the
-    same warm processes in both, interleaved so that the host's drift falls on both)."""
+    then every rank at once; rank 0 returns the larger over SPIN_WIDTHS of the median of its
+    together / alone ratios (the same warm processes in both, interleaved so that the host's
+    drift falls on both)."""
     import torch.distributed as dist
-    _spin(rounds=5)  # warm-up: the first passes of a process pay for the library's set-up
-    ratios = []
-    for _ in range(trials):
-        dist.barrier()
-        alone = _spin() if dist.get_rank() == 0 else 0.0
-        dist.barrier()  # every rank busy at once
-        together = _spin()
-        ratios.append(together / alone if alone else 0.0)
-    return statistics.median(ratios) if dist.get_rank() == 0 else None
+    slowdowns = []
+    for width in SPIN_WIDTHS:
+        _spin(rounds=5, width=width)  # warm-up: a process's first passes pay for set-up
+        ratios = []
+        for _ in range(trials):
+            dist.barrier()
+            alone = _spin(width=width) if dist.get_rank() == 0 else 0.0
+            dist.barrier()  # every rank busy at once
+            together = _spin(width=width)
+            ratios.append(together / alone if alone else 0.0)
+        slowdowns.append(statistics.median(ratios))
+    return max(slowdowns) if dist.get_rank() == 0 else None
 
 
 def measure_cores(ranks: int) -> float:
