@@ -40,9 +40,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture import CONSTANT, propagate_shapes
-from passes.cp_masks import WHOLE, MaskError, attribute, builders, drop_unused, mask_rows
+from passes.cp_masks import WHOLE, MaskError, builders, drop_unused, mask_rows
 from passes.expert_parallel import split_balance
-from passes.sharding import LAYER, is_sdpa
+from passes.sharding import LAYER, get_param, is_sdpa
 from passes.tables import table
 from runtime import rng
 from runtime.cp_data import check_sequence, global_positions
@@ -280,7 +280,7 @@ def _is_causal_mask(gm: fx.GraphModule, mask) -> bool:
         mask = mask.args[0]
     if not (isinstance(mask, fx.Node) and mask.op == "get_attr"):
         return False
-    table = attribute(gm, mask.target)
+    table = get_param(gm, mask.target)
     if table.dim() != 2 or table.dtype != torch.bool:
         return False
     if table.is_meta:  # a model built on the meta device holds no values to check

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from passes.sharding import LAYER
+from passes.sharding import LAYER, ancestors, get_param
 from runtime import collectives
 
 WHOLE = "fxpar_cp_whole"   # node.meta flag: a copy that runs on the whole sequence
@@ -74,21 +74,15 @@ def _is_check(node: fx.Node) -> bool:
 
 def builders(gm: fx.GraphModule, mask: fx.Node) -> set[fx.Node]:
     """The nodes `mask` is computed from; MaskError when one reads weights or activations."""
-    needed, stack = set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node in needed:
-            continue
-        needed.add(node)
+    needed = ancestors(mask)
+    for node in needed:
         val = node.meta.get("val")
-        weight = node.op == "get_attr" and isinstance(attribute(gm, node.target), nn.Parameter)
-        learnt = node.op == "call_module" or weight or (
-            isinstance(val, torch.Tensor) and val.requires_grad)
-        if learnt:
+        weight = node.op == "get_attr" and isinstance(get_param(gm, node.target), nn.Parameter)
+        if node.op == "call_module" or weight or (
+                isinstance(val, torch.Tensor) and val.requires_grad):
             raise MaskError(f"its attention mask {mask.name} is computed from {node.name}, "
                             f"which depends on the model's weights or activations (a mask is "
                             f"built on the whole sequence, from inputs and positions only)")
-        stack.extend(node.all_input_nodes)
     return needed
 
 
@@ -104,8 +98,3 @@ def _whole_input(gm: fx.GraphModule, node: fx.Node, cp: int, group: str, layout:
     whole.meta = {WHOLE: True, **({LAYER: layer} if layer else {})}
     return whole
 
-
-def attribute(gm: fx.GraphModule, target: str):
-    """The tensor a get_attr node of `gm` reads."""
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)

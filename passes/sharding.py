@@ -74,6 +74,17 @@ def get_param(gm: nn.Module, path: str) -> torch.Tensor:
     return getattr(owner, name)
 
 
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
 def replace_param(gm: nn.Module, path: str, value: nn.Parameter) -> None:
     owner, name = _owner(gm, path)
     setattr(owner, name, value)

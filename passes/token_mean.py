@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.sharding import LAYER
+from passes.sharding import LAYER, ancestors
 from passes.tables import table
 from runtime.loss_tokens import LossCount, count_targets, per_token
 
@@ -109,12 +109,7 @@ def loss_counts(gm: fx.GraphModule) -> tuple[LossCount, ...]:
 
 
 def _counter(gm: fx.GraphModule, count: fx.Node) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    needed, stack = set(), [count]
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+    needed = ancestors(count)
     modules = [n.name for n in needed if n.op == "call_module"]
     if modules:
         raise ValueError(f"the targets of loss {count.name} are computed by modules "

@@ -142,6 +142,11 @@ class Spec:
         return rows[..., start:start + width]
 
 
+def _rows(mask: torch.Tensor | None, spec: Spec) -> list:
+    """The mask's rows of each local query chunk ([None, ...] without a mask)."""
+    return mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
+
+
 def _visible(rows: list, spec: Spec) -> list[list[bool]] | None:
     """For each local query chunk, which global key chunks its boolean mask lets it see at all
     (a block that sees nothing does no work); read once per call, one host sync, not per block.
@@ -221,13 +226,14 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, diagonal: bool,
 
 
 def forward_blocks(q: torch.Tensor, blocks: Iterable[tuple[int, torch.Tensor]], spec: Spec,
-                   rank: int, mask: torch.Tensor | None = None
+                   rank: int, mask: torch.Tensor | None = None, visible=None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's attention output (≥ fp32) and log-sum-exp over every (source, stacked K/V)
-    block; `mask`: this rank's rows of the whole mask (see the module docstring)."""
+    block; `mask`: this rank's rows of the whole mask (see the module docstring), `visible`:
+    its blocks that do work, when already read (_visible)."""
     queries = _wide(q).chunk(spec.parts, dim=2)
-    rows = mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
-    visible = _visible(rows, spec)
+    rows = _rows(mask, spec)
+    visible = visible if visible is not None else _visible(rows, spec)
     acc = [None] * spec.parts
     for source, kv in blocks:
         keys, values = _wide(kv[0]).chunk(spec.parts, dim=2), _wide(kv[1]).chunk(spec.parts, dim=2)
@@ -243,7 +249,7 @@ def forward_blocks(q: torch.Tensor, blocks: Iterable[tuple[int, torch.Tensor]], 
 
 def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]], spec: Spec,
                     rank: int, settle: Callable[[int, torch.Tensor], None],
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+                    mask: torch.Tensor | None = None, visible=None) -> torch.Tensor:
     """dq (≥ fp32) of this rank; each block's stacked dK/dV contribution is handed to `settle`."""
     dout, out = _wide(dout), _wide(out)
     delta = (dout * out).sum(-1, keepdim=True)
@@ -251,8 +257,8 @@ def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]
     queries, douts, lses, deltas = split(_wide(q)), split(dout), split(lse), split(delta)
     dq = torch.zeros(q.shape, dtype=queries[0].dtype, device=q.device)
     dqs = split(dq)
-    rows = mask.chunk(spec.parts, dim=-2) if mask is not None else [None] * spec.parts
-    visible = _visible(rows, spec)
+    rows = _rows(mask, spec)
+    visible = visible if visible is not None else _visible(rows, spec)
     for source, kv in blocks:
         kv = _wide(kv)
         grad = torch.zeros_like(kv)
@@ -274,10 +280,12 @@ def backward_blocks(dout, q, out, lse, blocks: Iterable[tuple[int, torch.Tensor]
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, spec: Spec, mask: torch.Tensor | None):
-        out, lse = forward_blocks(q, ring.blocks(torch.stack([k, v])), spec, ring.rank, mask)
+        visible = _visible(_rows(mask, spec), spec)  # read once, for forward and backward
+        out, lse = forward_blocks(q, ring.blocks(torch.stack([k, v])), spec, ring.rank, mask,
+                                  visible)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.ring, ctx.spec = ring, spec
+        ctx.ring, ctx.spec, ctx.visible = ring, spec, visible
         return out
 
     @staticmethod
@@ -286,7 +294,7 @@ class _RingAttention(torch.autograd.Function):
         ring = ctx.ring
         grads = GradientRing(ring)
         dq = backward_blocks(dout, q, out, lse, ring.blocks(torch.stack([k, v])), ctx.spec,
-                             ring.rank, grads.settle, mask)
+                             ring.rank, grads.settle, mask, ctx.visible)
         dkv = grads.finish()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
