@@ -215,6 +215,43 @@ def pointwise_step(name: str, elements: int, device: str = "cpu") -> Callable[[]
     return step
 
 
+# Ops priced per element (OpCost.per_element) and the shapes calibration times them at: a
+# small model's activations, (tokens, hidden) for the norms; the strided op multiplies a
+# head-major view (b, h, s, d) of a (b, s, h, d) tensor, as attention's rotary does.
+PER_ELEMENT_PROBES = ("layer_norm", "rms_norm", "strided")
+NORM_SHAPE, STRIDED_SHAPE = (512, 128), (8, 64, 16, 8)
+
+
+def per_element_steps(rule: str, device: str = "cpu") -> tuple[Callable[[], None],
+                                                                Callable[[], None], int]:
+    """(forward, forward + backward, elements) of one `rule` op in training (autograd
+    recording it; the backward writes fresh input and weight grads)."""
+    dtype = _dtype(device)
+    if rule == "strided":
+        b, s, h, d = STRIDED_SHAPE
+        x = torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True)
+        other = torch.randn(b, h, s, d, device=device, dtype=dtype)
+        module, params = (lambda t: t.transpose(1, 2) * other), []
+    else:
+        rows, hidden = NORM_SHAPE
+        module = (torch.nn.LayerNorm if rule == "layer_norm" else torch.nn.RMSNorm)(
+            hidden, device=device, dtype=dtype)
+        x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+        params = list(module.parameters())
+    grad = torch.randn_like(module(x))
+
+    def forward() -> None:
+        module(x)
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        module(x).backward(grad)
+
+    return forward, step, x.numel()
+
+
 def measure_autograd_floors(device: str = "cpu", ops: int = 200,
                             rounds: int = 15) -> tuple[float, float]:
     """(forward, backward) seconds per tiny op of a training step: a chain of `ops`

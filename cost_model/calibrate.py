@@ -45,9 +45,10 @@ import torch
 from runtime.progress import Progress
 
 from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
-from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES, attention_flops, attention_step,
-                            interleaved_medians, linear_step, measure_add, measure_copy,
-                            measure_autograd_floors, measure_kernel_floor, pointwise_step)
+from .bench_compute import (COMPUTE_ROUNDS, PER_ELEMENT_PROBES, POINTWISE_PROBES,
+                            attention_flops, attention_step, interleaved_medians, linear_step,
+                            measure_add, measure_autograd_floors, measure_copy,
+                            measure_kernel_floor, per_element_steps, pointwise_step)
 from .cluster import PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_alpha_beta, fit_links, fit_matmul
@@ -123,11 +124,15 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
     attentions = CUDA_ATTENTION if cuda else CPU_ATTENTION
     chains = [linear_chain(m, n, k) for m, n, k in linears]
     elements = POINTWISE_ELEMENTS_CUDA if cuda else POINTWISE_ELEMENTS_CPU
+    per_element = [per_element_steps(rule, device) for rule in PER_ELEMENT_PROBES]
     steps = ([linear_step(m, n, k, device, c) for (m, n, k), c in zip(linears, chains)]
              + [attention_step(b, h, s, d, device) for b, h, s, d in attentions]
              + [pointwise_step(name, elements, device) for name, _ in POINTWISE_PROBES])
-    seconds = interleaved_medians(steps, device, on_round=lambda r: bar.step(
-        f"linear, causal attention, activations fwd+bwd: round {r + 1}/{COMPUTE_ROUNDS}"))
+    probes = [fn for fwd, step, _ in per_element for fn in (fwd, step)]
+    seconds = interleaved_medians(steps + probes, device, on_round=lambda r: bar.step(
+        f"linear, causal attention, norms, activations fwd+bwd: round {r + 1}/{COMPUTE_ROUNDS}"))
+    element_fields = _per_element_fields(seconds[len(steps):], [n for _, _, n in per_element])
+    seconds = seconds[:len(steps)]
     pointwise = [(1 + BWD_FACTOR) * per * elements / t for (_, per), t in
                  zip(POINTWISE_PROBES, seconds[len(steps) - len(POINTWISE_PROBES):])]
     seconds = seconds[:len(steps) - len(POINTWISE_PROBES)]
@@ -167,7 +172,18 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
         pointwise_flops=statistics.median(pointwise),
         forward_floor=forward_floor,
         backward_floor=backward_floor,
+        **element_fields,
     )
+
+
+def _per_element_fields(seconds: list[float], elements: list[int]) -> dict:
+    """{rule_fwd, rule_bwd} seconds per element from each PER_ELEMENT_PROBES rule's
+    (forward, forward + backward) times."""
+    fields = {}
+    for rule, fwd, both, n in zip(PER_ELEMENT_PROBES, seconds[::2], seconds[1::2], elements):
+        fields[f"{rule}_fwd"] = fwd / n
+        fields[f"{rule}_bwd"] = max(0.0, both - fwd) / n
+    return fields
 
 
 def linear_chain(m: int, n: int, k: int) -> int:

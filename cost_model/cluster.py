@@ -64,6 +64,9 @@ _RULES: dict[str, tuple] = {
     "attention_overhead": _NONNEG,
     "forward_floor": _NONNEG,
     "backward_floor": _NONNEG,
+    **{f"{rule}_{side}": _NONNEG for rule in ("layer_norm", "rms_norm", "strided")
+       for side in ("fwd", "bwd")},
+    "op_overhead": _NONNEG,
     "action_floor": _NONNEG,
     "action_overhead": _NONNEG,
     "step_overhead": _NONNEG,
@@ -165,9 +168,22 @@ class Cluster:
     # 0: kernel_floor, as in the presets.
     forward_floor: float = 0.0
     backward_floor: float = 0.0
+    # Seconds per element, forward and backward, of ops a CPU runs element by element far from
+    # what their FLOPs and bytes say (OpCost.per_element): LayerNorm and RMSNorm (whose CPU
+    # backward runs about 6x its forward, decomposed), and pointwise ops and copies over a
+    # non-contiguous tensor (3-4x slower than over a contiguous one). Each is the least time
+    # of such an op; 0 (the presets): not measured, the roofline alone.
+    layer_norm_fwd: float = 0.0
+    layer_norm_bwd: float = 0.0
+    rms_norm_fwd: float = 0.0
+    rms_norm_bwd: float = 0.0
+    strided_fwd: float = 0.0
+    strided_bwd: float = 0.0
     # The runtime's own time, which op costs leave out (Python, autograd's set-up), measured by
     # calibration on a one-rank training run (planner.bench_runtime); 0 in the presets, where
     # a GPU runs kernels while the host prepares the next ones.
+    op_overhead: float = 0.0       # seconds per op of a layer's graph per pass (F or B), beyond
+    #                                its priced kernel: Python, dispatch, autograd's node, views
     action_floor: float = 0.0      # seconds added to every pipeline compute action (F, B, I, W)
     action_overhead: float = 0.0   # seconds per compute action between actions (bookkeeping)
     step_overhead: float = 0.0     # seconds per training step outside the schedule
@@ -202,6 +218,11 @@ class Cluster:
                     self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
                     self.cores, self.collective_handoff, self.send_overhead,
                     self.p2p_handoff))
+
+    def element_s(self, rule: str, backward: bool) -> float:
+        """Measured seconds per element of a per-element op (OpCost.per_element), 0 for
+        none."""
+        return getattr(self, f"{rule}_{'bwd' if backward else 'fwd'}") if rule else 0.0
 
     def comm_correction(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) multipliers for `kind`; (1, 1) when not measured."""
@@ -248,9 +269,11 @@ class Cluster:
 
 # Fields a profile may leave out; each has a neutral default in Cluster.
 _OPTIONAL = ("comm_corrections", "matmul_overhead", "pointwise_flops", "attention_overhead",
-             "forward_floor", "backward_floor", "action_floor", "action_overhead",
-             "step_overhead", "split_backward", "optimizer_per_param", "optimizer_per_tensor",
-             "cores", "unshared_ranks", "collective_handoff", "send_overhead", "p2p_handoff")
+             "forward_floor", "backward_floor", "layer_norm_fwd", "layer_norm_bwd",
+             "rms_norm_fwd", "rms_norm_bwd", "strided_fwd", "strided_bwd", "op_overhead",
+             "action_floor", "action_overhead", "step_overhead", "split_backward",
+             "optimizer_per_param", "optimizer_per_tensor", "cores", "unshared_ranks",
+             "collective_handoff", "send_overhead", "p2p_handoff")
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

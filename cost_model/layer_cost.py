@@ -62,6 +62,8 @@ class OpRecord:
     matmul_flops: float
     core: bool                     # part of the attention core (see _core_nodes)
     pairs: float = 0.0             # fused attention's (batch x head) pairs
+    per_element: str = ""          # OpCost.per_element: priced per element when measured
+    elements: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,8 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
             continue
         cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
-                            cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs))
+                            cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
+                            cost.per_element, cost.elements))
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
@@ -394,12 +397,11 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     causal attention too — and adds the key/value ring (`_ring`) and the all-reduce of any
     mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
-    fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class,
-                           op.pairs * scale, cluster.forward_floor) for op in profile.ops)
-    bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class,
-                           op.pairs * scale * op_graph.SDPA_BWD_FACTOR,
-                           cluster.backward_floor if op.bwd_flops or op.bwd_bytes else 0.0)
-              for op in profile.ops)
+    # every op of the layer's graph also costs the runtime's time per op and pass, whatever
+    # the batch (cluster.op_overhead: measured on a training run, 0 in the presets)
+    ops_s = len(profile.ops) * cluster.op_overhead
+    fwd = ops_s + sum(op_seconds(op, scale, cluster, backward=False) for op in profile.ops)
+    bwd = ops_s + sum(op_seconds(op, scale, cluster, backward=True) for op in profile.ops)
     fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
     recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops)
@@ -425,6 +427,22 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      act_bytes=_activations(profile, strategy, tp) * scale,
                      params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated,
                      tensors=profile.tensors)
+
+
+def op_seconds(op: OpRecord, scale: float, cluster: Cluster, backward: bool) -> float:
+    """One op's forward or backward seconds at `scale` times its profiled batch: its roofline
+    (compute_time), at least the pass's op floor, and at least its measured per-element time
+    where the profile has one (Cluster.element_s)."""
+    if backward:
+        if not (op.bwd_flops or op.bwd_bytes):
+            return compute_time(cluster, 0.0, 0.0, op.op_class)
+        least = max(cluster.backward_floor,
+                    cluster.element_s(op.per_element, True) * op.elements * scale)
+        return compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class,
+                            op.pairs * scale * op_graph.SDPA_BWD_FACTOR, least)
+    least = max(cluster.forward_floor, cluster.element_s(op.per_element, False) * op.elements * scale)
+    return compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class,
+                        op.pairs * scale, least)
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:

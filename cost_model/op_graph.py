@@ -47,6 +47,12 @@ class OpCost:
     saved: tuple[tuple[str, float], ...]  # (node kept for backward, bytes)
     matmul_flops: float = 0  # part of fwd_flops done in matmuls/attention
     pairs: float = 0  # fused attention: (batch x head) pairs, each a run of score tiles
+    # Ops a CPU runs element by element, far from what their FLOPs and bytes say, priced per
+    # element when the profile measured the rate (Cluster.element_s): "layer_norm",
+    # "rms_norm", or "strided" (a pointwise op or copy over a non-contiguous tensor, which
+    # misses the vectorised contiguous loop); "" for the rest.
+    per_element: str = ""
+    elements: float = 0  # the output's elements, for per_element
 
 
 ZERO = OpCost("view", 0.0, 0.0, 0.0, 0.0, ())

@@ -147,8 +147,9 @@ def norm(call: Call) -> OpCost:
     saved = keep(x, call.modules)
     # Backward also reads the weights and writes their grads.
     bwd_bytes = grad_io_bytes(call.node, [x]) + saved_bytes(saved) + 2 * param_bytes
-    return finish("norm", flops, BWD_FACTOR * flops, nbytes(tx) + nbytes(out) + param_bytes,
+    cost = finish("norm", flops, BWD_FACTOR * flops, nbytes(tx) + nbytes(out) + param_bytes,
                   bwd_bytes, saved)
+    return replace(cost, per_element=call.name, elements=numel(tx))
 
 
 def dropout(call: Call) -> OpCost:

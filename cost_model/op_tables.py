@@ -8,6 +8,7 @@ the saved tensors and writes the input grads.  Shared graph facts and OpCost liv
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from torch.fx import Node
 
@@ -86,10 +87,23 @@ def elementwise(call: Call, flops_per_elem: float, policy: str) -> OpCost:
     differentiable = (call.name not in NON_DIFFERENTIABLE and outs and is_float(outs[0])
                       and any(requires_grad(i) for i in ins))
     if not differentiable:  # no backward, so autograd keeps nothing either
-        return finish("elementwise", flops, 0, fwd_bytes, 0)
+        return _strided(finish("elementwise", flops, 0, fwd_bytes, 0), in_ts, outs)
     saved = _policy_saved(call, policy, args)
     bwd_bytes = grad_io_bytes(node, ins) + saved_bytes(saved)
-    return finish("elementwise", flops, BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved)
+    return _strided(finish("elementwise", flops, BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved),
+                    in_ts, outs)
+
+
+def _strided(cost: OpCost, ins: list, outs: list) -> OpCost:
+    """`cost`, priced per element (OpCost.per_element "strided") when it reads a non-contiguous
+    floating tensor in full: a transposed or sliced operand (rotary's halves of a head, a
+    head-major view) runs element by element, several times slower than the vectorised
+    contiguous loop its bytes price. Broadcast operands (smaller, or stride 0) do not count."""
+    elements = max((numel(t) for t in outs), default=0)
+    if any(is_float(t) and not t.is_contiguous() and numel(t) == elements and 0 not in t.stride()
+           for t in ins):
+        return replace(cost, per_element="strided", elements=elements)
+    return cost
 
 
 def pointwise(call: Call) -> OpCost:
@@ -111,7 +125,9 @@ def view(call: Call) -> OpCost:
     if call.name in COPIES or (call.name in VIEWS_IF_CONTIGUOUS
                                and alias_source(node, call.modules) is None):
         size = total_bytes(value(node))
-        return finish("view", 0, 0, 2 * size, 0)
+        return _strided(finish("elementwise", 0, 0, 2 * size, 0),
+                        [t for a in tensor_args(node) for t in tensors_in(value(a))],
+                        tensors_in(value(node)))
     return ZERO
 
 

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", required=True, help="a profile from fxpar calibrate")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
     for run in range(args.runs):

@@ -149,7 +149,7 @@ def _peak_memory(device: str) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def bench(plans: list[Plan], config, steps: int = 5, warmup: int = 2):
+def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2):
     """Run every plan in turn, its steps shown on stderr (runtime.progress: a bar on a terminal,
     a line per step elsewhere)."""
     results, tokens = [], config.global_batch * config.seq

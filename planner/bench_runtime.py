@@ -5,12 +5,14 @@ to train a probe, so they are measured here and handed to cost_model.calibrate.
 Op costs price the kernels of a layer. A training step also spends time the ops leave out, and
 on a CPU host its ranks may share cores. Calibration measures each part on its own:
 
-  action_floor     a one-rank gloo world trains RUNTIME_MODEL under 1F1B with m micro-batches,
-                   each step's parts timed by runtime.step_timing; the floor is what an F or a B
-                   takes beyond its priced compute (the plan's fwd_s, bwd_s, priced with the
-                   compute numbers calibrated just before), the mean over both kinds
+  op_overhead,     a one-rank gloo world trains RUNTIME_MODEL at two depths under 1F1B with
+  action_floor     two micro-batch counts, a step of each in turn, each step's parts timed by
+                   runtime.step_timing. What an F or a B takes beyond its priced compute (the
+                   plan's fwd_s, bwd_s, priced with the compute numbers calibrated just before)
+                   grows with the ops of the stage's layers: slope (per op, added to every
+                   layer's passes) and intercept (per action) of a line over all of them
   action_overhead  the step's "overhead" part (outside the actions) grows with the number of
-  step_overhead    actions: slope and intercept over two micro-batch counts
+  step_overhead    actions: slope and intercept over the two micro-batch counts
   split_backward   a transformer block's backward run whole (B) and split the way ZB-H1's
                    executor splits it (I, keeping the graph, then W): (I + W) / B - 1
   send_overhead    two ranks, two stages, one micro-batch (every message waited for): the time
@@ -37,61 +39,88 @@ import torch
 
 from cost_model.cluster import Cluster
 
-# A small model of its own (not one a benchmark runs): two blocks, where the runtime's own time
-# is a large share of a step, as it is for the small models CPU ranks can train.
+# Small models of their own (not ones a benchmark runs), where the runtime's own time is a large
+# share of a step, as it is for the small models CPU ranks can train: two depths of one width,
+# so that what an action takes beyond its priced kernels splits into a part per op of its
+# layers' graphs and a part per action.
 RUNTIME_MODEL = dict(arch="gpt", layers=2, hidden=32, heads=4, vocab=128, seq=16,
                      global_batch=8, name="runtime-probe")
+DEEP_LAYERS = 6
 MICROBATCHES = (2, 8)
-STEPS, WARMUP = 6, 2
+STEPS, WARMUP = 8, 2
 
 
-def _plan(cluster_json: str, gpus: int, m: int, **fix):
-    """RUNTIME_MODEL and its 1F1B plan with m micro-batches, priced by the compute numbers
-    of `cluster_json` and none of the runtime's own terms (which it is here to measure)."""
+def _plan(cluster_json: str, gpus: int, m: int, layers: int = RUNTIME_MODEL["layers"], **fix):
+    """RUNTIME_MODEL (with `layers` blocks) and its 1F1B plan with m micro-batches, priced by
+    the compute numbers of `cluster_json` and none of the runtime's own terms (which it is here
+    to measure)."""
     from planner.api import plan
     from planner.models import ModelConfig
-    config = ModelConfig(**RUNTIME_MODEL)
+    config = ModelConfig(**{**RUNTIME_MODEL, "layers": layers})
     cluster = dataclasses.replace(Cluster.from_json(json.loads(cluster_json)), **_NEUTRAL)
     fix = {"schedule": "1f1b", "mb": config.global_batch // m, **fix}
     return config, plan(config, gpus, cluster=cluster, fix=fix)[0]
 
 
-_NEUTRAL = dict(action_floor=0.0, action_overhead=0.0, step_overhead=0.0, split_backward=0.0,
-                optimizer_per_param=0.0, optimizer_per_tensor=0.0, cores=0.0,
-                collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0)
+_NEUTRAL = dict(op_overhead=0.0, action_floor=0.0, action_overhead=0.0, step_overhead=0.0,
+                split_backward=0.0, optimizer_per_param=0.0, optimizer_per_tensor=0.0,
+                cores=0.0, collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0)
 
 
-def _train_parts(cluster_json: str, m: int) -> tuple[dict, float, float]:
-    """On a one-rank world: mean parts of a step, and the plan's priced fwd and bwd per
-    micro-batch."""
+def _probe(cluster_json: str, m: int, layers: int):
+    """(ParallelModel, batch, priced fwd and bwd per micro-batch, ops in the stage's layers) of
+    the probe with `layers` blocks on a one-rank world."""
+    from cost_model.layer_cost import profile_layer
+    from passes.capture import capture
     from planner.api import ParallelModel
     from planner.models import build_model, example_batch
     from planner.train import make_optimizer
-    from runtime.step_timing import StepClock
 
-    torch.set_num_threads(1)
-    config, plan = _plan(cluster_json, 1, m, pp=1, dp=1, tp=1)
+    config, plan = _plan(cluster_json, 1, m, layers, pp=1, dp=1, tp=1)
     batch = example_batch(config, config.global_batch)
+    captured = capture(build_model(config, device="meta"), example_batch(config, 1, device="meta"))
+    ops = sum(len(profile_layer(captured, layer).ops) for layer in captured.layers)
     pm = ParallelModel(build_model(config, device="meta"), plan, [], batch, make_optimizer)
-    parts = []
-    for step in range(WARMUP + STEPS):
-        with StepClock(pm.shard()) as clock:
-            pm.train_step(*batch)
-        if step >= WARMUP:
-            parts.append(clock.parts())
-    mean = {k: statistics.fmean(p.get(k, 0.0) for p in parts) for k in parts[0]}
-    return mean, plan.stages[0].fwd_s, plan.stages[0].bwd_s
+    return pm, batch, plan.stages[0].fwd_s, plan.stages[0].bwd_s, ops
 
 
 def _runtime_worker(cluster_json: str) -> dict:
-    runs = {m: _train_parts(cluster_json, m) for m in MICROBATCHES}
-    m = MICROBATCHES[-1]
-    parts, fwd, bwd = runs[m]
-    floor = max(0.0, ((parts["F0"] / m - fwd) + (parts["B0"] / m - bwd)) / 2)
-    # overhead = step + actions x per-action (two F and B per micro-batch), over the two runs
-    slope, intercept = _line([2 * m_ for m_ in runs], [p["overhead"] for p, _, _ in runs.values()])
-    return dict(action_floor=floor, action_overhead=max(0.0, slope),
-                step_overhead=max(0.0, intercept))
+    """The probes at both depths and micro-batch counts, trained a step each in turn (so that
+    the host's drift falls on all of them alike); each one's median parts per step."""
+    from runtime.step_timing import StepClock
+
+    torch.set_num_threads(1)
+    probes = {(m, layers): _probe(cluster_json, m, layers)
+              for m in MICROBATCHES for layers in (RUNTIME_MODEL["layers"], DEEP_LAYERS)}
+    parts = {key: [] for key in probes}
+    for step in range(WARMUP + STEPS):
+        for key, (pm, batch, *_) in probes.items():
+            with StepClock(pm.shard()) as clock:
+                pm.train_step(*batch)
+            if step >= WARMUP:
+                parts[key].append(clock.parts())
+    # medians, not means: a slow spell of a shared host lands on a step or two
+    median = {key: {k: statistics.median(p.get(k, 0.0) for p in ps) for k in ps[0]}
+              for key, ps in parts.items()}
+    return runtime_terms({key: (median[key], *probes[key][2:]) for key in probes})
+
+
+def runtime_terms(runs: dict) -> dict:
+    """op_overhead, action_floor, action_overhead, step_overhead from {(m, layers): (mean
+    parts, priced fwd, priced bwd, ops)}: what an F or a B takes beyond its priced compute is
+    action_floor + ops x op_overhead (a line over both depths, F and B, both micro-batch
+    counts); the step's "overhead" part (outside the actions) is step_overhead + actions x
+    action_overhead (two actions per micro-batch; the shallow probe, a line over m)."""
+    gaps, counts = [], []
+    for (m, _), (parts, fwd, bwd, ops) in runs.items():
+        gaps += [parts["F0"] / m - fwd, parts["B0"] / m - bwd]
+        counts += [ops, ops]
+    per_op, floor = _nonnegative_line(counts, gaps)
+    shallow = [(m, parts) for (m, layers), (parts, *_) in runs.items()
+               if layers == RUNTIME_MODEL["layers"]]
+    slope, intercept = _line([2 * m for m, _ in shallow], [p["overhead"] for _, p in shallow])
+    return dict(op_overhead=max(0.0, per_op), action_floor=max(0.0, floor),
+                action_overhead=max(0.0, slope), step_overhead=max(0.0, intercept))
 
 
 def _handoff_worker(cluster_json: str) -> dict | None:
@@ -167,6 +196,17 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return slope, my - slope * mx
+
+
+def _nonnegative_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line with both >= 0 (noise cannot make a cost
+    negative): where the free line has a negative term, the best line with that term 0."""
+    slope, intercept = _line(xs, ys)
+    if slope < 0:
+        return 0.0, max(0.0, statistics.fmean(ys))
+    if intercept < 0:
+        return max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)), 0.0
+    return slope, intercept
 
 
 def measure_runtime(cluster: Cluster) -> dict:

@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(b)
     b.add_argument("--top-k", type=_positive_int, default=3)
-    b.add_argument("--steps", type=_positive_int, default=5)
+    b.add_argument("--steps", type=_positive_int, default=10)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
     b.add_argument("--explain", action="store_true", help="per plan, the step's parts "

@@ -45,6 +45,22 @@ def test_compute_microbenchmarks_run():
     assert bench_compute.measure_attention(1, 2, 16, 8) > 0
 
 
+def test_per_element_probes_time_forward_and_backward_apart():
+    """Each per-element rule's forward and forward + backward run as training runs them, and
+    calibration turns their times into seconds per element of each pass."""
+    from cost_model.calibrate import _per_element_fields
+    steps = [bench_compute.per_element_steps(rule) for rule in bench_compute.PER_ELEMENT_PROBES]
+    for forward, step, elements in steps:
+        forward(), step()
+        assert elements > 0
+    seconds = [1e-4, 4e-4] * len(steps)
+    fields = _per_element_fields(seconds, [n for _, _, n in steps])
+    for rule, (_, _, n) in zip(bench_compute.PER_ELEMENT_PROBES, steps):
+        assert fields[f"{rule}_fwd"] == pytest.approx(1e-4 / n)
+        assert fields[f"{rule}_bwd"] == pytest.approx(3e-4 / n)
+    assert set(fields) <= {f.name for f in dataclasses.fields(PRESETS["cpu-gloo"])}
+
+
 def test_fit_links_skips_kinds_without_data():
     truth = dataclasses.replace(PRESETS["cpu-gloo"], comm_corrections=())
     rows = [("all_reduce", 2, size, 1e-4 + size / 1e9) for size in (4096, 2**20)]

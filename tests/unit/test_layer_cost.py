@@ -184,3 +184,50 @@ def test_vocab_parallel_ends_shard_the_padded_vocabulary():
             "all_reduce", s * 4, t)}
     matmul = sum(op.matmul_flops for op in four["head"].ops)
     assert matmul == 2 * s * h * 63
+
+
+# ---------------------------------------------------------------- measured per-element and per-op
+
+
+def _llama_block_profile():
+    cfg = get_config("llama-tiny")
+    captured = capture(build_model(cfg, device="meta"),
+                       (torch.zeros(2, cfg.seq, dtype=torch.long, device="meta"),) * 2)
+    return profile_layer(captured, captured.blocks[0])
+
+
+def test_norms_and_strided_ops_are_priced_per_element_when_measured():
+    """RMSNorm's CPU backward runs far slower than its bytes say, and rotary's halves of a
+    head-major view run element by element: with the per-element seconds measured, each such
+    op takes at least elements x rate; unmeasured (0, the presets), the roofline alone."""
+    import dataclasses
+
+    from cost_model.layer_cost import op_seconds
+    profile = _llama_block_profile()
+    norms = [op for op in profile.ops if op.per_element == "rms_norm"]
+    strided = [op for op in profile.ops if op.per_element == "strided"]
+    assert len(norms) == 2 and all(op.op_class == "norm" for op in norms)
+    # rotary on q and k: a multiply, the negated half, the concatenation and the sum read
+    # the transposed heads; the attention output's flatten copies a transposed tensor
+    assert len(strided) >= 5 and all(op.op_class == "elementwise" for op in strided)
+    cpu = get_cluster("cpu-gloo")
+    measured = dataclasses.replace(cpu, rms_norm_fwd=1e-8, rms_norm_bwd=5e-8, strided_fwd=2e-8,
+                                   strided_bwd=3e-8)
+    for op, fwd, bwd in [(norms[0], 1e-8, 5e-8), (strided[0], 2e-8, 3e-8)]:
+        assert op_seconds(op, 4.0, measured, False) == pytest.approx(4 * op.elements * fwd)
+        assert op_seconds(op, 4.0, measured, True) == pytest.approx(4 * op.elements * bwd)
+        assert op_seconds(op, 4.0, cpu, True) < op_seconds(op, 4.0, measured, True)
+    matmul = next(op for op in profile.ops if op.op_class == "matmul")
+    assert op_seconds(matmul, 4.0, measured, True) == op_seconds(matmul, 4.0, cpu, True)
+
+
+def test_every_op_costs_the_measured_overhead_per_pass_whatever_the_batch():
+    import dataclasses
+    profile = _llama_block_profile()
+    cpu = get_cluster("cpu-gloo")
+    base = {mb: price(profile, Strategy(), mb, cpu) for mb in (1, 8)}
+    over = {mb: price(profile, Strategy(), mb, dataclasses.replace(cpu, op_overhead=1e-6))
+            for mb in (1, 8)}
+    for mb in (1, 8):
+        assert over[mb].fwd_s - base[mb].fwd_s == pytest.approx(len(profile.ops) * 1e-6)
+        assert over[mb].bwd_s - base[mb].bwd_s == pytest.approx(len(profile.ops) * 1e-6)

@@ -217,8 +217,28 @@ def test_non_contiguous_copy_counts_bytes_views_do_not():
     cs = costs(fake_trace(on_meta(GPTLayer), meta(B, S, H)))
     for name in ("view", "transpose", "transpose_3", "chunk", "getitem_3"):
         assert cs[name] == OpCost("view", 0, 0, 0, 0, ()), name
-    assert cs["contiguous"].op_class == "view"
+    # a copy is a kernel: priced by its bytes, and per element as a strided op reading a
+    # transposed tensor
+    assert cs["contiguous"].op_class == "elementwise"
     assert cs["contiguous"].fwd_bytes == 2 * B * S * H * 2  # read + write a transposed tensor
+    assert (cs["contiguous"].per_element, cs["contiguous"].elements) == ("strided", B * S * H)
+
+
+class _Rotate(nn.Module):
+    def forward(self, x, table):
+        heads = x.transpose(1, 2)  # [b, h, s, d] of a [b, s, h, d] tensor
+        return heads * table, x * table.unsqueeze(1), heads.contiguous() + 1.0
+
+
+def test_only_a_non_contiguous_operand_read_in_full_is_strided():
+    """Ops over a transposed operand run element by element (priced per element when measured,
+    cost_model.cluster); a broadcast operand or contiguous data does not make an op strided."""
+    x = meta(2, 8, 4, 16).requires_grad_()
+    cs = costs(fake_trace(_Rotate(), x, meta(8, 16)))
+    assert (cs["mul"].per_element, cs["mul"].elements) == ("strided", 2 * 8 * 4 * 16)
+    assert cs["mul_1"].per_element == ""        # contiguous, the table broadcast
+    assert cs["contiguous"].per_element == "strided"
+    assert cs["add"].per_element == ""          # after the copy, contiguous
 
 
 # ---------------------------------------------------------------- export (aten graphs)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from planner.bench_runtime import cores_from_slowdown, per_tensor_and_param
+from planner.bench_runtime import cores_from_slowdown, per_tensor_and_param, runtime_terms
 from cost_model.cluster import PRESETS
 from planner.api import plan
 from planner.models import get_config
@@ -81,3 +81,28 @@ def test_optimizer_fit_recovers_both_costs():
 def test_cores_from_slowdown():
     assert cores_from_slowdown(4, 2.0) == 2.0
     assert cores_from_slowdown(4, 1.05) == 0.0  # noise: a core per rank
+
+
+def test_runtime_terms_split_what_actions_take_beyond_their_price_per_op_and_per_action():
+    """Probes of two depths, two micro-batch counts: an F or a B takes its priced compute plus
+    action_floor plus ops x op_overhead; the step's overhead part is step_overhead plus
+    actions x action_overhead. The fit recovers the four from exact data."""
+    floor, per_op, per_action, per_step = 2e-4, 3e-6, 4e-5, 1e-4
+    runs = {}
+    for m in (2, 8):
+        for layers, ops in ((2, 69), (6, 173)):
+            fwd, bwd = 1e-3 * layers / m, 2e-3 * layers / m
+            gap = floor + ops * per_op
+            parts = {"F0": m * (fwd + gap), "B0": m * (bwd + gap),
+                     "overhead": per_step + 2 * m * per_action}
+            runs[(m, layers)] = (parts, fwd, bwd, ops)
+    terms = runtime_terms(runs)
+    assert terms == pytest.approx(dict(op_overhead=per_op, action_floor=floor,
+                                       action_overhead=per_action, step_overhead=per_step))
+    # a noisy probe whose deeper stage seems cheaper per op cannot price ops below zero
+    runs[(2, 6)][0]["F0"] = runs[(2, 2)][0]["F0"]
+    runs[(8, 6)][0]["F0"] = runs[(8, 2)][0]["F0"]
+    runs[(2, 6)][0]["B0"] = runs[(2, 2)][0]["B0"] * 0.5
+    runs[(8, 6)][0]["B0"] = runs[(8, 2)][0]["B0"] * 0.5
+    noisy = runtime_terms(runs)
+    assert noisy["op_overhead"] >= 0 and noisy["action_floor"] >= 0
