@@ -78,6 +78,8 @@ _RULES: dict[str, tuple] = {
     "collective_handoff": _NONNEG,
     "send_overhead": _NONNEG,
     "p2p_handoff": _NONNEG,
+    "shared_send_wait": _NONNEG,
+    "shared_p2p_handoff": _NONNEG,
 }
 
 _DEVICES = ("cuda", "cpu")
@@ -194,6 +196,11 @@ class Cluster:
     send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
     p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
     #                                a message the receiver waited for (post, wire, wake-up)
+    # The same where a plan's ranks share the cores (more than unshared_ranks): a post then also
+    # waits for the core the receiver it wakes takes from the sender (no CPU of its own), and the
+    # hand-off is measured with every core busy. 0: as on cores of their own.
+    shared_send_wait: float = 0.0
+    shared_p2p_handoff: float = 0.0
     # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
     # each other down); 0: every rank has a device of its own.
     cores: float = 0.0
@@ -217,7 +224,7 @@ class Cluster:
         return any((self.action_floor, self.action_overhead, self.step_overhead,
                     self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
                     self.cores, self.collective_handoff, self.send_overhead,
-                    self.p2p_handoff))
+                    self.p2p_handoff, self.shared_send_wait, self.shared_p2p_handoff))
 
     def element_s(self, rule: str, backward: bool) -> float:
         """Measured seconds per element of a per-element op (OpCost.per_element), 0 for
@@ -273,7 +280,8 @@ _OPTIONAL = ("comm_corrections", "matmul_overhead", "pointwise_flops", "attentio
              "rms_norm_fwd", "rms_norm_bwd", "strided_fwd", "strided_bwd", "op_overhead",
              "action_floor", "action_overhead", "step_overhead", "split_backward",
              "optimizer_per_param", "optimizer_per_tensor", "cores", "unshared_ranks",
-             "collective_handoff", "send_overhead", "p2p_handoff")
+             "collective_handoff", "send_overhead", "p2p_handoff", "shared_send_wait",
+             "shared_p2p_handoff")
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

@@ -17,7 +17,11 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
                    executor splits it (I, keeping the graph, then W): (I + W) / B - 1
   send_overhead    two ranks, two stages, one micro-batch (every message waited for): the time
   p2p_handoff      a rank spends posting a message, and from the end of the sender's action to
-                   the start of the receiver's (post, wire, wake-up), medians over the steps
+                   the end of the receiver's wait (post, wire, wake-up), medians over the steps
+  shared_send_wait,   the same on four ranks, two such pipelines of four micro-batches each,
+  shared_p2p_handoff  posting while the other pipeline computes (every core busy): a post then
+                   also waits for the core the woken receiver took (beyond send_overhead), and
+                   the hand-off of the messages waited for
   collective_handoff  two ranks all-reduce after a burst of computation, against back to back
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter
@@ -58,13 +62,14 @@ def _plan(cluster_json: str, gpus: int, m: int, layers: int = RUNTIME_MODEL["lay
     from planner.models import ModelConfig
     config = ModelConfig(**{**RUNTIME_MODEL, "layers": layers})
     cluster = dataclasses.replace(Cluster.from_json(json.loads(cluster_json)), **_NEUTRAL)
-    fix = {"schedule": "1f1b", "mb": config.global_batch // m, **fix}
+    fix = {"schedule": "1f1b", "mb": config.global_batch // (m * fix.get("dp", 1)), **fix}
     return config, plan(config, gpus, cluster=cluster, fix=fix)[0]
 
 
 _NEUTRAL = dict(op_overhead=0.0, action_floor=0.0, action_overhead=0.0, step_overhead=0.0,
                 split_backward=0.0, optimizer_per_param=0.0, optimizer_per_tensor=0.0,
-                cores=0.0, collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0)
+                cores=0.0, collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0,
+                shared_send_wait=0.0, shared_p2p_handoff=0.0)
 
 
 def _probe(cluster_json: str, m: int, layers: int):
@@ -123,9 +128,12 @@ def runtime_terms(runs: dict) -> dict:
                 action_overhead=max(0.0, slope), step_overhead=max(0.0, intercept))
 
 
-def _handoff_worker(cluster_json: str) -> dict | None:
-    """Two ranks, two stages, one micro-batch: every message is waited for. Per step, the
-    sender's time posting each message and the gap from the sender's action to the receiver's."""
+def _handoff_worker(cluster_json: str, dp: int = 1, m: int = 1) -> dict | None:
+    """dp pipelines of two stages, m micro-batches. Each sender's time posting each message,
+    and for each message its receiver waited for, the gap from the end of the sender's action
+    to the end of the receiver's wait: medians and means over the steps. One pipeline and one micro-batch: every message
+    is waited for, on otherwise idle cores; two pipelines and four micro-batches under 1F1B:
+    messages are posted while the other pipeline computes, on a host with every core busy."""
     import torch.distributed as dist
 
     from planner.api import ParallelModel
@@ -134,26 +142,42 @@ def _handoff_worker(cluster_json: str) -> dict | None:
     from runtime.step_timing import StepClock
 
     torch.set_num_threads(1)
-    config, chosen = _plan(cluster_json, 2, 1, pp=2)
+    config, chosen = _plan(cluster_json, 2 * dp, m, pp=2, dp=dp)
     batch = example_batch(config, config.global_batch)
     pm = ParallelModel(build_model(config, device="meta"), chosen, [], batch, make_optimizer)
-    sends, spans = [], []
+    executor = pm.shard().executor
+    sends, steps = [], []
     for step in range(WARMUP + STEPS):
         dist.barrier()
         with StepClock(pm.shard()) as clock:
             pm.train_step(*batch)
         if step >= WARMUP:
             sends += clock.intervals("action ", "SEND")
-            spans.append({str(e.action): (e.start, e.end) for e in pm.shard().executor.events})
-    everyone = [None, None]
-    dist.all_gather_object(everyone, (sends, spans))
-    if dist.get_rank():
+            steps.append(({str(e.action): e.end for e in executor.events},
+                          {what: (start, end) for what, start, end in executor.waits}))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (executor.pp_rank, sends, steps))
+    rank = dist.get_rank()
+    pm.close()  # before the worker returns, where gloo's threads could abort the process
+    if rank:
         return None
-    (sends0, first), (sends1, second) = everyone
-    hops = [b["1F0"][0] - a["0F0"][1] for a, b in zip(first, second)]
-    hops += [a["0B0"][0] - b["1B0"][1] for a, b in zip(first, second)]
-    return dict(send_overhead=statistics.median(sends0 + sends1),
-                p2p_handoff=statistics.median(hops))
+    first, second = (next(r for r in everyone if r[0] == stage) for stage in (0, 1))
+    hops = []
+    for (ends0, waits0), (ends1, waits1) in zip(first[2], second[2]):
+        for i in range(m):
+            hops += _waited(ends0.get(f"0F{i}"), waits1.get(f"1RECV_F{i}"))
+            hops += _waited(ends1.get(f"1B{i}"), waits0.get(f"0RECV_B{i}"))
+    posts = first[1] + second[1]
+    return dict(send=statistics.median(posts), hop=statistics.median(hops) if hops else 0.0,
+                send_mean=statistics.fmean(posts), hop_mean=statistics.fmean(hops or [0.0]))
+
+
+def _waited(sent: float | None, wait: tuple[float, float] | None) -> list[float]:
+    """[the gap from a send's action end to the end of its receiver's wait], if the receiver
+    was waiting when the action ended (else the message was not what it waited for)."""
+    if sent is None or wait is None or wait[0] > sent:
+        return []
+    return [max(0.0, wait[1] - sent)]
 
 
 HANDOFF_BYTES = 64 * 2**10  # an all-reduce of a small layer's activations
@@ -186,10 +210,22 @@ def measure_collective_handoff() -> float:
     return max(0.0, statistics.median(run_local(_collective_handoff_worker, 2)))
 
 
-def measure_handoff(cluster: Cluster) -> dict:
-    """send_overhead and p2p_handoff on a two-rank pipeline (gloo)."""
+def measure_handoff(cluster: Cluster, world_sizes=(2,)) -> dict:
+    """send_overhead and p2p_handoff on one two-rank pipeline (gloo); with four calibrated
+    ranks, also shared_send_wait and shared_p2p_handoff on two pipelines whose ranks share the
+    cores: what posting takes beyond send_overhead (the sender loses its core to the rank it
+    wakes) and the hand-off then."""
     from runtime.launch import run_local
-    return run_local(_handoff_worker, 2, (json.dumps(cluster.to_json()),))[0]
+    cluster_json = json.dumps(cluster.to_json())
+    alone = run_local(_handoff_worker, 2, (cluster_json,))[0]
+    fields = dict(send_overhead=alone["send"], p2p_handoff=alone["hop"])
+    if max(world_sizes) >= 4:
+        shared = run_local(_handoff_worker, 4, (cluster_json, 2, 4))[0]
+        # means: on shared cores a post or a wake-up now and then waits a whole time slice,
+        # rarely but long, and a step pays the mean
+        fields.update(shared_send_wait=max(0.0, shared["send_mean"] - alone["send"]),
+                      shared_p2p_handoff=shared["hop_mean"])
+    return fields
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -364,7 +400,7 @@ class RuntimeProbe:
             elif label == "runtime per action and step":
                 fields.update(measure_runtime(cluster))
             elif label == "pipeline hand-off":
-                fields.update(measure_handoff(cluster))
+                fields.update(measure_handoff(cluster, sizes or [2]))
                 fields["collective_handoff"] = measure_collective_handoff()
             else:
                 fields.update(measure_sharing(sorted(sizes) or [2]))

@@ -9,7 +9,9 @@ rank runs, in order:
   its actions         a compute action costs the runtime's per-action overhead, then, if it needs
                       a message, waits until the message has arrived (p2p seconds after the send
                       was posted), then its compute; a send is on its way once posted and
-                      then costs the sender CPU (send_overhead), a receive costs nothing
+                      then costs the sender CPU (send_overhead) and, where the ranks share the
+                      cores, a wait for the core the woken receiver took (send_wait); a
+                      receive costs nothing
   dp sync             waiting (no CPU) for the exposed part of the data-parallel collectives
   optimizer           CPU: the optimizer step over the rank's parameters
 
@@ -53,6 +55,7 @@ class StepCosts:
     send_overhead_s: float = 0.0          # CPU of the sender per message posted
     start_s: float = 0.0                  # waiting at the start (the step's check across ranks)
     finish_s: float = 0.0                 # after the last rank: the loss reaching every rank
+    send_wait_s: float = 0.0              # after a post, waiting (no CPU): the core it lost
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ def _tasks(schedule: Schedule, rank: int, costs: StepCosts, sync: float, opt: fl
         if action.kind.is_send:
             tasks.append(_Task("", send=action))
             tasks.append(_Task("overhead", cpu=costs.send_overhead_s))
+            if costs.send_wait_s:
+                tasks.append(_Task("overhead", wait=costs.send_wait_s))
         elif action.is_compute:
             tasks.append(_Task("overhead", cpu=costs.action_overhead_s))
             if (recv := schedule.recv_for(action)) is not None:

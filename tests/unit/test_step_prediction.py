@@ -106,3 +106,26 @@ def test_runtime_terms_split_what_actions_take_beyond_their_price_per_op_and_per
     runs[(8, 6)][0]["B0"] = runs[(8, 2)][0]["B0"] * 0.5
     noisy = runtime_terms(runs)
     assert noisy["op_overhead"] >= 0 and noisy["action_floor"] >= 0
+
+
+def test_shared_cores_hand_off_slower_and_posts_wait_for_their_core():
+    """Where a plan's ranks outnumber the ranks that run unshared, each post waits (no CPU) for
+    the core its woken receiver took, and a hand-off takes as long as measured with every core
+    busy; a plan whose ranks run unshared keeps the terms measured on idle cores."""
+    base = dataclasses.replace(CPU, cores=2.0, unshared_ranks=2.0, p2p_handoff=1e-4,
+                               send_overhead=1e-4)
+    shared = dataclasses.replace(base, shared_send_wait=5e-4, shared_p2p_handoff=2e-3)
+    four = _plan(base, pp=2, dp=2, schedule="1f1b")
+    before, after = predicted_step(four, base), predicted_step(four, shared)
+    sends = sum(1 for a in _schedule_actions(four, 0) if a.kind.is_send)
+    assert sends > 0
+    grown = after.parts[0]["overhead"] - before.parts[0]["overhead"]
+    assert grown == pytest.approx(sends * 5e-4)
+    assert after.makespan > before.makespan + sends * 5e-4
+    two = plan(TINY, 2, cluster=base, fix=dict(pp=2, schedule="1f1b"))[0]
+    assert predicted_step(two, shared).makespan == pytest.approx(predicted_step(two, base).makespan)
+
+
+def _schedule_actions(p, rank):
+    from runtime.generators import make_schedule
+    return make_schedule(p.schedule, p.pp, p.num_microbatches, p.virtual_stages).actions[rank]
