@@ -111,7 +111,7 @@ def _runtime_worker(cluster_json: str) -> dict:
 
 
 def runtime_terms(runs: dict) -> dict:
-    """op_overhead, action_floor, action_overhead, step_overhead from {(m, layers): (mean
+    """op_overhead, action_floor, action_overhead, step_overhead from {(m, layers): (median
     parts, priced fwd, priced bwd, ops)}: what an F or a B takes beyond its priced compute is
     action_floor + ops x op_overhead (a line over both depths, F and B, both micro-batch
     counts); the step's "overhead" part (outside the actions) is step_overhead + actions x
