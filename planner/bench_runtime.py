@@ -183,24 +183,28 @@ def _waited(sent: float | None, wait: tuple[float, float] | None) -> list[float]
 HANDOFF_BYTES = 64 * 2**10  # an all-reduce of a small layer's activations
 
 
-def _collective_handoff_worker(rounds: int = 15) -> float:
-    """Median all-reduce after a burst of computation minus back to back, on this rank."""
+def _collective_handoff_worker(rounds: int = 61) -> float:
+    """Median over rounds of an all-reduce reached from a burst of computation minus the one
+    run right after it, back to back, on this rank (each round after a barrier: the pair of
+    timings sees the same spell of a drifting host)."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     x, a = torch.randn(HANDOFF_BYTES // 4), torch.randn(128, 128)
 
-    def timed(compute: bool) -> float:
-        times = []
-        for _ in range(rounds):
-            if compute:
-                for _ in range(20):
-                    a.copy_(torch.tanh(a @ a * 1e-3))
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    timed(False)
-    return timed(True) - timed(False)
+    def all_reduce() -> float:
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        return time.perf_counter() - start
+
+    all_reduce()
+    extra = []
+    for _ in range(rounds):
+        dist.barrier()
+        for _ in range(20):
+            a.copy_(torch.tanh(a @ a * 1e-3))
+        reached = all_reduce()
+        extra.append(reached - all_reduce())
+    return statistics.median(extra)
 
 
 def measure_collective_handoff() -> float:

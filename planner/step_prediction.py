@@ -39,15 +39,14 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
                  for r in range(plan.pp)]
     p, replicas = plan.predicted, plan.dp * plan.tp * plan.cp
     # a message's hand-off as measured (post, wire, wake-up), if slower than the wire alone;
-    # where the plan's ranks share the cores, as measured with every core busy
-    shared = bool(cluster.cores) and plan.gpus > cluster.unshared_ranks
-    handoff = max(cluster.p2p_handoff, cluster.shared_p2p_handoff if shared else 0.0)
-    p2p = max(p.p2p_s, handoff) if plan.pp > 1 else 0.0
+    # posted while every core is busy, as measured then
+    p2p = max(p.p2p_s, cluster.p2p_handoff) if plan.pp > 1 else 0.0
+    shared_p2p = max(p.p2p_s, cluster.shared_p2p_handoff) if cluster.shared_p2p_handoff else 0.0
     return schedule, StepCosts(duration, p2p, cluster.action_overhead, cluster.step_overhead,
                                p.rank_sync_s or 0.0, optimizer, replicas,
                                cluster.cores or math.inf, cluster.unshared_ranks,
                                cluster.send_overhead, *_step_syncs(plan, cluster, replicas),
-                               send_wait_s=cluster.shared_send_wait if shared else 0.0)
+                               send_wait_s=cluster.shared_send_wait, shared_p2p_s=shared_p2p)
 
 
 def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:

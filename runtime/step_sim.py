@@ -9,9 +9,10 @@ rank runs, in order:
   its actions         a compute action costs the runtime's per-action overhead, then, if it needs
                       a message, waits until the message has arrived (p2p seconds after the send
                       was posted), then its compute; a send is on its way once posted and
-                      then costs the sender CPU (send_overhead) and, where the ranks share the
-                      cores, a wait for the core the woken receiver took (send_wait); a
-                      receive costs nothing
+                      then costs the sender CPU (send_overhead); a receive costs nothing.
+                      A post made while more ranks want CPU than run unshared on the cores
+                      also waits for the core the woken receiver took (send_wait), and its
+                      message takes shared_p2p_s
   dp sync             waiting (no CPU) for the exposed part of the data-parallel collectives
   optimizer           CPU: the optimizer step over the rank's parameters
 
@@ -55,7 +56,11 @@ class StepCosts:
     send_overhead_s: float = 0.0          # CPU of the sender per message posted
     start_s: float = 0.0                  # waiting at the start (the step's check across ranks)
     finish_s: float = 0.0                 # after the last rank: the loss reaching every rank
-    send_wait_s: float = 0.0              # after a post, waiting (no CPU): the core it lost
+    # A post while more ranks want CPU than run unshared on the cores: the sender then waits
+    # (no CPU) for the core the receiver it wakes took, and the message takes shared_p2p_s
+    # (both measured with every core busy); 0: as on idle cores
+    send_wait_s: float = 0.0
+    shared_p2p_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,10 +102,8 @@ def _tasks(schedule: Schedule, rank: int, costs: StepCosts, sync: float, opt: fl
     tasks = [_Task("step sync", wait=costs.start_s), _Task("overhead", cpu=costs.setup_s)]
     for action in schedule.actions[rank]:
         if action.kind.is_send:
-            tasks.append(_Task("", send=action))
+            tasks.append(_Task("overhead", send=action))
             tasks.append(_Task("overhead", cpu=costs.send_overhead_s))
-            if costs.send_wait_s:
-                tasks.append(_Task("overhead", wait=costs.send_wait_s))
         elif action.is_compute:
             tasks.append(_Task("overhead", cpu=costs.action_overhead_s))
             if (recv := schedule.recv_for(action)) is not None:
@@ -116,11 +119,11 @@ def simulate_step(schedule: Schedule, costs: StepCosts) -> StepTimeline:
     p = schedule.num_ranks
     syncs, opts = _per_rank(costs.sync_s, p), _per_rank(costs.optimizer_s, p)
     ranks = [_Rank(_tasks(schedule, r, costs, syncs[r], opts[r])) for r in range(p)]
-    sent: dict[Action, float] = {}
+    arrive: dict[Action, float] = {}  # when each posted message arrives
     events: list[Event] = []
     now = 0.0
     while True:
-        _start_ready(ranks, sent, costs.p2p_s, now, events)
+        _start_ready(ranks, arrive, costs, now, events)
         running = [r for r in ranks if r.task is not None]
         if not running:
             break
@@ -150,30 +153,42 @@ def _rate(busy: int, costs: StepCosts) -> float:
     return min(1.0, costs.cores / busy)
 
 
-def _start_ready(ranks: list[_Rank], sent, p2p_s: float, now: float, events) -> None:
+def _start_ready(ranks: list[_Rank], arrive, costs: StepCosts, now: float, events) -> None:
     """Finish what is done at `now` and start what can start, until nothing changes (a send
     posted by one rank may let another rank's wait begin)."""
+    busy = {i for i, r in enumerate(ranks) if r.task is not None and r.task.cpu > 0}
+
+    def crowded(index: int) -> bool:
+        """Whether a post by rank `index` now finds more ranks wanting CPU (itself, posting,
+        and the others computing) than run unshared on the cores."""
+        wanting = (len(busy - {index}) + 1) * costs.replicas
+        return wanting > costs.unshared and wanting > costs.cores
+
     changed = True
     while changed:
         changed = False
         for index, r in enumerate(ranks):
-            while (task := r.task) is not None and _step(index, r, task, sent, p2p_s, now,
-                                                        events):
+            while (task := r.task) is not None and _step(index, r, task, arrive, costs, crowded,
+                                                        now, events):
                 changed = True
 
 
-def _step(index: int, r: _Rank, task: _Task, sent, p2p_s: float, now: float, events) -> bool:
+def _step(index: int, r: _Rank, task: _Task, arrive, costs: StepCosts, crowded, now: float,
+          events) -> bool:
     """Advance rank r's current task at time `now`; True when it finished (the next may go)."""
     if task.started is None:
         task.started = now
         if task.send is not None:
-            sent[task.send] = now
+            shared = crowded(index)
+            hop = costs.shared_p2p_s if shared and costs.shared_p2p_s else costs.p2p_s
+            arrive[task.send] = now + hop
+            task.until = now + (costs.send_wait_s if shared else 0.0)
         elif task.wait:
             task.until = now + task.wait
     if task.recv is not None and task.until is None:
-        if task.recv not in sent:
+        if task.recv not in arrive:
             return False  # its send is not posted yet
-        task.until = max(now, sent[task.recv] + p2p_s)
+        task.until = max(now, arrive[task.recv])
     if task.cpu > 0 or (task.until is not None and task.until > now):
         return False
     if task.part:
