@@ -196,9 +196,10 @@ class Cluster:
     send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
     p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
     #                                a message the receiver waited for (post, wire, wake-up)
-    # The same where a plan's ranks share the cores (more than unshared_ranks): a post then also
-    # waits for the core the receiver it wakes takes from the sender (no CPU of its own), and the
-    # hand-off is measured with every core busy. 0: as on cores of their own.
+    # The same for a post made while more ranks want CPU than run unshared on the cores
+    # (runtime.step_sim counts them at the post): it then also waits for the core the receiver it
+    # wakes takes from the sender (no CPU of its own), and the hand-off is as measured with every
+    # core busy. 0: as on idle cores.
     shared_send_wait: float = 0.0
     shared_p2p_handoff: float = 0.0
     # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
