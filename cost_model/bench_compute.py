@@ -215,10 +215,9 @@ def pointwise_step(name: str, elements: int, device: str = "cpu") -> Callable[[]
     return step
 
 
-# Ops priced per element (OpCost.per_element) and the shapes calibration times them at: a
+# The shapes calibration times the ops priced per element (cluster.PER_ELEMENT_RULES) at: a
 # small model's activations, (tokens, hidden) for the norms; the strided op multiplies a
 # head-major view (b, h, s, d) of a (b, s, h, d) tensor, as attention's rotary does.
-PER_ELEMENT_PROBES = ("layer_norm", "rms_norm", "strided")
 NORM_SHAPE, STRIDED_SHAPE = (512, 128), (8, 64, 16, 8)
 
 

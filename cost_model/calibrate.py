@@ -45,11 +45,11 @@ import torch
 from runtime.progress import Progress
 
 from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
-from .bench_compute import (COMPUTE_ROUNDS, PER_ELEMENT_PROBES, POINTWISE_PROBES,
+from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES,
                             attention_flops, attention_step, interleaved_medians, linear_step,
                             measure_add, measure_autograd_floors, measure_copy,
                             measure_kernel_floor, per_element_steps, pointwise_step)
-from .cluster import PRESETS, Cluster, save_profile
+from .cluster import PER_ELEMENT_RULES, PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_alpha_beta, fit_links, fit_matmul
 from .op_graph import BWD_FACTOR, SDPA_BWD_FACTOR
@@ -124,7 +124,7 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
     attentions = CUDA_ATTENTION if cuda else CPU_ATTENTION
     chains = [linear_chain(m, n, k) for m, n, k in linears]
     elements = POINTWISE_ELEMENTS_CUDA if cuda else POINTWISE_ELEMENTS_CPU
-    per_element = [per_element_steps(rule, device) for rule in PER_ELEMENT_PROBES]
+    per_element = [per_element_steps(rule, device) for rule in PER_ELEMENT_RULES]
     steps = ([linear_step(m, n, k, device, c) for (m, n, k), c in zip(linears, chains)]
              + [attention_step(b, h, s, d, device) for b, h, s, d in attentions]
              + [pointwise_step(name, elements, device) for name, _ in POINTWISE_PROBES])
@@ -177,10 +177,10 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
 
 
 def _per_element_fields(seconds: list[float], elements: list[int]) -> dict:
-    """{rule_fwd, rule_bwd} seconds per element from each PER_ELEMENT_PROBES rule's
+    """{rule_fwd, rule_bwd} seconds per element from each PER_ELEMENT_RULES rule's
     (forward, forward + backward) times."""
     fields = {}
-    for rule, fwd, both, n in zip(PER_ELEMENT_PROBES, seconds[::2], seconds[1::2], elements):
+    for rule, fwd, both, n in zip(PER_ELEMENT_RULES, seconds[::2], seconds[1::2], elements):
         fields[f"{rule}_fwd"] = fwd / n
         fields[f"{rule}_bwd"] = max(0.0, both - fwd) / n
     return fields

@@ -41,6 +41,9 @@ _NONNEG = ("float", 0.0, math.inf, True)
 _FRACTION = ("float", 0.0, 1.0, False)  # an efficiency of 0 would mean "never finishes"
 _SHARE = ("float", 0.0, 1.0, True)  # an overlap share may legitimately be 0
 
+# Ops priced per element where a profile measured them (OpCost.per_element; Cluster.element_s)
+PER_ELEMENT_RULES = ("layer_norm", "rms_norm", "strided")
+
 _RULES: dict[str, tuple] = {
     "name": ("str",),
     "device": ("device",),
@@ -64,8 +67,7 @@ _RULES: dict[str, tuple] = {
     "attention_overhead": _NONNEG,
     "forward_floor": _NONNEG,
     "backward_floor": _NONNEG,
-    **{f"{rule}_{side}": _NONNEG for rule in ("layer_norm", "rms_norm", "strided")
-       for side in ("fwd", "bwd")},
+    **{f"{rule}_{side}": _NONNEG for rule in PER_ELEMENT_RULES for side in ("fwd", "bwd")},
     "op_overhead": _NONNEG,
     "action_floor": _NONNEG,
     "action_overhead": _NONNEG,
@@ -275,14 +277,10 @@ class Cluster:
         return Cluster(**{n: d[n] for n in names if n in d})
 
 
-# Fields a profile may leave out; each has a neutral default in Cluster.
-_OPTIONAL = ("comm_corrections", "matmul_overhead", "pointwise_flops", "attention_overhead",
-             "forward_floor", "backward_floor", "layer_norm_fwd", "layer_norm_bwd",
-             "rms_norm_fwd", "rms_norm_bwd", "strided_fwd", "strided_bwd", "op_overhead",
-             "action_floor", "action_overhead", "step_overhead", "split_backward",
-             "optimizer_per_param", "optimizer_per_tensor", "cores", "unshared_ranks",
-             "collective_handoff", "send_overhead", "p2p_handoff", "shared_send_wait",
-             "shared_p2p_handoff")
+# Fields a profile may leave out: those with a neutral default in Cluster (profiles written
+# before a field existed keep loading).
+_OPTIONAL = frozenset(f.name for f in dataclasses.fields(Cluster)
+                      if f.default is not dataclasses.MISSING)
 
 
 def _corrections_tuple(mapping: dict) -> tuple:

@@ -433,16 +433,13 @@ def op_seconds(op: OpRecord, scale: float, cluster: Cluster, backward: bool) -> 
     """One op's forward or backward seconds at `scale` times its profiled batch: its roofline
     (compute_time), at least the pass's op floor, and at least its measured per-element time
     where the profile has one (Cluster.element_s)."""
-    if backward:
-        if not (op.bwd_flops or op.bwd_bytes):
-            return compute_time(cluster, 0.0, 0.0, op.op_class)
-        least = max(cluster.backward_floor,
-                    cluster.element_s(op.per_element, True) * op.elements * scale)
-        return compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class,
-                            op.pairs * scale * op_graph.SDPA_BWD_FACTOR, least)
-    least = max(cluster.forward_floor, cluster.element_s(op.per_element, False) * op.elements * scale)
-    return compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class,
-                        op.pairs * scale, least)
+    if backward and not (op.bwd_flops or op.bwd_bytes):
+        return compute_time(cluster, 0.0, 0.0, op.op_class)
+    flops, nbytes, pairs, floor = (
+        (op.bwd_flops, op.bwd_bytes, op.pairs * op_graph.SDPA_BWD_FACTOR, cluster.backward_floor)
+        if backward else (op.fwd_flops, op.fwd_bytes, op.pairs, cluster.forward_floor))
+    least = max(floor, cluster.element_s(op.per_element, backward) * op.elements * scale)
+    return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least)
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:

@@ -87,11 +87,12 @@ def elementwise(call: Call, flops_per_elem: float, policy: str) -> OpCost:
     differentiable = (call.name not in NON_DIFFERENTIABLE and outs and is_float(outs[0])
                       and any(requires_grad(i) for i in ins))
     if not differentiable:  # no backward, so autograd keeps nothing either
-        return _strided(finish("elementwise", flops, 0, fwd_bytes, 0), in_ts, outs)
-    saved = _policy_saved(call, policy, args)
-    bwd_bytes = grad_io_bytes(node, ins) + saved_bytes(saved)
-    return _strided(finish("elementwise", flops, BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved),
-                    in_ts, outs)
+        cost = finish("elementwise", flops, 0, fwd_bytes, 0)
+    else:
+        saved = _policy_saved(call, policy, args)
+        bwd_bytes = grad_io_bytes(node, ins) + saved_bytes(saved)
+        cost = finish("elementwise", flops, BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved)
+    return _strided(cost, in_ts, outs)
 
 
 def _strided(cost: OpCost, ins: list, outs: list) -> OpCost:

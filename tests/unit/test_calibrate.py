@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from cost_model import bench_comm, bench_compute, calibrate, fitting
-from cost_model.cluster import PRESETS
+from cost_model.cluster import PER_ELEMENT_RULES, PRESETS
 from cost_model.comm import KINDS
 
 
@@ -49,13 +49,13 @@ def test_per_element_probes_time_forward_and_backward_apart():
     """Each per-element rule's forward and forward + backward run as training runs them, and
     calibration turns their times into seconds per element of each pass."""
     from cost_model.calibrate import _per_element_fields
-    steps = [bench_compute.per_element_steps(rule) for rule in bench_compute.PER_ELEMENT_PROBES]
+    steps = [bench_compute.per_element_steps(rule) for rule in PER_ELEMENT_RULES]
     for forward, step, elements in steps:
         forward(), step()
         assert elements > 0
     seconds = [1e-4, 4e-4] * len(steps)
     fields = _per_element_fields(seconds, [n for _, _, n in steps])
-    for rule, (_, _, n) in zip(bench_compute.PER_ELEMENT_PROBES, steps):
+    for rule, (_, _, n) in zip(PER_ELEMENT_RULES, steps):
         assert fields[f"{rule}_fwd"] == pytest.approx(1e-4 / n)
         assert fields[f"{rule}_bwd"] == pytest.approx(3e-4 / n)
     assert set(fields) <= {f.name for f in dataclasses.fields(PRESETS["cpu-gloo"])}
