@@ -82,6 +82,8 @@ _RULES: dict[str, tuple] = {
     "p2p_handoff": _NONNEG,
     "shared_send_wait": _NONNEG,
     "shared_p2p_handoff": _NONNEG,
+    "ring_step_fwd": _NONNEG,
+    "ring_step_bwd": _NONNEG,
 }
 
 _DEVICES = ("cuda", "cpu")
@@ -204,6 +206,11 @@ class Cluster:
     # core busy. 0: as on idle cores.
     shared_send_wait: float = 0.0
     shared_p2p_handoff: float = 0.0
+    # Seconds each step of ring attention (one K/V block, cp per attention and pass) takes in a
+    # forward or backward beyond its priced ops and messages: the Python between blocks, gloo's
+    # batched post and wake-up, waiting for the peer's block (planner.bench_ring). 0: none.
+    ring_step_fwd: float = 0.0
+    ring_step_bwd: float = 0.0
     # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
     # each other down); 0: every rank has a device of its own.
     cores: float = 0.0
@@ -227,7 +234,8 @@ class Cluster:
         return any((self.action_floor, self.action_overhead, self.step_overhead,
                     self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
                     self.cores, self.collective_handoff, self.send_overhead,
-                    self.p2p_handoff, self.shared_send_wait, self.shared_p2p_handoff))
+                    self.p2p_handoff, self.shared_send_wait, self.shared_p2p_handoff,
+                    self.ring_step_fwd, self.ring_step_bwd))
 
     def element_s(self, rule: str, backward: bool) -> float:
         """Measured seconds per element of a per-element op (OpCost.per_element), 0 for

@@ -39,6 +39,7 @@ from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
 from cost_model.compute import compute_time
 from cost_model.ops import UnknownOpError, node_cost, saved_node_name
+from cost_model.ring_compute import TRACED_GROUPS, RingShape, calls, ring_ops
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
 from passes.context_parallel import ContextParallelError, find_attentions
@@ -64,6 +65,7 @@ class OpRecord:
     pairs: float = 0.0             # fused attention's (batch x head) pairs
     per_element: str = ""          # OpCost.per_element: priced per element when measured
     elements: float = 0.0
+    ringed: bool = False           # replaced by ring attention under context parallelism
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class LayerProfile:
     collectives: tuple[Collective, ...] = field(default=())
     kv_bytes: float = 0.0          # keys + values entering fused attention (what a CP ring moves)
     kv_grad_bytes: float = 0.0     # their fp32 gradient accumulators (the backward ring's load)
+    rings: tuple[RingShape, ...] = ()  # the attentions ring attention would replace
     # Statistics of mixture-of-experts balance losses, summed over the cp group forward and
     # backward (cost_model.moe.balance_bytes): per rank whatever cp is
     balance_bytes: float = 0.0
@@ -276,6 +279,11 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     modules = dict(sub.named_modules())
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     core = _core_nodes(sub, seq)
+    ring = _ring_load(sub, layer)
+    # what the context-parallel rewrite replaces by ring attention: the attention's output node
+    # (a fused SDPA or the attention-over-values matmul) and the score ops before it
+    outputs = ring.pop("outputs")
+    ringed = core | outputs if ring["rings"] else set()
     ops = []
     for node in sub.graph.nodes:
         if node.target in _MOVES:
@@ -283,7 +291,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
                             cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
-                            cost.per_element, cost.elements))
+                            cost.per_element, cost.elements, node.name in ringed))
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
@@ -296,7 +304,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         output_bytes=_bytes(fx.node.map_arg(out.args[0], lambda n: n.meta.get("val"))),
         params=sum(p.numel() for p in sub.parameters()),
         tensors=sum(1 for _ in sub.parameters()),
-        collectives=_collectives(sub, layer.name), **_ring_load(sub, layer),
+        collectives=_collectives(sub, layer.name), **ring,
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)))
 
 
@@ -397,29 +405,34 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     causal attention too — and adds the key/value ring (`_ring`) and the all-reduce of any
     mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
+    ops, ring_fwd, ring_bwd = profile.ops, 0.0, 0.0
+    if cp > 1 and profile.rings:  # the attentions run as the ring's block loops instead
+        ops = [op for op in ops if not op.ringed]
+        ring_fwd, ring_bwd = _ring_compute(profile, micro_batch, cp, cluster)
     # every op of the layer's graph also costs the runtime's time per op and pass, whatever
     # the batch (cluster.op_overhead: measured on a training run, 0 in the presets)
-    ops_s = len(profile.ops) * cluster.op_overhead
-    fwd = ops_s + sum(op_seconds(op, scale, cluster, backward=False) for op in profile.ops)
-    bwd = ops_s + sum(op_seconds(op, scale, cluster, backward=True) for op in profile.ops)
+    ops_s = len(ops) * cluster.op_overhead
+    fwd = ops_s + ring_fwd + sum(op_seconds(op, scale, cluster, backward=False) for op in ops)
+    bwd = ops_s + ring_bwd + sum(op_seconds(op, scale, cluster, backward=True) for op in ops)
     fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
-    recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops)
+    recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops,
+                                              ring_fwd)
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
-    if cp > 1:
-        ring = _ring(profile, scale, cluster, tp, cp)
+    if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
+        ring = _ring(profile, scale, cluster, tp, cp, ring_fwd, ring_bwd)
         fwd_comm, bwd_comm = fwd_comm + ring.fwd_s, bwd_comm + ring.bwd_s
         comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring.sent),)))
         if strategy.recompute != "none":  # recomputing the attention runs its forward ring again
             bwd_comm += ring.fwd_s
             repeated = tuple(sorted(repeated + (("p2p", ring.fwd_sent),)))
-        if profile.balance_bytes:
-            seconds, wire = _balance(profile, micro_batch, cluster, tp, cp)
-            fwd_comm, bwd_comm = fwd_comm + seconds, bwd_comm + seconds
-            comm_bytes = _plus(comm_bytes, "all_reduce", 2 * wire)
-            if strategy.recompute == "full":  # the recomputed forward sums them again
-                bwd_comm += seconds
-                repeated = _plus(repeated, "all_reduce", wire)
+    if cp > 1 and profile.balance_bytes:
+        seconds, wire = _balance(profile, micro_batch, cluster, tp, cp)
+        fwd_comm, bwd_comm = fwd_comm + seconds, bwd_comm + seconds
+        comm_bytes = _plus(comm_bytes, "all_reduce", 2 * wire)
+        if strategy.recompute == "full":  # the recomputed forward sums them again
+            bwd_comm += seconds
+            repeated = _plus(repeated, "all_reduce", wire)
     return LayerCost(profile.layer, strategy, micro_batch,
                      fwd_s=fwd + fwd_comm, bwd_s=bwd + recompute_s + bwd_comm,
                      comm_s=fwd_comm + bwd_comm,
@@ -445,14 +458,19 @@ def op_seconds(op: OpRecord, scale: float, cluster: Cluster, backward: bool) -> 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:
     """kv_bytes and kv_grad_bytes: the keys and values ring attention would pass around (as
     passes.context_parallel finds them: fused or written out, GQA blocks unrepeated), and their
-    fp32 gradient accumulators. Zero when the layer cannot run context-parallel."""
+    fp32 gradient accumulators; rings: the shapes ring attention would take; outputs: the
+    attentions' output nodes. Zero and empty when the layer cannot run context-parallel."""
     try:
-        found = find_attentions(sub, {layer.name: [n.name for n in sub.graph.nodes]})
+        found = [a for a, _ in find_attentions(sub, {layer.name: [n.name for n in sub.graph.nodes]})]
     except ContextParallelError:
-        return {"kv_bytes": 0.0, "kv_grad_bytes": 0.0}
-    kv = [x.meta["val"] for a, _ in found for x in (a.k, a.v)]
+        found = []
+    kv = [x.meta["val"] for a in found for x in (a.k, a.v)]
     return {"kv_bytes": float(sum(_bytes(t) for t in kv)),
-            "kv_grad_bytes": float(sum(t.numel() * 4 for t in kv))}
+            "kv_grad_bytes": float(sum(t.numel() * 4 for t in kv)),
+            "rings": tuple(RingShape.of(a.q.meta["val"], a.k.meta["val"], a.causal,
+                                        a.mask.meta["val"] if a.mask is not None else None)
+                           for a in found),
+            "outputs": {a.output.name for a in found}}
 
 
 class _Ring(NamedTuple):
@@ -462,11 +480,29 @@ class _Ring(NamedTuple):
     fwd_sent: float    # of which forward (what recomputation sends again)
 
 
-def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int) -> _Ring:
+def _ring_compute(profile: LayerProfile, micro_batch: int, cp: int,
+                  cluster: Cluster) -> tuple[float, float]:
+    """Forward and backward seconds of the layer's ring attentions' own compute
+    (cost_model.ring_compute): every op a forward kernel, at its traced groups times the
+    micro-batch's, plus the runtime's time per call and per ring step (cp per pass)."""
+    fwd = bwd = 0.0
+    for shape in profile.rings:
+        f_ops, b_ops = ring_ops(shape, cp)
+        scale = micro_batch * shape.kv_heads / TRACED_GROUPS
+        fwd += calls(f_ops) * cluster.op_overhead + cp * cluster.ring_step_fwd + sum(
+            op_seconds(op, scale, cluster, backward=False) for op in f_ops)
+        bwd += calls(b_ops) * cluster.op_overhead + cp * cluster.ring_step_bwd + sum(
+            op_seconds(op, scale, cluster, backward=False) for op in b_ops)
+    return fwd, bwd
+
+
+def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int,
+          fwd: float, bwd: float) -> _Ring:
     """Exposed forward and backward seconds and bytes sent of ring attention per micro-batch:
     forward passes this rank's key/value block cp − 1 times; backward passes it again and carries
     fp32 dK/dV accumulators cp hops home. Each transfer overlaps the attention computed on the
-    block in hand, so only what the transfers exceed the attention time is exposed. On a
+    block in hand (fwd and bwd: the ring's compute), so only what the transfers exceed it is
+    exposed. On a
     cluster that prices the runtime's own time, a hop takes at least the measured hand-off, and
     each message (keys and values apart, dK and dV apart) costs its sender the post, which no
     computation hides."""
@@ -476,11 +512,6 @@ def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: in
     def hop(nbytes: float) -> float:
         return max(collective_time(cluster, "p2p", nbytes, 2, stride=tp), cluster.p2p_handoff)
     posts = 2 * cluster.send_overhead
-    attention = [op for op in profile.ops if op.op_class == "attention"]
-    fwd = sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
-              for op in attention)
-    bwd = sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
-              for op in attention)
     return _Ring(max(0.0, (cp - 1) * hop(kv) - fwd) + (cp - 1) * posts,
                  max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd) + (2 * cp - 1) * posts,
                  sent, (cp - 1) * kv)
@@ -502,9 +533,11 @@ def _plus(pairs: tuple, kind: str, nbytes: float) -> tuple:
     return tuple(sorted(merged.items()))
 
 
-def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops):
+def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops, ring_fwd):
     if strategy.recompute == "full":
         return fwd_s, fwd_flops
+    if strategy.recompute == "selective" and ring_fwd:  # the core is the ring attention
+        return ring_fwd, sum(op.fwd_flops for op in profile.ops if op.ringed) * scale
     if strategy.recompute == "selective":
         core = [op for op in profile.ops if op.core]
         return (sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)

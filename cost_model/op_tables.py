@@ -37,7 +37,8 @@ _table("mul div maximum minimum outer atan2 polar complex", 1, "operands")
 _table("pow square abs clamp clamp_min clamp_max hardtanh leaky_relu amax amin max min"
        " var std norm linalg_vector_norm prod", 1, "input")
 _table("log log1p log2 log10 sin cos tan asin acos atan sinh cosh asinh acosh atanh erf erfinv"
-       " softplus mish elu celu selu logsumexp expm1 logit hardsigmoid hardswish glu", 4, "input")
+       " softplus mish elu celu selu logsumexp logaddexp expm1 logit hardsigmoid hardswish glu", 4,
+       "input")
 _table("exp exp2 tanh sigmoid sqrt rsqrt reciprocal", 4, "output")
 _table("relu", 1, "output")
 _table("silu", 4, "input")  # sigmoid + multiply
@@ -46,8 +47,8 @@ _table("softmax log_softmax", 5, "output")  # max, subtract, exp, sum, divide
 _table("masked_fill where tril triu index_fill scatter scatter_add index_add", 1, "index")
 _table("gather index_select take_along_dim index", 0, "index")
 _table("eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and"
-       " bitwise_or bitwise_xor bitwise_not isinf isnan isfinite sign floor ceil round trunc"
-       " floor_divide argmax argmin any all", 1, "none", differentiable=False)
+       " bitwise_or bitwise_xor bitwise_not isinf isneginf isposinf isnan isfinite sign floor ceil"
+       " round trunc floor_divide argmax argmin any all", 1, "none", differentiable=False)
 # Selection and counting (routers, sampling masks): sort-like ops keep the indices they chose
 # (about the size of their first output) for backward; counting and searching has no backward.
 _table("topk sort msort kthvalue median mode cummax cummin", 4, "output")

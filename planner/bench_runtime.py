@@ -24,7 +24,10 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
                    the hand-off of the messages waited for
   collective_handoff  two ranks all-reduce after a burst of computation, against back to back
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
-                   tensors: seconds per tensor and per parameter
+                   tensors: seconds per tensor and per parameter, each step after a sweep of
+                   memory larger than the caches, as a training step's forward and backward
+                   leave them (a warm step ran several times faster than in training)
+  ring_step_*      planner.bench_ring, last: priced with every term above
   cores,           a block's training loop timed alone and in N processes at once, for each
   unshared_ranks   calibrated N in turn: the largest N with no slowdown is unshared_ranks; the
                    first that slows down runs at 1/slowdown of its speed, i.e. on N / slowdown
@@ -69,7 +72,8 @@ def _plan(cluster_json: str, gpus: int, m: int, layers: int = RUNTIME_MODEL["lay
 _NEUTRAL = dict(op_overhead=0.0, action_floor=0.0, action_overhead=0.0, step_overhead=0.0,
                 split_backward=0.0, optimizer_per_param=0.0, optimizer_per_tensor=0.0,
                 cores=0.0, collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0,
-                shared_send_wait=0.0, shared_p2p_handoff=0.0)
+                shared_send_wait=0.0, shared_p2p_handoff=0.0, ring_step_fwd=0.0,
+                ring_step_bwd=0.0)
 
 
 def _probe(cluster_json: str, m: int, layers: int):
@@ -255,9 +259,14 @@ def measure_runtime(cluster: Cluster) -> dict:
     return run_local(_runtime_worker, 1, (json.dumps(cluster.to_json()),))[0]
 
 
+SWEEP_BYTES = 256 * 2**20  # more than a CPU's last-level cache
+
+
 def measure_optimizer(rounds: int = 7) -> dict:
     """optimizer_per_tensor, optimizer_per_param of planner.train.make_optimizer's step."""
     from planner.train import make_optimizer
+
+    sweep = torch.zeros(SWEEP_BYTES // 4)
 
     def seconds(tensors: int, size: int) -> float:
         params = [torch.nn.Parameter(torch.randn(size)) for _ in range(tensors)]
@@ -267,6 +276,7 @@ def measure_optimizer(rounds: int = 7) -> dict:
         opt.step()
         times = []
         for _ in range(rounds):
+            sweep.add_(1.0)  # the step's tensors leave the caches, as in training
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
@@ -384,7 +394,7 @@ def cores_from_slowdown(ranks: int, slowdown: float) -> float:
 
 
 RUNTIME_STEPS = ("optimizer step", "split backward", "runtime per action and step",
-                 "pipeline hand-off", "ranks sharing cores")
+                 "pipeline hand-off", "ranks sharing cores", "ring attention")
 
 
 class RuntimeProbe:
@@ -406,7 +416,10 @@ class RuntimeProbe:
             elif label == "pipeline hand-off":
                 fields.update(measure_handoff(cluster, sizes or [2]))
                 fields["collective_handoff"] = measure_collective_handoff()
-            else:
+            elif label == "ranks sharing cores":
                 fields.update(measure_sharing(sorted(sizes) or [2]))
+            else:  # last: priced with every other term
+                from planner.bench_ring import measure_ring
+                fields.update(measure_ring(dataclasses.replace(cluster, **fields)))
             step(label)
         return fields
