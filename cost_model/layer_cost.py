@@ -421,10 +421,14 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
     if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
         ring = _ring(profile, scale, cluster, tp, cp, ring_fwd, ring_bwd)
-        fwd_comm, bwd_comm = fwd_comm + ring.fwd_s, bwd_comm + ring.bwd_s
+        # and each ring step costs what calibration measured beyond the ops and the messages
+        steps = cp * len(profile.rings)
+        fwd_ring = ring.fwd_s + steps * cluster.ring_step_fwd
+        fwd_comm += fwd_ring
+        bwd_comm += ring.bwd_s + steps * cluster.ring_step_bwd
         comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring.sent),)))
         if strategy.recompute != "none":  # recomputing the attention runs its forward ring again
-            bwd_comm += ring.fwd_s
+            bwd_comm += fwd_ring
             repeated = tuple(sorted(repeated + (("p2p", ring.fwd_sent),)))
     if cp > 1 and profile.balance_bytes:
         seconds, wire = _balance(profile, micro_batch, cluster, tp, cp)
@@ -484,14 +488,14 @@ def _ring_compute(profile: LayerProfile, micro_batch: int, cp: int,
                   cluster: Cluster) -> tuple[float, float]:
     """Forward and backward seconds of the layer's ring attentions' own compute
     (cost_model.ring_compute): every op a forward kernel, at its traced groups times the
-    micro-batch's, plus the runtime's time per call and per ring step (cp per pass)."""
+    micro-batch's, plus the runtime's time per call."""
     fwd = bwd = 0.0
     for shape in profile.rings:
         f_ops, b_ops = ring_ops(shape, cp)
         scale = micro_batch * shape.kv_heads / TRACED_GROUPS
-        fwd += calls(f_ops) * cluster.op_overhead + cp * cluster.ring_step_fwd + sum(
+        fwd += calls(f_ops) * cluster.op_overhead + sum(
             op_seconds(op, scale, cluster, backward=False) for op in f_ops)
-        bwd += calls(b_ops) * cluster.op_overhead + cp * cluster.ring_step_bwd + sum(
+        bwd += calls(b_ops) * cluster.op_overhead + sum(
             op_seconds(op, scale, cluster, backward=False) for op in b_ops)
     return fwd, bwd
 
