@@ -13,7 +13,9 @@ rank runs, in order:
                       A post made while more ranks want CPU than run unshared on the cores
                       also waits for the core the woken receiver took (send_wait), and its
                       message takes shared_p2p_s
-  dp sync             waiting (no CPU) for the exposed part of the data-parallel collectives
+  dp sync             the exposed part of the data-parallel collectives, as CPU: a CPU rank's
+                      collective reduces and copies on its own cores (gloo), so ranks sharing
+                      cores slow it as they slow compute; with a device per rank, no change
   optimizer           CPU: the optimizer step over the rank's parameters
 
 and the step ends `finish_s` (the loss handed from the last stage to every rank) after the last
@@ -110,7 +112,7 @@ def _tasks(schedule: Schedule, rank: int, costs: StepCosts, sync: float, opt: fl
                 tasks.append(_Task("p2p wait", recv=schedule.counterpart(recv)))
             tasks.append(_Task(f"{action.kind.value}{action.stage}", cpu=costs.duration(action),
                                action=action))
-    return tasks + [_Task("dp sync", wait=sync), _Task("optimizer", cpu=opt)]
+    return tasks + [_Task("dp sync", cpu=sync), _Task("optimizer", cpu=opt)]
 
 
 def simulate_step(schedule: Schedule, costs: StepCosts) -> StepTimeline:

@@ -78,18 +78,20 @@ def test_replicas_share_the_cores():
     assert shared.parts[0]["optimizer"] == pytest.approx(1.0)
 
 
-def test_sync_waits_without_cpu():
-    """1F1B p=2 m=1 on one core, F = B = 1: rank 1's optimizer shares the core with rank 0's
-    backward (both end at 5); rank 0 then waits 5 s for its sync without CPU and runs its own
-    optimizer step alone (10 to 11)."""
+def test_a_sync_on_shared_cores_slows_as_compute_does():
+    """1F1B p=2 m=1 on one core, F = B = 1, rank 1's sync 2 s: a CPU rank's collective reduces
+    and copies on its cores. Rank 1's sync (from 3) shares the core with rank 0's backward (3 to
+    5), then with rank 0's optimizer step (5 to 7); rank 1's own step then runs alone (7 to 8).
+    With a core per rank the sync takes its own 2 s."""
     schedule = make_schedule("1f1b", 2, 1)
-    costs = StepCosts(lambda a: 1.0, sync_s=[5.0, 0.0], optimizer_s=1.0, cores=1)
-    step = simulate_step(schedule, costs)
-    assert step.parts[1]["optimizer"] == pytest.approx(2.0)
-    assert step.parts[0]["optimizer"] == pytest.approx(1.0)
-    assert step.parts[0]["dp sync"] == pytest.approx(5.0)
-    assert step.makespan == pytest.approx(11.0)
-    assert math.isclose(step.parts[1]["idle"], 11 - 5)
+    shared = simulate_step(schedule, StepCosts(lambda a: 1.0, sync_s=[0.0, 2.0], optimizer_s=1.0,
+                                               cores=1))
+    assert shared.parts[1]["dp sync"] == pytest.approx(4.0)
+    assert shared.parts[0]["optimizer"] == pytest.approx(2.0)
+    assert shared.makespan == pytest.approx(8.0)
+    own = simulate_step(schedule, StepCosts(lambda a: 1.0, sync_s=[0.0, 2.0], optimizer_s=1.0))
+    assert own.parts[1]["dp sync"] == pytest.approx(2.0)
+    assert own.makespan == pytest.approx(3 + 2 + 1)  # its backward ends at 3
 
 
 def test_ranks_measured_not_to_slow_each_other_run_at_full_speed():
