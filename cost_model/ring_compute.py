@@ -19,6 +19,7 @@ contiguous layout under a causal mask the last rank does the most.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -55,7 +56,10 @@ def ring_ops(shape: RingShape, cp: int, layout: str = "zigzag"
     """(forward ops, backward ops) of one rank's ring attention over `cp` ranks, for
     TRACED_GROUPS (sample, K/V head) groups (see the module docstring). Every op runs in both passes' own code,
     none is differentiated: price them all as forward kernels."""
-    return _traced(shape, cp, layout)
+    # the trace depends on the heads only through their grouping: one per tensor-parallel size
+    # would be the same graph
+    return _traced(dataclasses.replace(shape, heads=shape.heads // shape.kv_heads, kv_heads=1),
+                   cp, layout)
 
 
 def calls(ops: tuple[OpCost, ...]) -> int:
