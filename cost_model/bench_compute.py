@@ -28,7 +28,6 @@ __all__ = [
     "CLOCKS",
     "COMPUTE_ROUNDS",
     "attention_flops",
-    "block_step",
     "attention_step",
     "interleaved_medians",
     "linear_step",
@@ -250,19 +249,6 @@ def per_element_steps(rule: str, device: str = "cpu") -> tuple[Callable[[], None
         module(x).backward(grad)
 
     return forward, step, x.numel()
-
-
-def block_step(device: str = "cpu", width: int = 64) -> Callable[[], None]:
-    """One forward and backward of a transformer block of hidden size `width` (the MLP 4x) on
-    8 x 32 tokens: the mix of matmuls, pointwise ops and autograd that CPU ranks run."""
-    torch.manual_seed(0)
-    block = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0,
-                                             batch_first=True).to(device)
-    x = torch.randn(8, 32, width, device=device, requires_grad=True)
-
-    def step() -> None:
-        block(x).sum().backward()
-    return step
 
 
 def measure_autograd_floors(device: str = "cpu", ops: int = 200,

@@ -45,10 +45,10 @@ import torch
 from runtime.progress import Progress
 
 from .bench_comm import STOPPED_EARLY, collective_steps, measure_collectives
-from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES, attention_flops, attention_step,
-                            block_step, interleaved_medians, linear_step, measure_add,
-                            measure_autograd_floors, measure_copy, measure_kernel_floor,
-                            per_element_steps, pointwise_step)
+from .bench_compute import (COMPUTE_ROUNDS, POINTWISE_PROBES,
+                            attention_flops, attention_step, interleaved_medians, linear_step,
+                            measure_add, measure_autograd_floors, measure_copy,
+                            measure_kernel_floor, per_element_steps, pointwise_step)
 from .cluster import PER_ELEMENT_RULES, PRESETS, Cluster, save_profile
 from .comm import KINDS
 from .fitting import fit_alpha_beta, fit_links, fit_matmul
@@ -129,11 +129,8 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
              + [attention_step(b, h, s, d, device) for b, h, s, d in attentions]
              + [pointwise_step(name, elements, device) for name, _ in POINTWISE_PROBES])
     probes = [fn for fwd, step, _ in per_element for fn in (fwd, step)]
-    # on CPU, the host's reference in the same rounds: its speed during them (host_speed)
-    reference = [] if cuda else [block_step(device)]
-    seconds = interleaved_medians(steps + probes + reference, device, on_round=lambda r: bar.step(
+    seconds = interleaved_medians(steps + probes, device, on_round=lambda r: bar.step(
         f"linear, causal attention, norms, activations fwd+bwd: round {r + 1}/{COMPUTE_ROUNDS}"))
-    host_probe_s = seconds.pop() if reference else 0.0
     element_fields = _per_element_fields(seconds[len(steps):], [n for _, _, n in per_element])
     seconds = seconds[:len(steps)]
     pointwise = [(1 + BWD_FACTOR) * per * elements / t for (_, per), t in
@@ -175,7 +172,6 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
         pointwise_flops=statistics.median(pointwise),
         forward_floor=forward_floor,
         backward_floor=backward_floor,
-        host_probe_s=host_probe_s,
         **element_fields,
     )
 

@@ -84,7 +84,6 @@ _RULES: dict[str, tuple] = {
     "shared_p2p_handoff": _NONNEG,
     "ring_step_fwd": _NONNEG,
     "ring_step_bwd": _NONNEG,
-    "host_probe_s": _NONNEG,
 }
 
 _DEVICES = ("cuda", "cpu")
@@ -212,9 +211,6 @@ class Cluster:
     # batched post and wake-up, waiting for the peer's block (planner.bench_ring). 0: none.
     ring_step_fwd: float = 0.0
     ring_step_bwd: float = 0.0
-    # Seconds of planner.host_speed's reference when the profile was calibrated, against which
-    # `fxpar bench` reads how much the host's speed has drifted since; 0: not measured.
-    host_probe_s: float = 0.0
     # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
     # each other down); 0: every rank has a device of its own.
     cores: float = 0.0

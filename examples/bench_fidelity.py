@@ -6,10 +6,8 @@ plans, and whether the measured-fastest plan is the planner's first choice.
 
 Benchmarks gpt-tiny and llama-tiny on 2 and 4 devices (fxpar bench's top 3 plans each, gloo
 ranks under torchrun) and prints, per run, one table of every plan with predicted ms, measured
-ms and predicted / measured, the host's drift since calibration timed just before the plan
-(planner.host_speed) and the prediction at the host's speed of the moment over the measured,
-then each case's verdict: the largest |predicted / measured - 1| (target <= 0.20), the same at
-the host's speed, and how much slower the planner's first choice ran than the fastest measured
+ms and predicted / measured, then each case's verdict: the largest |predicted / measured - 1|
+(target <= 0.20) and how much slower the planner's first choice ran than the fastest measured
 (target <= 5%).
 """
 from __future__ import annotations
@@ -22,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tabulate import tabulate  # noqa: E402
 
-from cost_model.cluster import get_cluster  # noqa: E402
 from planner.api import plan  # noqa: E402
 from planner.bench import bench  # noqa: E402
 from planner.explain import _mesh  # noqa: E402
@@ -36,16 +33,13 @@ def run_once(cluster: str, steps: int, warmup: int, top_k: int = 3) -> tuple[lis
     for model, gpus in CASES:
         config = get_config(model)
         plans = plan(config, gpus, cluster=cluster, top_k=top_k)
-        results = bench(plans, config, steps, warmup, get_cluster(cluster))
+        results = bench(plans, config, steps, warmup)
         ratios = [p.predicted.iteration_s / m.step_s for p, m in zip(plans, results)]
-        drifts = [m.host_drift or 1.0 for m in results]
-        for i, (p, m, r, d) in enumerate(zip(plans, results, ratios, drifts)):
-            rows.append([f"{model} x{gpus}", i + 1, _mesh(p),
-                         f"{p.predicted.iteration_s * 1e3:.1f}", f"{m.step_s * 1e3:.1f}",
-                         f"{r:.2f}", f"{d:.2f}", f"{r * d:.2f}"])
+        for i, (p, m, r) in enumerate(zip(plans, results, ratios)):
+            rows.append([f"{model} x{gpus}", i + 1, _mesh(p), f"{p.predicted.iteration_s * 1e3:.1f}",
+                         f"{m.step_s * 1e3:.1f}", f"{r:.2f}"])
         fastest = min(m.step_s for m in results)
         verdicts.append((f"{model} x{gpus}", max(abs(r - 1) for r in ratios),
-                         max(abs(r * d - 1) for r, d in zip(ratios, drifts)),
                          results[0].step_s / fastest - 1))
     return rows, verdicts
 
@@ -61,12 +55,10 @@ def main(argv=None) -> int:
         rows, verdicts = run_once(args.cluster, args.steps, args.warmup)
         print(f"run {run + 1}")
         print(tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
-                                      "pred/meas", "host now/cal", "pred x host/meas"],
-                       disable_numparse=True))
-        for case, worst, at_host, first in verdicts:
+                                      "pred/meas"], disable_numparse=True))
+        for case, worst, first in verdicts:
             print(f"{case}: largest |pred/meas - 1| {worst:.2f} "
-                  f"({'ok' if worst <= 0.20 else 'over 0.20'}), at the host's speed "
-                  f"{at_host:.2f} ({'ok' if at_host <= 0.20 else 'over 0.20'}); first choice "
+                  f"({'ok' if worst <= 0.20 else 'over 0.20'}); first choice "
                   f"{first:+.1%} vs the fastest measured ({'ok' if first <= 0.05 else 'over 5%'})")
         print()
     return 0

@@ -31,7 +31,6 @@ class Measured:
     peak_memory_bytes: float   # largest over ranks (CUDA: allocator peak; CPU: process RSS)
     losses: tuple[float, ...]
     ranks: tuple[dict, ...] = ()  # per rank: runtime.step_timing.rank_record
-    host_drift: float | None = None  # planner.host_speed.drift just before the plan ran
 
 
 STEP = "fxpar-bench-step"  # rank 0's line per step on stdout: STEP done total seconds loss
@@ -150,14 +149,11 @@ def _peak_memory(device: str) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2, cluster=None):
+def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2):
     """Run every plan in turn, its steps shown on stderr (runtime.progress: a bar on a terminal,
-    a line per step elsewhere). With a calibrated CPU profile (`cluster`), the host's drift
-    since calibration is timed just before each plan (planner.host_speed)."""
-    from planner.host_speed import drift
+    a line per step elsewhere)."""
     results, tokens = [], config.global_batch * config.seq
     for i, plan in enumerate(plans):
-        host = drift(cluster)
         label = f"plan {i + 1}/{len(plans)}: dp={plan.dp} tp={plan.tp} pp={plan.pp}"
         bar = Progress(warmup + steps)
 
@@ -165,8 +161,7 @@ def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2, cluster=N
             bar.update(done, tokens_per_s=tokens / seconds, loss=loss,
                        label=label + (", warm-up" if done <= warmup else ""))
         try:
-            measured = run_plan(plan, config, steps, warmup, on_step=on_step)
-            results.append(dataclasses.replace(measured, host_drift=host))
+            results.append(run_plan(plan, config, steps, warmup, on_step=on_step))
         finally:
             bar.close()
     return results
@@ -181,25 +176,15 @@ def report(plans: list[Plan], results: list[Measured]) -> str:
                      f"{p.predicted.tokens_per_s:,.0f}", f"{m.tokens_per_s:,.0f}",
                      f"{p.predicted.peak_memory_bytes / 2**20:.1f}",
                      f"{m.peak_memory_bytes / 2**20:.1f}"])
-    headers = ["#", "plan", "predicted ms", "measured ms", "pred/meas", "pred tokens/s",
-               "meas tokens/s", "pred peak MiB", "meas peak MiB"]
-    drifted = all(m.host_drift for m in results)
-    if drifted:
-        headers += ["host now/cal", "pred x host/meas"]
-        for row, p, m in zip(rows, plans, results):
-            at_host = p.predicted.iteration_s * m.host_drift
-            row += [f"{m.host_drift:.2f}", f"{at_host / m.step_s:.2f}"]
-    table = tabulate(rows, headers=headers, disable_numparse=True)
+    table = tabulate(rows, headers=["#", "plan", "predicted ms", "measured ms", "pred/meas",
+                                    "pred tokens/s", "meas tokens/s", "pred peak MiB",
+                                    "meas peak MiB"], disable_numparse=True)
     fastest = min(range(len(results)), key=lambda i: results[i].step_s)
     verdict = ("the planner's first choice was also the fastest measured" if fastest == 0 else
                f"the planner's first choice was NOT the fastest measured: plan {fastest + 1} was "
                f"{results[0].step_s / results[fastest].step_s:.2f}x faster")
     note = ("measured peak memory: the CUDA allocator's peak on GPUs; on CPUs the process's "
             "resident memory, which includes the Python runtime and torch itself")
-    if drifted:
-        note += ("\nhost now/cal: a reference block's time just before the plan over its time "
-                 "at calibration (above 1: the host runs slower than when it was calibrated); "
-                 "pred x host: the prediction at the host's speed of the moment")
     return f"{table}\n{verdict}\n{note}"
 
 

@@ -339,17 +339,18 @@ def measure_split_backward(rounds: int = 31) -> float:
 SPIN_WIDTHS = (64, 256)  # the block's hidden size (its MLP four times that)
 
 
-def spin(rounds: int = 30, width: int = 64) -> float:
+def _spin(rounds: int = 30, width: int = 64) -> float:
     """Seconds of `rounds` forward + backward passes of a transformer block of hidden size
     `width` (the MLP 4x): the mix of matmuls, pointwise ops and autograd that CPU ranks run.
     The wider block runs fewer rounds, about as many FLOPs."""
-    from cost_model.bench_compute import block_step
     torch.set_num_threads(1)
-    step = block_step("cpu", width)
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+    x = torch.randn(8, 32, width, requires_grad=True)
     rounds = max(3, rounds * 64**2 // width**2)
     start = time.perf_counter()
     for _ in range(rounds):
-        step()
+        block(x).sum().backward()
     return time.perf_counter() - start
 
 
@@ -361,13 +362,13 @@ def _spin_worker(trials: int = 9) -> float | None:
     import torch.distributed as dist
     slowdowns = []
     for width in SPIN_WIDTHS:
-        spin(rounds=5, width=width)  # warm-up: a process's first passes pay for set-up
+        _spin(rounds=5, width=width)  # warm-up: a process's first passes pay for set-up
         ratios = []
         for _ in range(trials):
             dist.barrier()
-            alone = spin(width=width) if dist.get_rank() == 0 else 0.0
+            alone = _spin(width=width) if dist.get_rank() == 0 else 0.0
             dist.barrier()  # every rank busy at once
-            together = spin(width=width)
+            together = _spin(width=width)
             ratios.append(together / alone if alone else 0.0)
         slowdowns.append(statistics.median(ratios))
     return max(slowdowns) if dist.get_rank() == 0 else None
@@ -422,7 +423,7 @@ class RuntimeProbe:
                 fields["collective_handoff"] = measure_collective_handoff()
             elif label == "ranks sharing cores":
                 fields.update(measure_sharing(sorted(sizes) or [2]))
-            else:  # last: priced with every term above
+            else:  # last: priced with every other term
                 from planner.bench_ring import measure_ring
                 fields.update(measure_ring(dataclasses.replace(cluster, **fields)))
             step(label)

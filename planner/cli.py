@@ -263,14 +263,13 @@ def cmd_bench(args) -> int:
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
           f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
           f"each after {args.warmup} warm-up steps")
-    from cost_model.cluster import get_cluster
-    from planner.api import default_cluster
-    cluster = get_cluster(args.cluster or default_cluster())
-    results = bench(plans, _config(args), args.steps, args.warmup, cluster)
+    results = bench(plans, _config(args), args.steps, args.warmup)
     print(report(plans, results))
     print(f"plot written to {plot(plans, results, args.png)}")
     if args.explain:
+        from cost_model.cluster import get_cluster
         from planner.bench_explain import explain_table, write_traces
+        cluster = get_cluster(args.cluster)
         stem = os.path.splitext(args.png)[0]
         for i, (p, m) in enumerate(zip(plans, results)):
             print(f"\nplan {i + 1}: dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''}"
