@@ -459,13 +459,14 @@ def op_seconds(op: OpRecord, scale: float, cluster: Cluster, backward: bool) -> 
     return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least)
 
 
-def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict[str, float]:
+def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
     """kv_bytes and kv_grad_bytes: the keys and values ring attention would pass around (as
     passes.context_parallel finds them: fused or written out, GQA blocks unrepeated), and their
     fp32 gradient accumulators; rings: the shapes ring attention would take; outputs: the
     attentions' output nodes. Zero and empty when the layer cannot run context-parallel."""
     try:
-        found = [a for a, _ in find_attentions(sub, {layer.name: [n.name for n in sub.graph.nodes]})]
+        every = {layer.name: [n.name for n in sub.graph.nodes]}
+        found = [a for a, _ in find_attentions(sub, every)]
     except ContextParallelError:
         found = []
     kv = [x.meta["val"] for a in found for x in (a.k, a.v)]

@@ -32,6 +32,7 @@ from cost_model.ops import node_cost
 
 TRACED_GROUPS = 2  # samples traced, each with one K/V head and the query heads that share it
 
+
 @dataclass(frozen=True)
 class RingShape:
     """One attention of a layer, as ring attention would take it on one rank (heads tp-local)."""
@@ -54,8 +55,8 @@ class RingShape:
 def ring_ops(shape: RingShape, cp: int, layout: str = "zigzag"
              ) -> tuple[tuple[OpCost, ...], tuple[OpCost, ...]]:
     """(forward ops, backward ops) of one rank's ring attention over `cp` ranks, for
-    TRACED_GROUPS (sample, K/V head) groups (see the module docstring). Every op runs in both passes' own code,
-    none is differentiated: price them all as forward kernels."""
+    TRACED_GROUPS (sample, K/V head) groups (see the module docstring). Each pass runs its own
+    code and nothing in it is differentiated: price every op as a forward kernel."""
     # the trace depends on the heads only through their grouping: one per tensor-parallel size
     # would be the same graph
     return _traced(dataclasses.replace(shape, heads=shape.heads // shape.kv_heads, kv_heads=1),
