@@ -6,12 +6,13 @@ backward recomputes the probabilities of every pair the flash-attention way and 
 dK/dV into an accumulator. On a CPU those elementwise passes over score blocks, not the matmuls,
 are most of the time, so pricing the ring as the fused kernel it replaces was far too cheap.
 
-`ring_ops` traces the runtime's own block loops (`forward_blocks`, `backward_blocks`, with the
-K/V stacking of the autograd function and the accumulators' sums) with make_fx on fake tensors,
-and returns every op's OpCost, so the price follows the code it describes. Every op works on each
-(sample, K/V head) group apart, so one trace of TRACED_GROUPS groups per sequence and cp prices
-any micro-batch and any tensor-parallel share of the heads: flops, bytes and elements scale by
-samples × K/V heads / TRACED_GROUPS, the per-op floors and overheads do not. Two groups, not one,
+`ring_ops` runs the runtime's own block loops (`forward_blocks`, `backward_blocks`, with the
+K/V stacking of the autograd function and the accumulators' sums) on meta tensors, records every
+aten op they dispatch as a node of an FX graph, and returns each op's OpCost, so the price
+follows the code it describes. Every op works on each (sample, K/V head) group apart, so one
+trace of TRACED_GROUPS groups per sequence and cp prices any micro-batch and any tensor-parallel
+share of the heads: flops, bytes and elements scale by samples × K/V heads / TRACED_GROUPS, the
+per-op floors and overheads do not. Two groups, not one,
 so that the chunks of the sequence are strided views as in any real batch (a CPU runs strided
 elementwise ops at its own, slower rate: OpCost.per_element).
 The rank traced is the last one: with the zig-zag layout every rank does the same work, with the
@@ -24,8 +25,12 @@ import functools
 import warnings
 from dataclasses import dataclass
 
+import operator
+
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cost_model.op_graph import OpCost
 from cost_model.ops import node_cost
@@ -71,8 +76,6 @@ def calls(ops: tuple[OpCost, ...]) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _traced(shape: RingShape, cp: int, layout: str):
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from runtime.cp_data import num_chunks
     from runtime.ring_attention import Spec, backward_blocks, forward_blocks
 
@@ -85,41 +88,82 @@ def _traced(shape: RingShape, cp: int, layout: str):
     sources = [(rank - step) % cp for step in range(cp)]
     mask = None
     if shape.mask:
-        mask = torch.empty(1, 1, local, shape.seq,
-                           dtype=getattr(torch, shape.mask.removeprefix("torch.")))
+        mask = _meta(1, 1, local, shape.seq,
+                     dtype=getattr(torch, shape.mask.removeprefix("torch.")))
     # a boolean mask's blocks that see nothing are skipped at run time; priced as all computed
     visible = [[True] * num_chunks(cp, layout)] * spec.parts if shape.mask == "torch.bool" \
         else None
 
-    def forward(q, k, v, *masks):
+    def forward(q, k, v):
         kv = torch.stack([k, v])
-        out, lse = forward_blocks(q, [(s, kv) for s in sources], spec, rank,
-                                  masks[0] if masks else None, visible)
+        out, lse = forward_blocks(q, [(s, kv) for s in sources], spec, rank, mask, visible)
         return out.to(q.dtype), lse
 
-    def backward(dout, q, k, v, out, lse, *masks):
+    def backward(dout, q, k, v, out, lse):
         kv = torch.stack([k, v])
         held = []
 
         def settle(_source, grad):  # the accumulator arriving is added before it moves on
             held.append(grad if not held else grad + held[-1])
         dq = backward_blocks(dout, q, out, lse, [(s, kv) for s in sources], spec, rank, settle,
-                             masks[0] if masks else None, visible)
+                             mask, visible)
         return dq.to(q.dtype), held[-1][0].to(k.dtype), held[-1][1].to(v.dtype)
 
-    q = torch.empty(TRACED_GROUPS, group, local, shape.head_dim, dtype=dtype)
-    k = torch.empty(TRACED_GROUPS, 1, local, shape.head_dim, dtype=dtype)
-    lse = torch.empty(TRACED_GROUPS, group, local, 1,
-                      dtype=torch.promote_types(dtype, torch.float32))
-    extra = (mask,) if mask is not None else ()
-    fwd = make_fx(forward, tracing_mode="fake")(q, k, k.clone(), *extra)
-    bwd = make_fx(backward, tracing_mode="fake")(q, q.clone(), k, k.clone(), q.clone(), lse,
-                                                 *extra)
-    return _costs(fwd), _costs(bwd)
+    q = _meta(TRACED_GROUPS, group, local, shape.head_dim, dtype=dtype)
+    k = _meta(TRACED_GROUPS, 1, local, shape.head_dim, dtype=dtype)
+    lse = _meta(TRACED_GROUPS, group, local, 1, dtype=torch.promote_types(dtype, torch.float32))
+    return (_costs(_record(forward, q, k, k.clone())),
+            _costs(_record(backward, q, q.clone(), k, k.clone(), q.clone(), lse)))
 
 
-def _costs(gm: fx.GraphModule) -> tuple[OpCost, ...]:
+def _meta(*size: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device="meta")
+
+
+class _Recorder(TorchDispatchMode):
+    """Every aten op run under it, as a node of an FX graph whose values are the ops' meta
+    tensors: what node_cost reads, recorded at a fraction of make_fx's cost (the block loops run
+    once on meta tensors; no proxies, no fake tensors)."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.graph = fx.Graph()
+        self.nodes: dict[int, fx.Node] = {}
+        self.alive: list[torch.Tensor] = []  # keeps ids unique while the graph is built
+        for i, x in enumerate(inputs):
+            self._name(x, self.graph.placeholder(f"input{i}"))
+
+    def _name(self, value, node: fx.Node) -> None:
+        node.meta["val"] = value
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.nodes[id(t)] = node
+                self.alive.append(t)
+
+    def _node(self, x):
+        if isinstance(x, torch.Tensor) and id(x) not in self.nodes:  # a constant made outside
+            self._name(x, self.graph.placeholder(f"const{len(self.nodes)}"))
+        return self.nodes[id(x)] if isinstance(x, torch.Tensor) else x
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        node = self.graph.call_function(func, *pytree.tree_map(self._node, (args, kwargs)))
+        self._name(out, node)
+        if isinstance(out, (tuple, list)):  # each output as its own getitem, as make_fx has it
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    self._name(item, self.graph.call_function(operator.getitem, (node, i)))
+        return out
+
+
+def _record(fn, *inputs: torch.Tensor) -> fx.Graph:
+    with _Recorder(inputs) as recorder:
+        fn(*inputs)
+    return recorder.graph
+
+
+def _costs(graph: fx.Graph) -> tuple[OpCost, ...]:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an op without a rule here is a gap to fill, not guess
-        return tuple(node_cost(node, {}) for node in gm.graph.nodes
-                     if node.op == "call_function")
+        return tuple(node_cost(node, {}) for node in graph.nodes if node.op == "call_function")
