@@ -39,7 +39,7 @@ from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
 from cost_model.compute import compute_time
 from cost_model.ops import UnknownOpError, node_cost, saved_node_name
-from cost_model.ring_compute import TRACED_GROUPS, RingShape, calls, ring_ops
+from cost_model.ring_compute import TRACED_GROUPS, RingShape, ring_op_counts
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
 from passes.context_parallel import ContextParallelError, find_attentions
@@ -490,14 +490,16 @@ def _ring_compute(profile: LayerProfile, micro_batch: int, cp: int,
     """Forward and backward seconds of the layer's ring attentions' own compute
     (cost_model.ring_compute): every op a forward kernel, at its traced groups times the
     micro-batch's, plus the runtime's time per call."""
+    def seconds(counted, scale: float) -> float:
+        return sum(n * (op_seconds(op, scale, cluster, backward=False) +
+                        (cluster.op_overhead if op.op_class != "view" else 0.0))
+                   for op, n in counted)
     fwd = bwd = 0.0
     for shape in profile.rings:
-        f_ops, b_ops = ring_ops(shape, cp)
+        f_ops, b_ops = ring_op_counts(shape, cp)
         scale = micro_batch * shape.kv_heads / TRACED_GROUPS
-        fwd += calls(f_ops) * cluster.op_overhead + sum(
-            op_seconds(op, scale, cluster, backward=False) for op in f_ops)
-        bwd += calls(b_ops) * cluster.op_overhead + sum(
-            op_seconds(op, scale, cluster, backward=False) for op in b_ops)
+        fwd += seconds(f_ops, scale)
+        bwd += seconds(b_ops, scale)
     return fwd, bwd
 
 

@@ -25,7 +25,10 @@ import functools
 import warnings
 from dataclasses import dataclass
 
+import contextlib
 import operator
+from collections import Counter
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -66,6 +69,15 @@ def ring_ops(shape: RingShape, cp: int, layout: str = "zigzag"
     # would be the same graph
     return _traced(dataclasses.replace(shape, heads=shape.heads // shape.kv_heads, kv_heads=1),
                    cp, layout)
+
+
+@functools.lru_cache(maxsize=256)
+def ring_op_counts(shape: RingShape, cp: int, layout: str = "zigzag"
+                   ) -> tuple[tuple[tuple[OpCost, int], ...], tuple[tuple[OpCost, int], ...]]:
+    """`ring_ops` with each distinct op once and how many times it runs: a ring over many
+    ranks repeats a few dozen ops thousands of times, and a plan prices it for every micro-batch
+    size and strategy."""
+    return tuple(tuple(Counter(ops).items()) for ops in ring_ops(shape, cp, layout))
 
 
 def calls(ops: tuple[OpCost, ...]) -> int:
@@ -112,8 +124,8 @@ def _traced(shape: RingShape, cp: int, layout: str):
     q = _meta(TRACED_GROUPS, group, local, shape.head_dim, dtype=dtype)
     k = _meta(TRACED_GROUPS, 1, local, shape.head_dim, dtype=dtype)
     lse = _meta(TRACED_GROUPS, group, local, 1, dtype=torch.promote_types(dtype, torch.float32))
-    return (_costs(_record(forward, q, k, k.clone())),
-            _costs(_record(backward, q, q.clone(), k, k.clone(), q.clone(), lse)))
+    return (_record(forward, q, k, k.clone()),
+            _record(backward, q, q.clone(), k, k.clone(), q.clone(), lse))
 
 
 def _meta(*size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -130,6 +142,7 @@ class _Recorder(TorchDispatchMode):
         self.graph = fx.Graph()
         self.nodes: dict[int, fx.Node] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while the graph is built
+        self.repeats: list[fx.Node] = []       # nodes of a call repeated (`once`), again
         for i, x in enumerate(inputs):
             self._name(x, self.graph.placeholder(f"input{i}"))
 
@@ -157,13 +170,41 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _record(fn, *inputs: torch.Tensor) -> fx.Graph:
-    with _Recorder(inputs) as recorder:
+    def once(self, real):
+        """`real` recorded on its first call per argument shapes; a later call with the same
+        shapes repeats those nodes and returns the first outputs (shapes are all the price
+        reads) without running: the block pairs of a large cp cost one recording each kind."""
+        seen = {}
+
+        def call(*args):
+            key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                        for a in pytree.tree_leaves(args))
+            if key in seen:
+                out, nodes = seen[key]
+                self.repeats += nodes
+                return out
+            before = len(self.graph.nodes)
+            out = real(*args)
+            seen[key] = (out, list(self.graph.nodes)[before:])
+            return out
+        return call
+
+
+# The ring's functions that run once per block pair: recorded once per kind of pair
+_PER_PAIR = ("block_forward", "block_backward", "merge")
+
+
+def _record(fn, *inputs: torch.Tensor) -> tuple[OpCost, ...]:
+    """The OpCost of every op `fn` dispatches on `inputs` (see _Recorder)."""
+    from runtime import ring_attention
+    with _Recorder(inputs) as recorder, contextlib.ExitStack() as patches:
+        for name in _PER_PAIR:
+            patches.enter_context(mock.patch.object(
+                ring_attention, name, recorder.once(getattr(ring_attention, name))))
         fn(*inputs)
-    return recorder.graph
-
-
-def _costs(graph: fx.Graph) -> tuple[OpCost, ...]:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an op without a rule here is a gap to fill, not guess
-        return tuple(node_cost(node, {}) for node in graph.nodes if node.op == "call_function")
+        cost = {node: node_cost(node, {}) for node in recorder.graph.nodes
+                if node.op == "call_function"}
+    return tuple(cost[node] for node in list(recorder.graph.nodes) + recorder.repeats
+                 if node in cost)
