@@ -406,7 +406,11 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
     ops, ring_fwd, ring_bwd = profile.ops, 0.0, 0.0
-    if cp > 1 and profile.rings:  # the attentions run as the ring's block loops instead
+    # On a cluster whose runtime is measured (CPU profiles), the attentions run as the ring's
+    # block loops, priced op by op; presets keep the fused kernel's price, which no device run
+    # has checked against the ring yet
+    as_run = cp > 1 and bool(profile.rings) and cluster.runtime_priced
+    if as_run:
         ops = [op for op in ops if not op.ringed]
         ring_fwd, ring_bwd = _ring_compute(profile, micro_batch, cp, cluster)
     # every op of the layer's graph also costs the runtime's time per op and pass, whatever
@@ -420,7 +424,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                                               ring_fwd)
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
     if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
-        ring = _ring(profile, scale, cluster, tp, cp, ring_fwd, ring_bwd)
+        hidden = (ring_fwd, ring_bwd) if as_run else _fused(profile, scale, cluster)
+        ring = _ring(profile, scale, cluster, tp, cp, *hidden)
         # and each ring step costs what calibration measured beyond the ops and the messages
         steps = cp * len(profile.rings)
         fwd_ring = ring.fwd_s + steps * cluster.ring_step_fwd
@@ -501,6 +506,15 @@ def _ring_compute(profile: LayerProfile, micro_batch: int, cp: int,
         fwd += seconds(f_ops, scale)
         bwd += seconds(b_ops, scale)
     return fwd, bwd
+
+
+def _fused(profile: LayerProfile, scale: float, cluster: Cluster) -> tuple[float, float]:
+    """Forward and backward seconds of the layer's fused attention kernels."""
+    attention = [op for op in profile.ops if op.op_class == "attention"]
+    return (sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
+                for op in attention),
+            sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
+                for op in attention))
 
 
 def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int,

@@ -69,11 +69,20 @@ def test_the_layer_knows_the_attention_ring_attention_takes():
     assert [op.op_class for op in ringed] == ["attention"]
 
 
+def _measured():
+    """A cluster whose runtime is measured (as `fxpar calibrate` writes on CPUs)."""
+    return dataclasses.replace(get_cluster("cpu-gloo"), action_floor=1e-4)
+
+
 def test_under_cp_the_fused_kernel_is_not_priced_but_the_rings_ops_are():
     """A fused attention far dearer changes the price of cp=1 and leaves cp=2's alone; the ring's
-    own ops (elementwise passes over score blocks) are priced instead."""
+    own ops (elementwise passes over score blocks) are priced instead. A preset keeps pricing
+    the fused kernel."""
     _, profile = _llama_block()
-    cpu = get_cluster("cpu-gloo")
+    preset = get_cluster("cpu-gloo")
+    assert price(profile, Strategy(), 4, dataclasses.replace(preset, attention_overhead=1.0),
+                 cp=2).fwd_s > price(profile, Strategy(), 4, preset, cp=2).fwd_s + 1
+    cpu = _measured()
     dear = dataclasses.replace(cpu, attention_overhead=1.0)
     for cp in (1, 2):
         cheap, costly = price(profile, Strategy(), 4, cpu, cp=cp), price(profile, Strategy(), 4,
@@ -88,7 +97,7 @@ def test_under_cp_the_fused_kernel_is_not_priced_but_the_rings_ops_are():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_every_ring_step_costs_the_calibrated_time_per_pass(cp):
     _, profile = _llama_block()
-    cpu = get_cluster("cpu-gloo")
+    cpu = _measured()
     stepped = dataclasses.replace(cpu, ring_step_fwd=1e-3, ring_step_bwd=3e-3)
     base, more = price(profile, Strategy(), 4, cpu, cp=cp), price(profile, Strategy(), 4,
                                                                    stepped, cp=cp)
