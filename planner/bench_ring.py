@@ -18,13 +18,14 @@ import statistics
 import torch
 
 from cost_model.cluster import Cluster
-from planner.bench_runtime import RUNTIME_MODEL, STEPS, WARMUP
 
-# The runtime probe's model (a model of its own, not one a benchmark runs): its 16 tokens split
+# A model of its own, not one a benchmark runs (the runtime probe's sizes): its 16 tokens split
 # into 2·cp zig-zag chunks.
-RING_MODEL = dict(RUNTIME_MODEL, name="ring-probe")
+RING_MODEL = dict(arch="gpt", layers=2, hidden=32, heads=4, vocab=128, seq=16, global_batch=8,
+                  name="ring-probe")
 CP = 2
 MICROBATCHES = 2
+STEPS, WARMUP = 8, 2
 
 
 def ring_plan(cluster: Cluster):
