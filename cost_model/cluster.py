@@ -78,6 +78,7 @@ _RULES: dict[str, tuple] = {
     "cores": _NONNEG,
     "unshared_ranks": _NONNEG,
     "collective_handoff": _NONNEG,
+    "sync_handoff": _NONNEG,
     "send_overhead": _NONNEG,
     "p2p_handoff": _NONNEG,
     "shared_send_wait": _NONNEG,
@@ -197,6 +198,9 @@ class Cluster:
     optimizer_per_param: float = 0.0   # seconds of the optimizer step per parameter
     optimizer_per_tensor: float = 0.0  # and per parameter tensor
     collective_handoff: float = 0.0  # seconds a collective takes in a step beyond back to back
+    # and what each of the step's own collectives (its opening check, the data-parallel sync,
+    # the loss's all-reduce) takes beyond that: their groups idled through a stage's computing
+    sync_handoff: float = 0.0
     send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
     p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
     #                                a message the receiver waited for (post, wire, wake-up)
@@ -233,7 +237,7 @@ class Cluster:
         simulating the whole step (planner.step_prediction)."""
         return any((self.action_floor, self.action_overhead, self.step_overhead,
                     self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
-                    self.cores, self.collective_handoff, self.send_overhead,
+                    self.cores, self.collective_handoff, self.sync_handoff, self.send_overhead,
                     self.p2p_handoff, self.shared_send_wait, self.shared_p2p_handoff,
                     self.ring_step_fwd, self.ring_step_bwd))
 

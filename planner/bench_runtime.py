@@ -22,7 +22,9 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   shared_p2p_handoff  posting while the other pipeline computes (every core busy): a post then
                    also waits for the core the woken receiver took (beyond send_overhead), and
                    the hand-off of the messages waited for
-  collective_handoff  two ranks all-reduce after a burst of computation, against back to back
+  collective_handoff  two ranks all-reduce after a burst of computation (a layer's), against
+                   back to back: the median
+  sync_handoff     the same after SYNC_GAP_S of computation (a stage's), the mean
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter, each step after a sweep of
                    memory larger than the caches, as a training step's forward and backward
@@ -38,6 +40,7 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -71,9 +74,9 @@ def _plan(cluster_json: str, gpus: int, m: int, layers: int = RUNTIME_MODEL["lay
 
 _NEUTRAL = dict(op_overhead=0.0, action_floor=0.0, action_overhead=0.0, step_overhead=0.0,
                 split_backward=0.0, optimizer_per_param=0.0, optimizer_per_tensor=0.0,
-                cores=0.0, collective_handoff=0.0, send_overhead=0.0, p2p_handoff=0.0,
-                shared_send_wait=0.0, shared_p2p_handoff=0.0, ring_step_fwd=0.0,
-                ring_step_bwd=0.0)
+                cores=0.0, collective_handoff=0.0, sync_handoff=0.0, send_overhead=0.0,
+                p2p_handoff=0.0, shared_send_wait=0.0, shared_p2p_handoff=0.0,
+                ring_step_fwd=0.0, ring_step_bwd=0.0)
 
 
 def _probe(cluster_json: str, m: int, layers: int):
@@ -187,10 +190,14 @@ def _waited(sent: float | None, wait: tuple[float, float] | None) -> list[float]
 HANDOFF_BYTES = 64 * 2**10  # an all-reduce of a small layer's activations
 
 
-def _collective_handoff_worker(rounds: int = 61) -> float:
-    """Median over rounds of an all-reduce reached from a burst of computation minus the one
-    run right after it, back to back, on this rank (each round after a barrier: the pair of
-    timings sees the same spell of a drifting host)."""
+SYNC_GAP_S = 0.03  # computation before a step's own collectives: a stage's actions, CPU ranks
+
+
+def _collective_handoff_worker(rounds: int = 61, gap_s: float = 0.0) -> list[float]:
+    """Over rounds, an all-reduce reached from computing minus the one run right after it, back
+    to back, on this rank (each round after a barrier: the pair of timings sees the same spell
+    of a drifting host). The computation is 20 small matmuls (about a layer's, ~1 ms), or
+    `gap_s` seconds of them."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     x, a = torch.randn(HANDOFF_BYTES // 4), torch.randn(128, 128)
@@ -204,18 +211,28 @@ def _collective_handoff_worker(rounds: int = 61) -> float:
     extra = []
     for _ in range(rounds):
         dist.barrier()
-        for _ in range(20):
+        start = time.perf_counter()
+        for i in itertools.count():
+            if i >= 20 and time.perf_counter() - start >= gap_s:
+                break
             a.copy_(torch.tanh(a @ a * 1e-3))
         reached = all_reduce()
         extra.append(reached - all_reduce())
-    return statistics.median(extra)
+    return extra
 
 
-def measure_collective_handoff() -> float:
-    """collective_handoff: what an all-reduce its ranks reach from computing takes beyond one
-    run back to back (waking up, the ranks' skew), two gloo ranks."""
+def measure_collective_handoff() -> dict:
+    """collective_handoff: what an all-reduce its ranks reach from a layer's computing takes
+    beyond one run back to back (the median), and sync_handoff the same after SYNC_GAP_S of
+    computing (the mean: a step pays it), two gloo ranks. The longer a group's connection has
+    idled the longer its wake-up: on a two-core host 0.3 ms after 1 ms of computing, 2 ms after
+    10 ms, 2.5 ms after 20 or 40 ms, which is where a step's opening check, its data-parallel
+    sync and its loss's all-reduce come from."""
     from runtime.launch import run_local
-    return max(0.0, statistics.median(run_local(_collective_handoff_worker, 2)))
+    layer = run_local(_collective_handoff_worker, 2)
+    step = run_local(_collective_handoff_worker, 2, (31, SYNC_GAP_S))
+    return dict(collective_handoff=max(0.0, statistics.median(map(statistics.median, layer))),
+                sync_handoff=max(0.0, statistics.fmean(map(statistics.fmean, step))))
 
 
 def measure_handoff(cluster: Cluster, world_sizes=(2,)) -> dict:
@@ -392,10 +409,16 @@ def measure_sharing(world_sizes: list[int]) -> dict:
     return dict(cores=cores, unshared_ranks=float(unshared))
 
 
+SHARING_NOISE = 1.05  # slowdowns under this are the probe's noise, not sharing
+
+
 def cores_from_slowdown(ranks: int, slowdown: float) -> float:
     """`ranks` busy ranks each `slowdown` times slower than one alone share ranks / slowdown
-    cores; under 15% slower is noise, not sharing (0: a core per rank)."""
-    return 0.0 if slowdown < 1.15 else ranks / slowdown
+    cores; under 5% slower is noise, not sharing (0: a core per rank). Two ranks on this
+    two-core host measured 6-13% slower than one alone (the cores share a cache and memory
+    bandwidth), and training steps of two ranks at once ran as much slower than priced at one
+    rank's speed: a 15% cut-off had left it out."""
+    return 0.0 if slowdown < SHARING_NOISE else ranks / slowdown
 
 
 RUNTIME_STEPS = ("optimizer step", "split backward", "runtime per action and step",
@@ -420,7 +443,7 @@ class RuntimeProbe:
                 fields.update(measure_runtime(cluster))
             elif label == "pipeline hand-off":
                 fields.update(measure_handoff(cluster, sizes or [2]))
-                fields["collective_handoff"] = measure_collective_handoff()
+                fields.update(measure_collective_handoff())
             elif label == "ranks sharing cores":
                 fields.update(measure_sharing(sorted(sizes) or [2]))
             else:  # last: priced with every other term

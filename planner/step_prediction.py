@@ -42,8 +42,10 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
     # posted while every core is busy, as measured then
     p2p = max(p.p2p_s, cluster.p2p_handoff) if plan.pp > 1 else 0.0
     shared_p2p = max(p.p2p_s, cluster.shared_p2p_handoff) if cluster.shared_p2p_handoff else 0.0
+    # the data-parallel sync's group idled through the stage's computing (sync_handoff)
+    syncs = tuple(s + cluster.sync_handoff if s else 0.0 for s in p.rank_sync_s) or 0.0
     return schedule, StepCosts(duration, p2p, cluster.action_overhead, cluster.step_overhead,
-                               p.rank_sync_s or 0.0, optimizer, replicas,
+                               syncs, optimizer, replicas,
                                cluster.cores or math.inf, cluster.unshared_ranks,
                                cluster.send_overhead, *_step_syncs(plan, cluster, replicas),
                                send_wait_s=cluster.shared_send_wait, shared_p2p_s=shared_p2p)
@@ -51,15 +53,18 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
 
 def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:
     """(start, finish): the all-reduce checking every rank got the same batch
-    (runtime.batch.compare_batches), and the loss's way from the last stage to every rank
-    (the trainer's broadcast over the pipeline, an all-reduce over the replicas)."""
-    world = replicas * plan.pp
+    (runtime.batch.compare_batches) and, over the replicas, the one counting the step's targets
+    for a mean loss (runtime.loss_tokens); the loss's way from the last stage to every rank
+    (the trainer's broadcast over the pipeline, an all-reduce over the replicas). Each side
+    wakes groups that idled through the step (sync_handoff)."""
+    world, group = replicas * plan.pp, plan.dp * plan.cp
     start = collective_time(cluster, "all_reduce", 16, world) if world > 1 else 0.0
     finish = collective_time(cluster, "all_reduce", 4, plan.pp, stride=replicas) \
         if plan.pp > 1 else 0.0
-    if plan.dp * plan.cp > 1:
-        finish += collective_time(cluster, "all_reduce", 4, plan.dp * plan.cp, stride=plan.tp)
-    return start, finish
+    if group > 1:
+        start += collective_time(cluster, "all_reduce", 4, group, stride=plan.tp)
+        finish += collective_time(cluster, "all_reduce", 4, group, stride=plan.tp)
+    return tuple(t + cluster.sync_handoff if t else 0.0 for t in (start, finish))
 
 
 def predicted_step(plan: Plan, cluster: Cluster) -> StepTimeline:

@@ -155,6 +155,12 @@ def _rate(busy: int, costs: StepCosts) -> float:
     return min(1.0, costs.cores / busy)
 
 
+def _whole(cores: float) -> float:
+    """Cores as whole cores: ranks slowed down by sharing a cache (two ranks on two cores at
+    1.8 cores' speed) still each have a core to be woken on."""
+    return cores if math.isinf(cores) else max(1, round(cores))
+
+
 def _start_ready(ranks: list[_Rank], arrive, costs: StepCosts, now: float, events) -> None:
     """Finish what is done at `now` and start what can start, until nothing changes (a send
     posted by one rank may let another rank's wait begin)."""
@@ -164,7 +170,7 @@ def _start_ready(ranks: list[_Rank], arrive, costs: StepCosts, now: float, event
         """Whether a post by rank `index` now finds more ranks wanting CPU (itself, posting,
         and the others computing) than run unshared on the cores."""
         wanting = (len(busy - {index}) + 1) * costs.replicas
-        return wanting > costs.unshared and wanting > costs.cores
+        return wanting > costs.unshared and wanting > _whole(costs.cores)
 
     changed = True
     while changed:

@@ -51,6 +51,29 @@ def test_without_a_pipeline_the_simulation_is_the_closed_form():
         assert p.iteration_s - start - finish == pytest.approx(closed)
 
 
+@pytest.mark.parametrize("fix, woken", [(dict(dp=4), 3), (dict(pp=4, schedule="1f1b"), 2),
+                                        (dict(dp=2, pp=2, schedule="1f1b"), 3)])
+def test_the_steps_own_collectives_pay_the_sync_handoff_once_each(fix, woken):
+    """The opening check, the data-parallel sync (with replicas) and the loss's all-reduce (with
+    replicas or stages) each wake groups that idled through the step: the step is longer by
+    sync_handoff per one of them on the critical path."""
+    cluster = dataclasses.replace(CPU, action_overhead=2e-4, step_overhead=1e-3)
+    p = _plan(cluster, **fix)
+    base = predicted_step(p, cluster).makespan
+    woke = predicted_step(p, dataclasses.replace(cluster, sync_handoff=1e-2)).makespan
+    assert woke - base == pytest.approx(woken * 1e-2)
+
+
+def test_replicas_count_the_steps_targets_at_the_start():
+    """With replicas a mean loss's target count is all-reduced over them as the step starts
+    (runtime.loss_tokens): one more small all-reduce than the batch check alone."""
+    from cost_model.comm import collective_time
+    p = _plan(CPU, dp=4)
+    start, _ = _step_syncs(p, CPU, 4)
+    assert start == pytest.approx(collective_time(CPU, "all_reduce", 16, 4)
+                                  + collective_time(CPU, "all_reduce", 4, 4))
+
+
 def test_ranks_sharing_cores_slow_each_other():
     """Four data-parallel ranks on two cores compute at half speed; on four, at full speed."""
     shared = dataclasses.replace(CPU, cores=2.0)
@@ -80,7 +103,8 @@ def test_optimizer_fit_recovers_both_costs():
 
 def test_cores_from_slowdown():
     assert cores_from_slowdown(4, 2.0) == 2.0
-    assert cores_from_slowdown(4, 1.05) == 0.0  # noise: a core per rank
+    assert cores_from_slowdown(4, 1.03) == 0.0  # noise: a core per rank
+    assert cores_from_slowdown(2, 1.1) == pytest.approx(2 / 1.1)  # a shared cache, measured
 
 
 def test_runtime_terms_split_what_actions_take_beyond_their_price_per_op_and_per_action():

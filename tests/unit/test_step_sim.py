@@ -103,3 +103,15 @@ def test_ranks_measured_not_to_slow_each_other_run_at_full_speed():
     four = simulate_step(schedule, StepCosts(lambda a: 1.0, replicas=4, cores=1.5, unshared=2))
     assert two.makespan == pytest.approx(alone)
     assert four.makespan == pytest.approx(alone * 4 / 1.5)
+
+
+def test_ranks_slowed_by_a_shared_cache_still_have_a_core_each():
+    """Two pipeline ranks measured 10% slower together (cores 2 / 1.1) compute at that speed
+    when both are busy, but a post does not wait for a core: each has one to be woken on."""
+    schedule = make_schedule("1f1b", 2, 4)
+    costs = dict(duration=lambda a: 1.0, cores=2 / 1.1, send_wait_s=5.0)
+    step = simulate_step(schedule, StepCosts(**costs))
+    alone = simulate_step(schedule, StepCosts(lambda a: 1.0))
+    assert alone.makespan < step.makespan < alone.makespan * 1.1
+    crowded = simulate_step(schedule, StepCosts(**{**costs, "cores": 1.0}))
+    assert crowded.makespan > step.makespan + 5.0  # one core: posts wait for it
