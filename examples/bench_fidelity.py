@@ -2,13 +2,14 @@
 plans, and whether the measured-fastest plan is the planner's first choice.
 
     fxpar calibrate --out cal.json
-    python examples/bench_fidelity.py --cluster cal.json [--runs 3]
+    python examples/bench_fidelity.py --cluster cal.json [--runs 3] [--rounds 2]
 
 Benchmarks gpt-tiny and llama-tiny on 2 and 4 devices (fxpar bench's top 3 plans each, gloo
 ranks under torchrun) and prints, per run, one table of every plan with predicted ms, measured
 ms and predicted / measured, then each case's verdict: the largest |predicted / measured - 1|
 (target <= 0.20) and how much slower the planner's first choice ran than the fastest measured
-(target <= 5%).
+(target <= 5%). Each case's plans run in turn `--rounds` times (fxpar bench --rounds), the
+median taken, so that the host's drifting speed falls on every plan alike.
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ from planner.models import get_config  # noqa: E402
 CASES = (("gpt-tiny", 2), ("gpt-tiny", 4), ("llama-tiny", 2), ("llama-tiny", 4))
 
 
-def run_once(cluster: str, steps: int, warmup: int, top_k: int = 3) -> tuple[list, list]:
+def run_once(cluster: str, steps: int, warmup: int, rounds: int,
+             top_k: int = 3) -> tuple[list, list]:
     rows, verdicts = [], []
     for model, gpus in CASES:
         config = get_config(model)
         plans = plan(config, gpus, cluster=cluster, top_k=top_k)
-        results = bench(plans, config, steps, warmup)
+        results = bench(plans, config, steps, warmup, rounds)
         ratios = [p.predicted.iteration_s / m.step_s for p, m in zip(plans, results)]
         for i, (p, m, r) in enumerate(zip(plans, results, ratios)):
             rows.append([f"{model} x{gpus}", i + 1, _mesh(p), f"{p.predicted.iteration_s * 1e3:.1f}",
@@ -50,9 +52,10 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     for run in range(args.runs):
-        rows, verdicts = run_once(args.cluster, args.steps, args.warmup)
+        rows, verdicts = run_once(args.cluster, args.steps, args.warmup, args.rounds)
         print(f"run {run + 1}")
         print(tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
                                       "pred/meas"], disable_numparse=True))

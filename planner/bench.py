@@ -149,22 +149,39 @@ def _peak_memory(device: str) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2):
+def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2, rounds: int = 1):
     """Run every plan in turn, its steps shown on stderr (runtime.progress: a bar on a terminal,
-    a line per step elsewhere)."""
-    results, tokens = [], config.global_batch * config.seq
-    for i, plan in enumerate(plans):
-        label = f"plan {i + 1}/{len(plans)}: dp={plan.dp} tp={plan.tp} pp={plan.pp}"
-        bar = Progress(warmup + steps)
+    a line per step elsewhere). With `rounds` > 1 the plans run in turn that many times (1, 2,
+    3, 1, 2, 3, ...) and each plan's result is `combined` over its rounds: a shared host's
+    speed drifts over minutes, and in turns every plan sees the same spells."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    runs: list[list[Measured]] = [[] for _ in plans]
+    tokens = config.global_batch * config.seq
+    for r in range(rounds):
+        for i, plan in enumerate(plans):
+            label = f"plan {i + 1}/{len(plans)}: dp={plan.dp} tp={plan.tp} pp={plan.pp}"
+            label += f", round {r + 1}/{rounds}" if rounds > 1 else ""
+            bar = Progress(warmup + steps)
 
-        def on_step(done, total, seconds, loss, bar=bar, label=label):
-            bar.update(done, tokens_per_s=tokens / seconds, loss=loss,
-                       label=label + (", warm-up" if done <= warmup else ""))
-        try:
-            results.append(run_plan(plan, config, steps, warmup, on_step=on_step))
-        finally:
-            bar.close()
-    return results
+            def on_step(done, total, seconds, loss, bar=bar, label=label):
+                bar.update(done, tokens_per_s=tokens / seconds, loss=loss,
+                           label=label + (", warm-up" if done <= warmup else ""))
+            try:
+                runs[i].append(run_plan(plan, config, steps, warmup, on_step=on_step))
+            finally:
+                bar.close()
+    return [combined(each) for each in runs]
+
+
+def combined(runs: list[Measured]) -> Measured:
+    """One plan's rounds as one result: the median of their step times (tokens/s from it), the
+    largest peak memory, and the first round's losses and per-rank records (`--explain`)."""
+    step_s = statistics.median(m.step_s for m in runs)
+    first = runs[0]
+    return dataclasses.replace(first, step_s=step_s, tokens_per_s=first.tokens_per_s
+                               * first.step_s / step_s,
+                               peak_memory_bytes=max(m.peak_memory_bytes for m in runs))
 
 
 def report(plans: list[Plan], results: list[Measured]) -> str:

@@ -262,8 +262,9 @@ def cmd_bench(args) -> int:
     plans = _plans(args, top_k=args.top_k)
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
           f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
-          f"each after {args.warmup} warm-up steps")
-    results = bench(plans, _config(args), args.steps, args.warmup)
+          f"each after {args.warmup} warm-up steps"
+          + (f", the plans in turn {args.rounds} times" if args.rounds > 1 else ""))
+    results = bench(plans, _config(args), args.steps, args.warmup, args.rounds)
     print(report(plans, results))
     print(f"plot written to {plot(plans, results, args.png)}")
     if args.explain:
@@ -345,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--top-k", type=_positive_int, default=3)
     b.add_argument("--steps", type=_positive_int, default=10)
     b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--rounds", type=_positive_int, default=1, help="run the plans in turn this "
+                   "many times and report each one's median: on a shared host whose speed "
+                   "drifts, every plan then sees the same spells")
     b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
     b.add_argument("--explain", action="store_true", help="per plan, the step's parts "
                    "(compute per stage, p2p waits, data-parallel sync, optimizer, overhead, "

@@ -1,0 +1,28 @@
+"""`fxpar bench --rounds`: a plan's rounds combine into one result, and a bad count is refused."""
+import pytest
+
+from planner.bench import Measured, bench, combined
+
+
+def _measured(step_s: float, peak: float, rank: int = 0) -> Measured:
+    return Measured(step_s=step_s, tokens_per_s=1024 / step_s, peak_memory_bytes=peak,
+                    losses=(2.0, 1.5), ranks=({"rank": rank},))
+
+
+def test_rounds_combine_into_the_median_step_and_the_largest_peak():
+    runs = [_measured(0.30, 5.0, rank=0), _measured(0.10, 9.0, rank=1), _measured(0.20, 7.0)]
+    got = combined(runs)
+    assert got.step_s == 0.20
+    assert got.tokens_per_s == pytest.approx(1024 / 0.20)
+    assert got.peak_memory_bytes == 9.0
+    assert got.losses == (2.0, 1.5) and got.ranks == ({"rank": 0},)  # the first round's
+
+
+def test_one_round_is_that_round():
+    one = _measured(0.25, 3.0)
+    assert combined([one]) == one
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        bench([], config=None, rounds=0)
