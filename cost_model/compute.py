@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 from .cluster import Cluster
+from .op_graph import SDPA_BWD_FACTOR
 
-__all__ = ["OP_CLASSES", "compute_time"]
+__all__ = ["OP_CLASSES", "compute_time", "op_seconds"]
 
 OP_CLASSES = (
     "matmul",
@@ -65,3 +66,16 @@ def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str,
         t_math += cluster.matmul_overhead
     t_mem = nbytes / (cluster.mem_bw * cluster.bw_eff)
     return max(t_math, t_mem, cluster.kernel_floor, floor)
+
+
+def op_seconds(op, scale: float, cluster: Cluster, backward: bool) -> float:
+    """One profiled op's forward or backward seconds at `scale` times its profiled batch
+    (cost_model.layer_cost.OpRecord): its roofline (compute_time), at least the pass's op floor,
+    and at least its measured per-element time where the profile has one (Cluster.element_s)."""
+    if backward and not (op.bwd_flops or op.bwd_bytes):
+        return compute_time(cluster, 0.0, 0.0, op.op_class)
+    flops, nbytes, pairs, floor = (
+        (op.bwd_flops, op.bwd_bytes, op.pairs * SDPA_BWD_FACTOR, cluster.backward_floor)
+        if backward else (op.fwd_flops, op.fwd_bytes, op.pairs, cluster.forward_floor))
+    least = max(floor, cluster.element_s(op.per_element, backward) * op.elements * scale)
+    return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least)

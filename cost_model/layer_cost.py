@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -37,9 +36,10 @@ import torch.fx as fx
 from cost_model import moe, op_graph
 from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
-from cost_model.compute import compute_time
+from cost_model.compute import compute_time, op_seconds
 from cost_model.ops import UnknownOpError, node_cost, saved_node_name
-from cost_model.ring_compute import TRACED_GROUPS, RingShape, ring_op_counts
+from cost_model.ring_compute import RingShape
+from cost_model.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
 from cost_model.strategy import Strategy
 from passes.capture import Captured, Layer, propagate_shapes
 from passes.context_parallel import ContextParallelError, find_attentions
@@ -402,7 +402,7 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
           tp: int = 1, cp: int = 1) -> LayerCost:
     """Times and bytes of the profiled layer for a micro-batch; tp and cp are the group sizes of
     the mesh. Context parallelism gives each rank 1/cp of the tokens — zig-zag sharding balances
-    causal attention too — and adds the key/value ring (`_ring`) and the all-reduce of any
+    causal attention too — and adds the key/value ring (cost_model.ring_pricing) and the all-reduce of any
     mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
     ops, ring_fwd, ring_bwd = profile.ops, 0.0, 0.0
@@ -412,7 +412,7 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     as_run = cp > 1 and bool(profile.rings) and cluster.runtime_priced
     if as_run:
         ops = [op for op in ops if not op.ringed]
-        ring_fwd, ring_bwd = _ring_compute(profile, micro_batch, cp, cluster)
+        ring_fwd, ring_bwd = ring_compute_s(profile, micro_batch, cp, cluster)
     # every op of the layer's graph also costs the runtime's time per op and pass, whatever
     # the batch (cluster.op_overhead: measured on a training run, 0 in the presets)
     ops_s = len(ops) * cluster.op_overhead
@@ -424,8 +424,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                                               ring_fwd)
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
     if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
-        hidden = (ring_fwd, ring_bwd) if as_run else _fused(profile, scale, cluster)
-        ring = _ring(profile, scale, cluster, tp, cp, *hidden)
+        hidden = (ring_fwd, ring_bwd) if as_run else fused_attention_s(profile, scale, cluster)
+        ring = ring_exposed(profile, scale, cluster, tp, cp, *hidden)
         # and each ring step costs what calibration measured beyond the ops and the messages
         steps = cp * len(profile.rings)
         fwd_ring = ring.fwd_s + steps * cluster.ring_step_fwd
@@ -451,19 +451,6 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      tensors=profile.tensors)
 
 
-def op_seconds(op: OpRecord, scale: float, cluster: Cluster, backward: bool) -> float:
-    """One op's forward or backward seconds at `scale` times its profiled batch: its roofline
-    (compute_time), at least the pass's op floor, and at least its measured per-element time
-    where the profile has one (Cluster.element_s)."""
-    if backward and not (op.bwd_flops or op.bwd_bytes):
-        return compute_time(cluster, 0.0, 0.0, op.op_class)
-    flops, nbytes, pairs, floor = (
-        (op.bwd_flops, op.bwd_bytes, op.pairs * op_graph.SDPA_BWD_FACTOR, cluster.backward_floor)
-        if backward else (op.fwd_flops, op.fwd_bytes, op.pairs, cluster.forward_floor))
-    least = max(floor, cluster.element_s(op.per_element, backward) * op.elements * scale)
-    return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least)
-
-
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
     """kv_bytes and kv_grad_bytes: the keys and values ring attention would pass around (as
     passes.context_parallel finds them: fused or written out, GQA blocks unrepeated), and their
@@ -481,61 +468,6 @@ def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
                                         a.mask.meta["val"] if a.mask is not None else None)
                            for a in found),
             "outputs": {a.output.name for a in found}}
-
-
-class _Ring(NamedTuple):
-    fwd_s: float       # exposed seconds
-    bwd_s: float
-    sent: float        # bytes, forward and backward
-    fwd_sent: float    # of which forward (what recomputation sends again)
-
-
-def _ring_compute(profile: LayerProfile, micro_batch: int, cp: int,
-                  cluster: Cluster) -> tuple[float, float]:
-    """Forward and backward seconds of the layer's ring attentions' own compute
-    (cost_model.ring_compute): every op a forward kernel, at its traced groups times the
-    micro-batch's, plus the runtime's time per call."""
-    def seconds(counted, scale: float) -> float:
-        return sum(n * (op_seconds(op, scale, cluster, backward=False) +
-                        (cluster.op_overhead if op.op_class != "view" else 0.0))
-                   for op, n in counted)
-    fwd = bwd = 0.0
-    for shape in profile.rings:
-        f_ops, b_ops = ring_op_counts(shape, cp)
-        scale = micro_batch * shape.kv_heads / TRACED_GROUPS
-        fwd += seconds(f_ops, scale)
-        bwd += seconds(b_ops, scale)
-    return fwd, bwd
-
-
-def _fused(profile: LayerProfile, scale: float, cluster: Cluster) -> tuple[float, float]:
-    """Forward and backward seconds of the layer's fused attention kernels."""
-    attention = [op for op in profile.ops if op.op_class == "attention"]
-    return (sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
-                for op in attention),
-            sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
-                for op in attention))
-
-
-def _ring(profile: LayerProfile, scale: float, cluster: Cluster, tp: int, cp: int,
-          fwd: float, bwd: float) -> _Ring:
-    """Exposed forward and backward seconds and bytes sent of ring attention per micro-batch:
-    forward passes this rank's key/value block cp − 1 times; backward passes it again and carries
-    fp32 dK/dV accumulators cp hops home. Each transfer overlaps the attention computed on the
-    block in hand (fwd and bwd: the ring's compute), so only what the transfers exceed it is
-    exposed. On a
-    cluster that prices the runtime's own time, a hop takes at least the measured hand-off, and
-    each message (keys and values apart, dK and dV apart) costs its sender the post, which no
-    computation hides."""
-    kv, acc = profile.kv_bytes * scale, profile.kv_grad_bytes * scale
-    sent = (cp - 1) * kv + (cp - 1) * kv + cp * acc
-
-    def hop(nbytes: float) -> float:
-        return max(collective_time(cluster, "p2p", nbytes, 2, stride=tp), cluster.p2p_handoff)
-    posts = 2 * cluster.send_overhead
-    return _Ring(max(0.0, (cp - 1) * hop(kv) - fwd) + (cp - 1) * posts,
-                 max(0.0, (cp - 1) * hop(kv) + cp * hop(acc) - bwd) + (2 * cp - 1) * posts,
-                 sent, (cp - 1) * kv)
 
 
 def _balance(profile: LayerProfile, micro_batch: int, cluster: Cluster, tp: int,

@@ -80,10 +80,15 @@ def ring_op_counts(shape: RingShape, cp: int, layout: str = "zigzag"
     return tuple(tuple(Counter(ops).items()) for ops in ring_ops(shape, cp, layout))
 
 
+def is_call(op: OpCost) -> bool:
+    """Whether the ring calls the op from Python (views and make_fx's decomposition of a matmul
+    into views around one bmm are not calls of their own)."""
+    return op.op_class != "view"
+
+
 def calls(ops: tuple[OpCost, ...]) -> int:
-    """Ops the ring calls from Python (views and make_fx's decomposition of a matmul into views
-    around one bmm are not calls of their own)."""
-    return sum(1 for op in ops if op.op_class != "view")
+    """Ops the ring calls from Python."""
+    return sum(1 for op in ops if is_call(op))
 
 
 @functools.lru_cache(maxsize=256)

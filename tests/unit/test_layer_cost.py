@@ -202,7 +202,7 @@ def test_norms_and_strided_ops_are_priced_per_element_when_measured():
     op takes at least elements x rate; unmeasured (0, the presets), the roofline alone."""
     import dataclasses
 
-    from cost_model.layer_cost import op_seconds
+    from cost_model.compute import op_seconds
     profile = _llama_block_profile()
     norms = [op for op in profile.ops if op.per_element == "rms_norm"]
     strided = [op for op in profile.ops if op.per_element == "strided"]
