@@ -402,8 +402,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
           tp: int = 1, cp: int = 1) -> LayerCost:
     """Times and bytes of the profiled layer for a micro-batch; tp and cp are the group sizes of
     the mesh. Context parallelism gives each rank 1/cp of the tokens — zig-zag sharding balances
-    causal attention too — and adds the key/value ring (cost_model.ring_pricing) and the all-reduce of any
-    mixture-of-experts balance statistics (`_balance`)."""
+    causal attention too — and adds the key/value ring (cost_model.ring_pricing) and the
+    all-reduce of any mixture-of-experts balance statistics (`_balance`)."""
     scale = micro_batch / profile.batch / cp
     ops, ring_fwd, ring_bwd = profile.ops, 0.0, 0.0
     # On a cluster whose runtime is measured (CPU profiles), the attentions run as the ring's

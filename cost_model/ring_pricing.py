@@ -2,10 +2,10 @@
 `profile` below is its LayerProfile).
 
   compute   on clusters whose runtime is measured (CPU profiles), the ring's block loops op by op
-            (cost_model.ring_compute traces them once per shape; each op a forward kernel, at its
-            traced groups times the micro-batch's, plus the runtime's time per call): `ring_compute_s`.
-            Presets keep the fused kernel's price (`fused_attention_s`), which no device run has
-            checked against the ring yet.
+            (`ring_compute_s`: cost_model.ring_compute traces them once per shape; each op a
+            forward kernel, at its traced groups times the micro-batch's, plus the runtime's time
+            per call). Presets keep the fused kernel's price (`fused_attention_s`), which no
+            device run has checked against the ring yet.
   messages  forward passes this rank's key/value block cp − 1 times; backward passes it again and
             carries fp32 dK/dV accumulators cp hops home. Each transfer overlaps the attention
             computed on the block in hand, so only what the transfers exceed it is exposed

@@ -179,8 +179,8 @@ def combined(runs: list[Measured]) -> Measured:
     largest peak memory, and the first round's losses and per-rank records (`--explain`)."""
     step_s = statistics.median(m.step_s for m in runs)
     first = runs[0]
-    return dataclasses.replace(first, step_s=step_s, tokens_per_s=first.tokens_per_s
-                               * first.step_s / step_s,
+    return dataclasses.replace(first, step_s=step_s,
+                               tokens_per_s=first.tokens_per_s * first.step_s / step_s,
                                peak_memory_bytes=max(m.peak_memory_bytes for m in runs))
 
 
