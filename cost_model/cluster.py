@@ -87,6 +87,13 @@ _RULES: dict[str, tuple] = {
     "ring_step_bwd": _NONNEG,
 }
 
+# The runtime's own time and shared cores (planner.bench_runtime measures them): any of them
+# non-zero makes plans simulate the whole step (Cluster.runtime_priced).
+RUNTIME_FIELDS = ("action_floor", "action_overhead", "step_overhead", "split_backward",
+                  "optimizer_per_param", "optimizer_per_tensor", "cores", "collective_handoff",
+                  "sync_handoff", "send_overhead", "p2p_handoff", "shared_send_wait",
+                  "shared_p2p_handoff", "ring_step_fwd", "ring_step_bwd")
+
 _DEVICES = ("cuda", "cpu")
 
 # Collective kinds the cost model prices (re-exported as comm.KINDS); each may
@@ -235,11 +242,7 @@ class Cluster:
     def runtime_priced(self) -> bool:
         """Whether plans on this cluster price the runtime's own time and shared cores, by
         simulating the whole step (planner.step_prediction)."""
-        return any((self.action_floor, self.action_overhead, self.step_overhead,
-                    self.split_backward, self.optimizer_per_param, self.optimizer_per_tensor,
-                    self.cores, self.collective_handoff, self.sync_handoff, self.send_overhead,
-                    self.p2p_handoff, self.shared_send_wait, self.shared_p2p_handoff,
-                    self.ring_step_fwd, self.ring_step_bwd))
+        return any(getattr(self, name) for name in RUNTIME_FIELDS)
 
     def element_s(self, rule: str, backward: bool) -> float:
         """Measured seconds per element of a per-element op (OpCost.per_element), 0 for

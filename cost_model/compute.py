@@ -16,7 +16,7 @@ import math
 from .cluster import Cluster
 from .op_graph import SDPA_BWD_FACTOR
 
-__all__ = ["OP_CLASSES", "compute_time", "op_seconds"]
+__all__ = ["OP_CLASSES", "compute_time", "kernels_s", "op_seconds"]
 
 OP_CLASSES = (
     "matmul",
@@ -79,3 +79,11 @@ def op_seconds(op, scale: float, cluster: Cluster, backward: bool) -> float:
         if backward else (op.fwd_flops, op.fwd_bytes, op.pairs, cluster.forward_floor))
     least = max(floor, cluster.element_s(op.per_element, backward) * op.elements * scale)
     return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least)
+
+
+def kernels_s(ops, scale: float, cluster: Cluster, backward: bool = False) -> float:
+    """Seconds of profiled ops' plain rooflines (compute_time) in one pass at `scale` times
+    their profiled batch, with no op floors: fused kernels as such."""
+    return sum(compute_time(cluster, (op.bwd_flops if backward else op.fwd_flops) * scale,
+                            (op.bwd_bytes if backward else op.fwd_bytes) * scale, op.op_class)
+               for op in ops)

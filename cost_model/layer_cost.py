@@ -36,7 +36,7 @@ import torch.fx as fx
 from cost_model import moe, op_graph
 from cost_model.cluster import Cluster
 from cost_model.comm import bytes_on_wire, collective_time
-from cost_model.compute import compute_time, op_seconds
+from cost_model.compute import kernels_s, op_seconds
 from cost_model.ops import UnknownOpError, node_cost, saved_node_name
 from cost_model.ring_compute import RingShape
 from cost_model.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
@@ -493,8 +493,7 @@ def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops, ring_fwd):
         return ring_fwd, sum(op.fwd_flops for op in profile.ops if op.ringed) * scale
     if strategy.recompute == "selective":
         core = [op for op in profile.ops if op.core]
-        return (sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
-                    for op in core), sum(op.fwd_flops for op in core) * scale)
+        return kernels_s(core, scale, cluster), sum(op.fwd_flops for op in core) * scale
     return 0.0, 0.0
 
 

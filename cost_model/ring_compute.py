@@ -20,14 +20,13 @@ contiguous layout under a causal mask the last rank does the most.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import warnings
-from dataclasses import dataclass
-
-import contextlib
 import operator
+import warnings
 from collections import Counter
+from dataclasses import dataclass
 from unittest import mock
 
 import torch

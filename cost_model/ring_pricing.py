@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from .cluster import Cluster
 from .comm import collective_time
-from .compute import compute_time, op_seconds
+from .compute import kernels_s, op_seconds
 from .ring_compute import TRACED_GROUPS, is_call, ring_op_counts
 
 
@@ -48,10 +48,8 @@ def fused_attention_s(profile, scale: float,
                       cluster: Cluster) -> tuple[float, float]:
     """Forward and backward seconds of the layer's fused attention kernels."""
     attention = [op for op in profile.ops if op.op_class == "attention"]
-    return (sum(compute_time(cluster, op.fwd_flops * scale, op.fwd_bytes * scale, op.op_class)
-                for op in attention),
-            sum(compute_time(cluster, op.bwd_flops * scale, op.bwd_bytes * scale, op.op_class)
-                for op in attention))
+    return (kernels_s(attention, scale, cluster),
+            kernels_s(attention, scale, cluster, backward=True))
 
 
 def ring_exposed(profile, scale: float, cluster: Cluster, tp: int, cp: int,

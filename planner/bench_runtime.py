@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from cost_model.cluster import Cluster
+from cost_model.cluster import RUNTIME_FIELDS, Cluster
 
 # Small models of their own (not ones a benchmark runs), where the runtime's own time is a large
 # share of a step, as it is for the small models CPU ranks can train: two depths of one width,
@@ -72,11 +72,7 @@ def _plan(cluster_json: str, gpus: int, m: int, layers: int = RUNTIME_MODEL["lay
     return config, plan(config, gpus, cluster=cluster, fix=fix)[0]
 
 
-_NEUTRAL = dict(op_overhead=0.0, action_floor=0.0, action_overhead=0.0, step_overhead=0.0,
-                split_backward=0.0, optimizer_per_param=0.0, optimizer_per_tensor=0.0,
-                cores=0.0, collective_handoff=0.0, sync_handoff=0.0, send_overhead=0.0,
-                p2p_handoff=0.0, shared_send_wait=0.0, shared_p2p_handoff=0.0,
-                ring_step_fwd=0.0, ring_step_bwd=0.0)
+_NEUTRAL = dict.fromkeys(("op_overhead", *RUNTIME_FIELDS), 0.0)
 
 
 def _probe(cluster_json: str, m: int, layers: int):

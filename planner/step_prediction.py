@@ -42,8 +42,8 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
     # posted while every core is busy, as measured then
     p2p = max(p.p2p_s, cluster.p2p_handoff) if plan.pp > 1 else 0.0
     shared_p2p = max(p.p2p_s, cluster.shared_p2p_handoff) if cluster.shared_p2p_handoff else 0.0
-    # the data-parallel sync's group idled through the stage's computing (sync_handoff)
-    syncs = tuple(s + cluster.sync_handoff if s else 0.0 for s in p.rank_sync_s) or 0.0
+    # the data-parallel sync's group idled through the stage's computing
+    syncs = _woken(p.rank_sync_s, cluster) or 0.0
     return schedule, StepCosts(duration, p2p, cluster.action_overhead, cluster.step_overhead,
                                syncs, optimizer, replicas,
                                cluster.cores or math.inf, cluster.unshared_ranks,
@@ -64,7 +64,13 @@ def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, flo
     if group > 1:
         start += collective_time(cluster, "all_reduce", 4, group, stride=plan.tp)
         finish += collective_time(cluster, "all_reduce", 4, group, stride=plan.tp)
-    return tuple(t + cluster.sync_handoff if t else 0.0 for t in (start, finish))
+    return _woken((start, finish), cluster)
+
+
+def _woken(times, cluster: Cluster) -> tuple[float, ...]:
+    """Each of the step's own collectives (a non-zero time) plus the wake-up of its groups,
+    which idled through the step's computing (Cluster.sync_handoff)."""
+    return tuple(t + cluster.sync_handoff if t else 0.0 for t in times)
 
 
 def predicted_step(plan: Plan, cluster: Cluster) -> StepTimeline:
