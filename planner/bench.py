@@ -176,11 +176,14 @@ def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2, rounds: i
 
 def combined(runs: list[Measured]) -> Measured:
     """One plan's rounds as one result: the median of their step times (tokens/s from it), the
-    largest peak memory, and the first round's losses and per-rank records (`--explain`)."""
+    largest peak memory, and the losses and per-rank records (`--explain`) of the median round
+    (of an even count, the faster middle one), so that the parts explained add up to a step like
+    the one reported."""
     step_s = statistics.median(m.step_s for m in runs)
-    first = runs[0]
-    return dataclasses.replace(first, step_s=step_s,
-                               tokens_per_s=first.tokens_per_s * first.step_s / step_s,
+    middle = statistics.median_low(m.step_s for m in runs)
+    nearest = next(m for m in runs if m.step_s == middle)
+    return dataclasses.replace(nearest, step_s=step_s,
+                               tokens_per_s=nearest.tokens_per_s * nearest.step_s / step_s,
                                peak_memory_bytes=max(m.peak_memory_bytes for m in runs))
 
 

@@ -10,12 +10,20 @@ def _measured(step_s: float, peak: float, rank: int = 0) -> Measured:
 
 
 def test_rounds_combine_into_the_median_step_and_the_largest_peak():
-    runs = [_measured(0.30, 5.0, rank=0), _measured(0.10, 9.0, rank=1), _measured(0.20, 7.0)]
+    runs = [_measured(0.30, 5.0, rank=0), _measured(0.10, 9.0, rank=1), _measured(0.20, 7.0, rank=2)]
     got = combined(runs)
     assert got.step_s == 0.20
     assert got.tokens_per_s == pytest.approx(1024 / 0.20)
     assert got.peak_memory_bytes == 9.0
-    assert got.losses == (2.0, 1.5) and got.ranks == ({"rank": 0},)  # the first round's
+    assert got.losses == (2.0, 1.5) and got.ranks == ({"rank": 2},)  # the median round's
+
+
+def test_an_even_count_explains_the_faster_middle_round():
+    runs = [_measured(0.30, 5.0, rank=0), _measured(0.10, 9.0, rank=1),
+            _measured(0.24, 7.0, rank=2), _measured(0.12, 7.0, rank=3)]
+    got = combined(runs)
+    assert got.step_s == pytest.approx(0.18)
+    assert got.ranks == ({"rank": 3},)  # 0.12 and 0.24 are the middle ones
 
 
 def test_one_round_is_that_round():
