@@ -181,9 +181,9 @@ def combined(runs: list[Measured]) -> Measured:
     the one reported."""
     step_s = statistics.median(m.step_s for m in runs)
     middle = statistics.median_low(m.step_s for m in runs)
-    nearest = next(m for m in runs if m.step_s == middle)
-    return dataclasses.replace(nearest, step_s=step_s,
-                               tokens_per_s=nearest.tokens_per_s * nearest.step_s / step_s,
+    chosen = next(m for m in runs if m.step_s == middle)
+    return dataclasses.replace(chosen, step_s=step_s,
+                               tokens_per_s=chosen.tokens_per_s * chosen.step_s / step_s,
                                peak_memory_bytes=max(m.peak_memory_bytes for m in runs))
 
 

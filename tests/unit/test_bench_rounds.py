@@ -10,7 +10,8 @@ def _measured(step_s: float, peak: float, rank: int = 0) -> Measured:
 
 
 def test_rounds_combine_into_the_median_step_and_the_largest_peak():
-    runs = [_measured(0.30, 5.0, rank=0), _measured(0.10, 9.0, rank=1), _measured(0.20, 7.0, rank=2)]
+    runs = [_measured(0.30, 5.0, rank=0), _measured(0.10, 9.0, rank=1),
+            _measured(0.20, 7.0, rank=2)]
     got = combined(runs)
     assert got.step_s == 0.20
     assert got.tokens_per_s == pytest.approx(1024 / 0.20)
