@@ -40,7 +40,8 @@ def run_once(cluster: str, steps: int, warmup: int, rounds: int,
         results = bench(plans, config, steps, warmup, rounds)
         ratios = [p.predicted.iteration_s / m.step_s for p, m in zip(plans, results)]
         for i, (p, m, r) in enumerate(zip(plans, results, ratios)):
-            rows.append([f"{model} x{gpus}", i + 1, _mesh(p), f"{p.predicted.iteration_s * 1e3:.1f}",
+            rows.append([f"{model} x{gpus}", i + 1, _mesh(p),
+                         f"{p.predicted.iteration_s * 1e3:.1f}",
                          f"{m.step_s * 1e3:.1f}", f"{r:.2f}"])
         fastest = min(m.step_s for m in results)
         verdicts.append((f"{model} x{gpus}", max(abs(r - 1) for r in ratios),
