@@ -180,8 +180,7 @@ def combined(runs: list[Measured]) -> Measured:
     (of an even count, the faster middle one), so that the parts explained add up to a step like
     the one reported."""
     step_s = statistics.median(m.step_s for m in runs)
-    middle = statistics.median_low(m.step_s for m in runs)
-    chosen = next(m for m in runs if m.step_s == middle)
+    chosen = sorted(runs, key=lambda m: m.step_s)[(len(runs) - 1) // 2]
     return dataclasses.replace(chosen, step_s=step_s,
                                tokens_per_s=chosen.tokens_per_s * chosen.step_s / step_s,
                                peak_memory_bytes=max(m.peak_memory_bytes for m in runs))
