@@ -112,7 +112,7 @@ CP_MESHES = [(1, 1, 1, 8, "none", 8), (1, 2, 1, 4, "tp", 8), (2, 1, 2, 2, "none"
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
 @pytest.mark.parametrize("dp,tp,pp,cp,strategy,mb", CP_MESHES)
 def test_context_parallel_plan_matches_one_process(pool8, model, dp, tp, pp, cp, strategy, mb):
-    config = get_config(model, global_batch=8)
+    config = get_config(model, layers=4, global_batch=8)  # two blocks a stage at pp=2
     chosen = plan(config, 8, cluster="cpu-gloo",
                   fix={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "mb": mb, "strategy": strategy})[0]
     assert (chosen.dp, chosen.tp, chosen.pp, chosen.cp) == (dp, tp, pp, cp)
