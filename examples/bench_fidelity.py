@@ -29,11 +29,15 @@ from planner.explain import _mesh  # noqa: E402
 from planner.models import get_config  # noqa: E402
 
 CASES = (("gpt-tiny", 2), ("gpt-tiny", 4), ("llama-tiny", 2), ("llama-tiny", 4))
+RATIO_TARGET = 0.20   # largest |predicted / measured - 1| of a case's plans
+CHOICE_TARGET = 0.05  # how much slower the first choice may run than the fastest measured
 
 
 def run_once(cluster: str, steps: int, warmup: int, rounds: int,
-             top_k: int = 3) -> tuple[list, list]:
-    rows, verdicts = [], []
+             top_k: int = 3) -> tuple[list, list, int]:
+    """(table rows, per case (name, largest miss, first choice's excess), plans within
+    RATIO_TARGET)."""
+    rows, verdicts, within = [], [], 0
     for model, gpus in CASES:
         config = get_config(model)
         plans = plan(config, gpus, cluster=cluster, top_k=top_k)
@@ -46,7 +50,15 @@ def run_once(cluster: str, steps: int, warmup: int, rounds: int,
         fastest = min(m.step_s for m in results)
         verdicts.append((f"{model} x{gpus}", max(abs(r - 1) for r in ratios),
                          results[0].step_s / fastest - 1))
-    return rows, verdicts
+        within += sum(abs(r - 1) <= RATIO_TARGET for r in ratios)
+    return rows, verdicts, within
+
+
+def _verdict(case: str, worst: float, first: float) -> str:
+    ratio_ok = "ok" if worst <= RATIO_TARGET else f"over {RATIO_TARGET:.2f}"
+    choice_ok = "ok" if first <= CHOICE_TARGET else f"over {CHOICE_TARGET:.0%}"
+    return (f"{case}: largest |pred/meas - 1| {worst:.2f} ({ratio_ok}); first choice "
+            f"{first:+.1%} vs the fastest measured ({choice_ok})")
 
 
 def main(argv=None) -> int:
@@ -57,16 +69,19 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
+    passed = []
     for run in range(args.runs):
-        rows, verdicts = run_once(args.cluster, args.steps, args.warmup, args.rounds)
+        rows, verdicts, within = run_once(args.cluster, args.steps, args.warmup, args.rounds)
         print(f"run {run + 1}")
         print(tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
                                       "pred/meas"], disable_numparse=True))
-        for case, worst, first in verdicts:
-            print(f"{case}: largest |pred/meas - 1| {worst:.2f} "
-                  f"({'ok' if worst <= 0.20 else 'over 0.20'}); first choice "
-                  f"{first:+.1%} vs the fastest measured ({'ok' if first <= 0.05 else 'over 5%'})")
-        print()
+        for verdict in verdicts:
+            print(_verdict(*verdict))
+        met = all(w <= RATIO_TARGET and f <= CHOICE_TARGET for _, w, f in verdicts)
+        passed.append(met)
+        print(f"run {run + 1}: {within} of {len(rows)} plans within {RATIO_TARGET:.0%}; "
+              f"every target met: {'yes' if met else 'no'}\n")
+    print(f"targets met in {sum(passed)} of {args.runs} runs")
     return 0
 
 
