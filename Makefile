@@ -21,7 +21,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# Every tier: unit, planning, and the 8-rank gloo tests (about 21-29 minutes on two cores).
+# Every tier: unit, planning, and the 8-rank gloo tests (about 21-31 minutes on two cores).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
