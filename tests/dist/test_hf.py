@@ -14,7 +14,9 @@ CASES = [("gpt2", {"dp": 2, "tp": 2, "pp": 2}), ("llama", {"dp": 2, "tp": 2, "pp
 @pytest.mark.dist
 @pytest.mark.parametrize("arch,mesh", CASES)
 def test_hf_model_matches_one_process(pool8, arch, mesh):
-    spec = HFSpec(arch, overrides=(("num_hidden_layers" if arch == "llama" else "n_layer", 4),))
+    layers = max(2, mesh["pp"])  # a block a stage: what a mesh tests does not grow with depth
+    depth = "num_hidden_layers" if arch == "llama" else "n_layer"
+    spec = HFSpec(arch, overrides=((depth, layers),))
     torch.manual_seed(0)
     model, batch = build(spec)
     chosen = plan(model, 8, batch, cluster="cpu-gloo",
