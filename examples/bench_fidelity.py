@@ -69,6 +69,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
+    for name in ("runs", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be 0 or more, got {args.warmup}")
     passed = []
     for run in range(args.runs):
         rows, verdicts, within = run_once(args.cluster, args.steps, args.warmup, args.rounds)
