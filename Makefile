@@ -21,14 +21,18 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# Every tier: unit, planning, and the 8-rank gloo tests (about 21-31 minutes on two cores).
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+# The single-process tiers (unit, planning) run on TEST_WORKERS pytest-xdist workers; the
+# multi-rank tier on its own, since its pools of gloo ranks already take every core.
+TEST_WORKERS ?= 2
+
+# Every tier: unit, planning, and the 8-rank gloo tests (about 20-29 minutes on two cores).
+test: test-fast
+	$(PY) -m pytest -q tests -m dist
 
 test-all: test
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not dist"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests -m "not dist"
 
 clean:
 	rm -rf $(VENV) *.egg-info

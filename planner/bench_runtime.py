@@ -187,6 +187,11 @@ HANDOFF_BYTES = 64 * 2**10  # an all-reduce of a small layer's activations
 
 
 SYNC_GAP_S = 0.03  # computation before a step's own collectives: a stage's actions, CPU ranks
+# Rounds for sync_handoff. One round's extra time scatters over about +-4 ms around a mean of
+# 1-2 ms (the ranks end their computing apart, and the host takes a core now and then): 31
+# rounds' means, calibrated minutes apart, read 1.0-2.8 ms, and a step pays it three times;
+# 121 rounds (about 4 s) read 1.7-2.1 ms in four runs back to back.
+SYNC_ROUNDS = 121
 
 
 def _collective_handoff_worker(rounds: int = 61, gap_s: float = 0.0) -> list[float]:
@@ -226,7 +231,7 @@ def measure_collective_handoff() -> dict:
     sync and its loss's all-reduce come from."""
     from runtime.launch import run_local
     layer = run_local(_collective_handoff_worker, 2)
-    step = run_local(_collective_handoff_worker, 2, (31, SYNC_GAP_S))
+    step = run_local(_collective_handoff_worker, 2, (SYNC_ROUNDS, SYNC_GAP_S))
     return dict(collective_handoff=max(0.0, statistics.median(map(statistics.median, layer))),
                 sync_handoff=max(0.0, statistics.fmean(map(statistics.fmean, step))))
 

@@ -27,7 +27,7 @@ from planner.train import (RunResult, assert_same_run, make_optimizer, parallel_
                            reference_run)
 
 STEPS = 2
-CFG = get_config("gpt-tiny").with_(layers=4)
+CFG = get_config("gpt-tiny").with_(layers=2)  # a block a stage at pp=2
 
 
 def _plan(gpus: int, zero: int, dp_shard: int | None = None, **fix):
