@@ -80,6 +80,7 @@ _RULES: dict[str, tuple] = {
     "collective_handoff": _NONNEG,
     "sync_handoff": _NONNEG,
     "send_overhead": _NONNEG,
+    "recv_overhead": _NONNEG,
     "p2p_handoff": _NONNEG,
     "shared_send_wait": _NONNEG,
     "shared_p2p_handoff": _NONNEG,
@@ -91,8 +92,8 @@ _RULES: dict[str, tuple] = {
 # non-zero makes plans simulate the whole step (Cluster.runtime_priced).
 RUNTIME_FIELDS = ("action_floor", "action_overhead", "step_overhead", "split_backward",
                   "optimizer_per_param", "optimizer_per_tensor", "cores", "collective_handoff",
-                  "sync_handoff", "send_overhead", "p2p_handoff", "shared_send_wait",
-                  "shared_p2p_handoff", "ring_step_fwd", "ring_step_bwd")
+                  "sync_handoff", "send_overhead", "recv_overhead", "p2p_handoff",
+                  "shared_send_wait", "shared_p2p_handoff", "ring_step_fwd", "ring_step_bwd")
 
 _DEVICES = ("cuda", "cpu")
 
@@ -209,6 +210,9 @@ class Cluster:
     # the loss's all-reduce) takes beyond that: their groups idled through a stage's computing
     sync_handoff: float = 0.0
     send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
+    # CPU seconds a received pipeline message costs its rank: posting the receive, taking the
+    # message, and gloo's own thread moving it (both ends'), all outside the actions
+    recv_overhead: float = 0.0
     p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
     #                                a message the receiver waited for (post, wire, wake-up)
     # The same for a post made while more ranks want CPU than run unshared on the cores

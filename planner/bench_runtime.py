@@ -22,6 +22,10 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   shared_p2p_handoff  posting while the other pipeline computes (every core busy): a post then
                    also waits for the core the woken receiver took (beyond send_overhead), and
                    the hand-off of the messages waited for
+  recv_overhead    two ranks exchange a message a round between bursts of computation: the
+                   CPU of posting the receive and taking the arrived message, plus what gloo's
+                   own thread spends on the messages (process minus thread CPU time, beyond
+                   the same rounds without messages)
   collective_handoff  two ranks all-reduce after a burst of computation (a layer's), against
                    back to back: the median
   sync_handoff     the same after SYNC_GAP_S of computation (a stage's), the mean
@@ -254,6 +258,61 @@ def measure_handoff(cluster: Cluster, world_sizes=(2,)) -> dict:
     return fields
 
 
+# About 1 s a loop; four probes of 200 rounds read 0.53-0.60 ms, of 600 rounds 0.45-0.54 ms.
+RECV_ROUNDS, RECV_GAP_S = 400, 1e-3
+
+
+def _recv_worker(rounds: int = RECV_ROUNDS, gap_s: float = RECV_GAP_S) -> float:
+    """CPU seconds one received message costs this rank, beyond what its sender's post costs:
+    two ranks each post a receive from the other (a new buffer, as the executor posts ahead),
+    compute, send, compute, and take the message, which has arrived by then. The main thread's
+    CPU posting and taking it (thread CPU time around both), plus the CPU gloo's own thread
+    spends on the round's two messages (process minus thread CPU time, beyond a round of the
+    same computing without messages)."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    peer = 1 - dist.get_rank()
+    a, payload = torch.randn(128, 128), torch.randn(HANDOFF_BYTES // 4)
+
+    def compute() -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < gap_s:
+            a.copy_(torch.tanh(a @ a * 1e-3))
+
+    def others() -> float:  # CPU of the process's other threads so far
+        return time.process_time() - time.thread_time()
+
+    def loop(messages: bool) -> tuple[float, float]:
+        dist.barrier()
+        main, before = 0.0, others()
+        for i in range(rounds):
+            if messages:
+                start = time.thread_time()
+                work = dist.irecv(torch.empty_like(payload), src=peer, tag=i)
+                main += time.thread_time() - start
+            compute()
+            sent = dist.isend(payload, dst=peer, tag=i) if messages else None
+            compute()
+            if messages:
+                start = time.thread_time()
+                work.wait()
+                main += time.thread_time() - start
+                sent.wait()
+        return main / rounds, (others() - before) / rounds
+
+    loop(True)  # warm-up: the pair's first messages set up its connection
+    _, quiet = loop(False)
+    main, busy = loop(True)
+    return main + max(0.0, busy - quiet)
+
+
+def measure_recv_overhead() -> dict:
+    """recv_overhead: what a received message costs its rank's CPU (see _recv_worker), the
+    mean of the two ranks."""
+    from runtime.launch import run_local
+    return dict(recv_overhead=max(0.0, statistics.fmean(run_local(_recv_worker, 2))))
+
+
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -445,6 +504,7 @@ class RuntimeProbe:
             elif label == "pipeline hand-off":
                 fields.update(measure_handoff(cluster, sizes or [2]))
                 fields.update(measure_collective_handoff())
+                fields.update(measure_recv_overhead())
             elif label == "ranks sharing cores":
                 fields.update(measure_sharing(sorted(sizes) or [2]))
             else:  # last: priced with every other term

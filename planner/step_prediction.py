@@ -48,7 +48,8 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
                                syncs, optimizer, replicas,
                                cluster.cores or math.inf, cluster.unshared_ranks,
                                cluster.send_overhead, *_step_syncs(plan, cluster, replicas),
-                               send_wait_s=cluster.shared_send_wait, shared_p2p_s=shared_p2p)
+                               send_wait_s=cluster.shared_send_wait, shared_p2p_s=shared_p2p,
+                               recv_overhead_s=cluster.recv_overhead)
 
 
 def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:

@@ -9,7 +9,9 @@ rank runs, in order:
   its actions         a compute action costs the runtime's per-action overhead, then, if it needs
                       a message, waits until the message has arrived (p2p seconds after the send
                       was posted), then its compute; a send is on its way once posted and
-                      then costs the sender CPU (send_overhead); a receive costs nothing.
+                      then costs the sender CPU (send_overhead); a received message costs
+                      the receiver CPU once it is there (recv_overhead: posting the receive,
+                      taking the message, gloo's own thread moving it).
                       A post made while more ranks want CPU than run unshared on the cores
                       also waits for the core the woken receiver took (send_wait), and its
                       message takes shared_p2p_s
@@ -63,6 +65,7 @@ class StepCosts:
     # (both measured with every core busy); 0: as on idle cores
     send_wait_s: float = 0.0
     shared_p2p_s: float = 0.0
+    recv_overhead_s: float = 0.0          # CPU of the receiver per message, once it arrived
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ def _tasks(schedule: Schedule, rank: int, costs: StepCosts, sync: float, opt: fl
             tasks.append(_Task("overhead", cpu=costs.action_overhead_s))
             if (recv := schedule.recv_for(action)) is not None:
                 tasks.append(_Task("p2p wait", recv=schedule.counterpart(recv)))
+                tasks.append(_Task("overhead", cpu=costs.recv_overhead_s))
             tasks.append(_Task(f"{action.kind.value}{action.stage}", cpu=costs.duration(action),
                                action=action))
     return tasks + [_Task("dp sync", cpu=sync), _Task("optimizer", cpu=opt)]

@@ -115,3 +115,19 @@ def test_ranks_slowed_by_a_shared_cache_still_have_a_core_each():
     assert alone.makespan < step.makespan < alone.makespan * 1.1
     crowded = simulate_step(schedule, StepCosts(**{**costs, "cores": 1.0}))
     assert crowded.makespan > step.makespan + 5.0  # one core: posts wait for it
+
+
+def test_a_received_message_costs_its_receiver_cpu_once_there():
+    """1F1B p=2 m=2, F = B = 1: rank 1 receives two forwards and rank 0 two gradients. On
+    one core (p2p = 0, so some rank can always work) each receive's CPU adds to the step; with
+    a device per rank each rank's "overhead" is its own receives' CPU."""
+    schedule = make_schedule("1f1b", 2, 2)
+    receives = [sum(schedule.recv_for(a) is not None for a in acts if a.is_compute)
+                for acts in schedule.actions]
+    assert receives == [2, 2]
+    one_core = dict(duration=lambda a: 1.0, cores=1)
+    plain = simulate_step(schedule, StepCosts(**one_core)).makespan
+    costly = simulate_step(schedule, StepCosts(**one_core, recv_overhead_s=0.25)).makespan
+    assert costly == pytest.approx(plain + 4 * 0.25)
+    own = simulate_step(schedule, StepCosts(lambda a: 1.0, recv_overhead_s=0.25))
+    assert [parts["overhead"] for parts in own.parts] == pytest.approx([0.5, 0.5])
