@@ -190,6 +190,15 @@ def _waited(sent: float | None, wait: tuple[float, float] | None) -> list[float]
 HANDOFF_BYTES = 64 * 2**10  # an all-reduce of a small layer's activations
 
 
+def _compute(a: torch.Tensor, seconds: float, at_least: int = 0) -> None:
+    """Small matmuls on `a` (128 x 128: about 50 us each) for `seconds`, at least `at_least`."""
+    start = time.perf_counter()
+    for i in itertools.count():
+        if i >= at_least and time.perf_counter() - start >= seconds:
+            return
+        a.copy_(torch.tanh(a @ a * 1e-3))
+
+
 SYNC_GAP_S = 0.03  # computation before a step's own collectives: a stage's actions, CPU ranks
 # Rounds for sync_handoff. One round's extra time scatters over about +-4 ms around a mean of
 # 1-2 ms (the ranks end their computing apart, and the host takes a core now and then): 31
@@ -216,11 +225,7 @@ def _collective_handoff_worker(rounds: int = 61, gap_s: float = 0.0) -> list[flo
     extra = []
     for _ in range(rounds):
         dist.barrier()
-        start = time.perf_counter()
-        for i in itertools.count():
-            if i >= 20 and time.perf_counter() - start >= gap_s:
-                break
-            a.copy_(torch.tanh(a @ a * 1e-3))
+        _compute(a, gap_s, at_least=20)
         reached = all_reduce()
         extra.append(reached - all_reduce())
     return extra
@@ -274,11 +279,6 @@ def _recv_worker(rounds: int = RECV_ROUNDS, gap_s: float = RECV_GAP_S) -> float:
     peer = 1 - dist.get_rank()
     a, payload = torch.randn(128, 128), torch.randn(HANDOFF_BYTES // 4)
 
-    def compute() -> None:
-        start = time.perf_counter()
-        while time.perf_counter() - start < gap_s:
-            a.copy_(torch.tanh(a @ a * 1e-3))
-
     def others() -> float:  # CPU of the process's other threads so far
         return time.process_time() - time.thread_time()
 
@@ -290,9 +290,9 @@ def _recv_worker(rounds: int = RECV_ROUNDS, gap_s: float = RECV_GAP_S) -> float:
                 start = time.thread_time()
                 work = dist.irecv(torch.empty_like(payload), src=peer, tag=i)
                 main += time.thread_time() - start
-            compute()
+            _compute(a, gap_s)
             sent = dist.isend(payload, dst=peer, tag=i) if messages else None
-            compute()
+            _compute(a, gap_s)
             if messages:
                 start = time.thread_time()
                 work.wait()
