@@ -79,6 +79,7 @@ _RULES: dict[str, tuple] = {
     "unshared_ranks": _NONNEG,
     "collective_handoff": _NONNEG,
     "sync_handoff": _NONNEG,
+    "sync_latency": _NONNEG,
     "send_overhead": _NONNEG,
     "recv_overhead": _NONNEG,
     "p2p_handoff": _NONNEG,
@@ -92,7 +93,7 @@ _RULES: dict[str, tuple] = {
 # non-zero makes plans simulate the whole step (Cluster.runtime_priced).
 RUNTIME_FIELDS = ("action_floor", "action_overhead", "step_overhead", "split_backward",
                   "optimizer_per_param", "optimizer_per_tensor", "cores", "collective_handoff",
-                  "sync_handoff", "send_overhead", "recv_overhead", "p2p_handoff",
+                  "sync_handoff", "sync_latency", "send_overhead", "recv_overhead", "p2p_handoff",
                   "shared_send_wait", "shared_p2p_handoff", "ring_step_fwd", "ring_step_bwd")
 
 _DEVICES = ("cuda", "cpu")
@@ -209,6 +210,9 @@ class Cluster:
     # and what each of the step's own collectives (its opening check, the data-parallel sync,
     # the loss's all-reduce) takes beyond that: their groups idled through a stage's computing
     sync_handoff: float = 0.0
+    # Seconds per ring step of those small all-reduces as a step reaches them, wake-up included
+    # (measured on each calibrated world size); 0: priced by the links, plus sync_handoff
+    sync_latency: float = 0.0
     send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
     # CPU seconds a received pipeline message costs its rank: posting the receive, taking the
     # message, and gloo's own thread moving it (both ends'), all outside the actions

@@ -29,6 +29,8 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   collective_handoff  two ranks all-reduce after a burst of computation (a layer's), against
                    back to back: the median
   sync_handoff     the same after SYNC_GAP_S of computation (a stage's), the mean
+  sync_latency     each calibrated world size runs the step's own small all-reduces as a step
+                   reaches them (after a barrier, after SYNC_GAP_S of computation): per ring step
   optimizer_*      planner.train.make_optimizer's step timed on many small and a few large
                    tensors: seconds per tensor and per parameter, each step after a sweep of
                    memory larger than the caches, as a training step's forward and backward
@@ -263,6 +265,46 @@ def measure_handoff(cluster: Cluster, world_sizes=(2,)) -> dict:
     return fields
 
 
+def _step_sync_worker(rounds: int = 61, gap_s: float = SYNC_GAP_S) -> tuple[float, float]:
+    """(start, finish): the mean seconds of a step's own small all-reduces on this rank as a
+    step reaches them. start: right after the previous step's closing barrier and a little
+    work, runtime.batch's 16-byte check then runtime.loss_tokens' 4-byte count; finish: after
+    gap_s of computing, the 4-byte loss."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    check, count, a = torch.zeros(4), torch.zeros(1), torch.randn(128, 128)
+
+    def all_reduce(x: torch.Tensor) -> float:
+        begin = time.perf_counter()
+        dist.all_reduce(x)
+        return time.perf_counter() - begin
+
+    all_reduce(check)
+    start, finish = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        _compute(a, 0.0, at_least=10)
+        start.append(all_reduce(check) + all_reduce(count))
+        _compute(a, gap_s, at_least=20)
+        finish.append(all_reduce(count))
+    return statistics.fmean(start), statistics.fmean(finish)
+
+
+def measure_step_syncs(world_sizes) -> dict:
+    """sync_latency: seconds per ring step of the step's own small all-reduces as a step
+    reaches them, wake-up included: each calibrated world size's three (see
+    _step_sync_worker), fitted through the origin against their ring steps (2 on two ranks, 6
+    on four). Extrapolating the links' alpha, fitted from 4 KiB up, to 4 bytes had priced a
+    4-rank step's own collectives anywhere from 8 to 16 ms across calibrations of one host."""
+    from cost_model.comm import ring_steps
+    from runtime.launch import run_local
+    steps, seconds = [], []
+    for n in sorted({n for n in world_sizes if n > 1} or {2}):
+        steps.append(3 * ring_steps("all_reduce", n))
+        seconds.append(statistics.fmean(sum(r) for r in run_local(_step_sync_worker, n)))
+    return dict(sync_latency=max(0.0, slope_through_origin(steps, seconds)))
+
+
 # About 1 s a loop; four probes of 200 rounds read 0.53-0.60 ms, of 600 rounds 0.45-0.54 ms.
 RECV_ROUNDS, RECV_GAP_S = 400, 1e-3
 
@@ -319,6 +361,11 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+def slope_through_origin(xs: list[float], ys: list[float]) -> float:
+    """The least-squares slope of y = slope * x."""
+    return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+
+
 def _nonnegative_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """(slope, intercept) of the least-squares line with both >= 0 (noise cannot make a cost
     negative): where the free line has a negative term, the best line with that term 0."""
@@ -326,7 +373,7 @@ def _nonnegative_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     if slope < 0:
         return 0.0, max(0.0, statistics.fmean(ys))
     if intercept < 0:
-        return max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)), 0.0
+        return max(0.0, slope_through_origin(xs, ys)), 0.0
     return slope, intercept
 
 
@@ -504,6 +551,7 @@ class RuntimeProbe:
             elif label == "pipeline hand-off":
                 fields.update(measure_handoff(cluster, sizes or [2]))
                 fields.update(measure_collective_handoff())
+                fields.update(measure_step_syncs(sizes or [2]))
                 fields.update(measure_recv_overhead())
             elif label == "ranks sharing cores":
                 fields.update(measure_sharing(sorted(sizes) or [2]))

@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 
 from cost_model.cluster import Cluster
-from cost_model.comm import collective_time
+from cost_model.comm import collective_time, ring_steps
 from planner.plan import Plan, Predicted
 from runtime.generators import make_schedule
 from runtime.schedule import Action, Kind, Schedule
@@ -57,15 +57,25 @@ def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, flo
     (runtime.batch.compare_batches) and, over the replicas, the one counting the step's targets
     for a mean loss (runtime.loss_tokens); the loss's way from the last stage to every rank
     (the trainer's broadcast over the pipeline, an all-reduce over the replicas). Each side
-    wakes groups that idled through the step (sync_handoff)."""
+    wakes groups that idled through the step (sync_handoff) unless sync_latency, measured as a
+    step reaches them, already holds that."""
     world, group = replicas * plan.pp, plan.dp * plan.cp
-    start = collective_time(cluster, "all_reduce", 16, world) if world > 1 else 0.0
-    finish = collective_time(cluster, "all_reduce", 4, plan.pp, stride=replicas) \
-        if plan.pp > 1 else 0.0
+    start = _small_all_reduce(cluster, 16, world)
+    finish = _small_all_reduce(cluster, 4, plan.pp, stride=replicas)
     if group > 1:
-        start += collective_time(cluster, "all_reduce", 4, group, stride=plan.tp)
-        finish += collective_time(cluster, "all_reduce", 4, group, stride=plan.tp)
-    return _woken((start, finish), cluster)
+        start += _small_all_reduce(cluster, 4, group, stride=plan.tp)
+        finish += _small_all_reduce(cluster, 4, group, stride=plan.tp)
+    return (start, finish) if cluster.sync_latency else _woken((start, finish), cluster)
+
+
+def _small_all_reduce(cluster: Cluster, nbytes: int, n: int, stride: int = 1) -> float:
+    """One of the step's own all-reduces over n ranks: as measured in a step, wake-up included
+    (Cluster.sync_latency), where calibrated; else by the links (and woken by the caller)."""
+    if n < 2:
+        return 0.0
+    if cluster.sync_latency:
+        return ring_steps("all_reduce", n) * cluster.sync_latency
+    return collective_time(cluster, "all_reduce", nbytes, n, stride=stride)
 
 
 def _woken(times, cluster: Cluster) -> tuple[float, ...]:

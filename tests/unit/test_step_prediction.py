@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from planner.bench_runtime import cores_from_slowdown, per_tensor_and_param, runtime_terms
+from planner.bench_runtime import (cores_from_slowdown, per_tensor_and_param, runtime_terms,
+                                   slope_through_origin)
 from cost_model.cluster import PRESETS
 from planner.api import plan
 from planner.models import get_config
@@ -62,6 +63,25 @@ def test_the_steps_own_collectives_pay_the_sync_handoff_once_each(fix, woken):
     base = predicted_step(p, cluster).makespan
     woke = predicted_step(p, dataclasses.replace(cluster, sync_handoff=1e-2)).makespan
     assert woke - base == pytest.approx(woken * 1e-2)
+
+
+def test_measured_step_syncs_are_priced_per_ring_step_wake_up_included():
+    """With sync_latency calibrated each of the step's own all-reduces over n ranks takes
+    2 (n - 1) of it, its wake-up included (sync_handoff no longer added): on dp=2 x pp=2, the
+    world's check (6 ring steps) and the replicas' count (2) open the step; the loss over the
+    stages (2) and the replicas (2) close it."""
+    cluster = dataclasses.replace(CPU, sync_latency=1e-3, sync_handoff=5e-3)
+    p = _plan(cluster, dp=2, pp=2, schedule="1f1b")
+    start, finish = _step_syncs(p, cluster, 2)
+    assert (start, finish) == (pytest.approx(8e-3), pytest.approx(4e-3))
+
+
+def test_the_step_sync_fit_is_least_squares_through_the_origin():
+    """slope_through_origin against a brute-force search over slopes."""
+    xs, ys = [6.0, 18.0], [5.1e-3, 16.2e-3]
+    best = min((sum((y - k * 1e-7 * x) ** 2 for x, y in zip(xs, ys)), k * 1e-7)
+               for k in range(20000))[1]
+    assert slope_through_origin(xs, ys) == pytest.approx(best, abs=1e-7)
 
 
 def test_replicas_count_the_steps_targets_at_the_start():
