@@ -267,9 +267,9 @@ def measure_handoff(cluster: Cluster, world_sizes=(2,)) -> dict:
 
 def _step_sync_worker(rounds: int = 61, gap_s: float = SYNC_GAP_S) -> tuple[float, float]:
     """(start, finish): the mean seconds of a step's own small all-reduces on this rank as a
-    step reaches them. start: right after the previous step's closing barrier and a little
-    work, runtime.batch's 16-byte check then runtime.loss_tokens' 4-byte count; finish: after
-    gap_s of computing, the 4-byte loss."""
+    step reaches them. start: a little work after the ranks last synchronised (the previous
+    step's loss, a benchmark's barrier), runtime.batch's 16-byte check then
+    runtime.loss_tokens' 4-byte count; finish: after gap_s of computing, the 4-byte loss."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     check, count, a = torch.zeros(4), torch.zeros(1), torch.randn(128, 128)
