@@ -217,20 +217,22 @@ def _collective_handoff_worker(rounds: int = 61, gap_s: float = 0.0) -> list[flo
     import torch.distributed as dist
     torch.set_num_threads(1)
     x, a = torch.randn(HANDOFF_BYTES // 4), torch.randn(128, 128)
-
-    def all_reduce() -> float:
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        return time.perf_counter() - start
-
-    all_reduce()
+    _timed_all_reduce(x)
     extra = []
     for _ in range(rounds):
         dist.barrier()
         _compute(a, gap_s, at_least=20)
-        reached = all_reduce()
-        extra.append(reached - all_reduce())
+        reached = _timed_all_reduce(x)
+        extra.append(reached - _timed_all_reduce(x))
     return extra
+
+
+def _timed_all_reduce(x: torch.Tensor) -> float:
+    """Seconds of one all-reduce of x over the world."""
+    import torch.distributed as dist
+    start = time.perf_counter()
+    dist.all_reduce(x)
+    return time.perf_counter() - start
 
 
 def measure_collective_handoff() -> dict:
@@ -273,20 +275,14 @@ def _step_sync_worker(rounds: int = 61, gap_s: float = SYNC_GAP_S) -> tuple[floa
     import torch.distributed as dist
     torch.set_num_threads(1)
     check, count, a = torch.zeros(4), torch.zeros(1), torch.randn(128, 128)
-
-    def all_reduce(x: torch.Tensor) -> float:
-        begin = time.perf_counter()
-        dist.all_reduce(x)
-        return time.perf_counter() - begin
-
-    all_reduce(check)
+    _timed_all_reduce(check)
     start, finish = [], []
     for _ in range(rounds):
         dist.barrier()
         _compute(a, 0.0, at_least=10)
-        start.append(all_reduce(check) + all_reduce(count))
+        start.append(_timed_all_reduce(check) + _timed_all_reduce(count))
         _compute(a, gap_s, at_least=20)
-        finish.append(all_reduce(count))
+        finish.append(_timed_all_reduce(count))
     return statistics.fmean(start), statistics.fmean(finish)
 
 
