@@ -186,6 +186,16 @@ def combined(runs: list[Measured]) -> Measured:
                                peak_memory_bytes=max(m.peak_memory_bytes for m in runs))
 
 
+def attainable(measured: list[float], tolerance: float = 0.20) -> tuple[float, float] | None:
+    """The predictions p of one plan within `tolerance` of every run's measured time
+    (|p / m - 1| <= tolerance for each m): [(1 - tolerance) max, (1 + tolerance) min], None when
+    that is empty. A profile gives a plan one prediction, so when the host alone spreads its
+    runs further apart than (1 + tolerance) / (1 - tolerance) (1.5 at 20%), no cost model meets
+    the tolerance in all of them."""
+    low, high = (1 - tolerance) * max(measured), (1 + tolerance) * min(measured)
+    return (low, high) if low <= high else None
+
+
 def report(plans: list[Plan], results: list[Measured]) -> str:
     rows = []
     for i, (p, m) in enumerate(zip(plans, results)):

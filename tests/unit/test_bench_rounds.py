@@ -1,7 +1,8 @@
-"""`fxpar bench --rounds`: a plan's rounds combine into one result, and a bad count is refused."""
+"""`fxpar bench --rounds`: a plan's rounds combine into one result, and a bad count is refused;
+the predictions that several runs of a plan leave within a tolerance."""
 import pytest
 
-from planner.bench import Measured, bench, combined
+from planner.bench import Measured, attainable, bench, combined
 
 
 def _measured(step_s: float, peak: float, rank: int = 0) -> Measured:
@@ -35,3 +36,18 @@ def test_one_round_is_that_round():
 def test_rounds_must_be_positive():
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         bench([], config=None, rounds=0)
+
+
+def test_the_attainable_predictions_are_those_within_the_tolerance_of_every_run():
+    low, high = attainable([40.0, 50.0, 45.0])
+    assert (low, high) == pytest.approx((40.0, 48.0))
+    for p in (low, high, 44.0):  # inside: within 20% of each run
+        assert all(abs(p / m - 1) <= 0.20 + 1e-12 for m in (40.0, 50.0, 45.0))
+    for p in (low * 0.99, high * 1.01):  # just outside: one run is missed
+        assert any(abs(p / m - 1) > 0.20 for m in (40.0, 50.0, 45.0))
+
+
+def test_runs_more_than_1_5x_apart_leave_no_prediction_within_20_percent():
+    assert attainable([40.0, 59.0]) is not None  # 1.475x apart
+    assert attainable([40.0, 61.0]) is None      # 1.525x apart
+    assert attainable([40.0, 61.0], tolerance=0.25) is not None
