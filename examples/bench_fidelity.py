@@ -89,9 +89,9 @@ def across_runs(tables: list[list]) -> str:
     table = tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
                                     "max/min", f"within {RATIO_TARGET:.0%} of every run",
                                     "predicted there"], disable_numparse=True)
-    return (f"across the {len(tables)} runs\n{table}\n{unreachable} of {len(rows)} plans ran "
-            f"too far apart for any one prediction to be within {RATIO_TARGET:.0%} of every run; "
-            f"{outside} more were predicted outside the range that was")
+    return (f"across the {len(tables)} runs\n{table}\nplans the host ran too far apart for any "
+            f"one prediction to be within {RATIO_TARGET:.0%} of every run: {unreachable} of "
+            f"{len(rows)}; plans predicted outside a range there was: {outside}")
 
 
 def main(argv=None) -> int:
