@@ -38,15 +38,16 @@ CHOICE_TARGET = 0.05  # how much slower the first choice may run than the fastes
 
 
 def run_once(cluster: str, steps: int, warmup: int, rounds: int,
-             top_k: int = 3) -> tuple[list, list, int]:
+             top_k: int = 3) -> tuple[list, list, int, list]:
     """(table rows, per case (name, largest miss, first choice's excess), plans within
-    RATIO_TARGET); each row: case, rank, plan, predicted ms, measured ms, their ratio."""
-    rows, verdicts, within = [], [], 0
+    RATIO_TARGET, each row's (predicted, measured) seconds)."""
+    rows, verdicts, within, times = [], [], 0, []
     for model, gpus in CASES:
         config = get_config(model)
         plans = plan(config, gpus, cluster=cluster, top_k=top_k)
         results = bench(plans, config, steps, warmup, rounds)
         ratios = [p.predicted.iteration_s / m.step_s for p, m in zip(plans, results)]
+        times += [(p.predicted.iteration_s, m.step_s) for p, m in zip(plans, results)]
         for i, (p, m, r) in enumerate(zip(plans, results, ratios)):
             rows.append([f"{model} x{gpus}", i + 1, _mesh(p),
                          f"{p.predicted.iteration_s * 1e3:.1f}",
@@ -55,7 +56,7 @@ def run_once(cluster: str, steps: int, warmup: int, rounds: int,
         verdicts.append((f"{model} x{gpus}", max(abs(r - 1) for r in ratios),
                          results[0].step_s / fastest - 1))
         within += sum(abs(r - 1) <= RATIO_TARGET for r in ratios)
-    return rows, verdicts, within
+    return rows, verdicts, within, times
 
 
 def _met(worst: float, first: float) -> tuple[bool, bool]:
@@ -71,25 +72,27 @@ def _verdict(case: str, worst: float, first: float) -> str:
             f"{first:+.1%} vs the fastest measured ({choice_ok})")
 
 
-def across_runs(tables: list[list]) -> str:
-    """Each plan over the runs (the same plans each run: one profile): its measured range, the
-    predictions within RATIO_TARGET of every run (planner.bench.attainable) and whether the
+def across_runs(labels: list[list], times: list[list[tuple[float, float]]]) -> str:
+    """Each plan over the runs (the same plans each run: one profile; `labels`: the first
+    run's rows, `times`: each run's (predicted, measured) seconds per row): its measured range,
+    the predictions within RATIO_TARGET of every run (planner.bench.attainable) and whether the
     planner's is one; then how many plans the host alone put out of any prediction's reach."""
     rows, unreachable, outside = [], 0, 0
-    for row in zip(*tables):
-        predicted, measured = float(row[0][3]), [float(r[4]) for r in row]
+    for i, label in enumerate(labels):
+        predicted = times[0][i][0] * 1e3
+        measured = [run[i][1] * 1e3 for run in times]
         reach = attainable(measured, RATIO_TARGET)
         unreachable += reach is None
         inside = reach is not None and reach[0] <= predicted <= reach[1]
         outside += reach is not None and not inside
-        rows.append([*row[0][:4], f"{min(measured):.1f}-{max(measured):.1f}",
+        rows.append([*label[:4], f"{min(measured):.1f}-{max(measured):.1f}",
                      f"{max(measured) / min(measured):.2f}",
                      f"{reach[0]:.1f}-{reach[1]:.1f}" if reach else "none",
                      "yes" if inside else "no"])
     table = tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
                                     "max/min", f"within {RATIO_TARGET:.0%} of every run",
                                     "predicted there"], disable_numparse=True)
-    return (f"across the {len(tables)} runs\n{table}\nplans the host ran too far apart for any "
+    return (f"across the {len(times)} runs\n{table}\nplans the host ran too far apart for any "
             f"one prediction to be within {RATIO_TARGET:.0%} of every run: {unreachable} of "
             f"{len(rows)}; plans predicted outside a range there was: {outside}")
 
@@ -107,10 +110,11 @@ def main(argv=None) -> int:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be 0 or more, got {args.warmup}")
-    passed, tables = [], []
+    passed, times = [], []
     for run in range(args.runs):
-        rows, verdicts, within = run_once(args.cluster, args.steps, args.warmup, args.rounds)
-        tables.append(rows)
+        rows, verdicts, within, run_times = run_once(args.cluster, args.steps, args.warmup,
+                                                     args.rounds)
+        times.append(run_times)
         print(f"run {run + 1}")
         print(tabulate(rows, headers=["case", "#", "plan", "predicted ms", "measured ms",
                                       "pred/meas"], disable_numparse=True))
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
         print(f"run {run + 1}: {within} of {len(rows)} plans within {RATIO_TARGET:.0%}; "
               f"every target met: {'yes' if met else 'no'}\n")
     if args.runs > 1:
-        print(across_runs(tables) + "\n")
+        print(across_runs(rows, times) + "\n")
     print(f"targets met in {sum(passed)} of {args.runs} runs")
     return 0
 
