@@ -26,14 +26,16 @@ COMPUTE = tuple(k.value for k in (Kind.F, Kind.B, Kind.I, Kind.W))
 def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     floor, split = cluster.action_floor, cluster.split_backward
+    woken = [_tp_wake_up(plan, stage, cluster) for stage in plan.stages]
 
     def duration(action: Action) -> float:
         stage = plan.stages[action.stage]
+        wake = woken[action.stage] if action.kind is not Kind.W else 0.0
         if action.kind is Kind.F:
-            return stage.fwd_s + floor
+            return stage.fwd_s + floor + wake
         if action.kind is Kind.B:
-            return stage.bwd_s + floor
-        return stage.bwd_s * (1 + split) / 2 + floor  # I or W: half of a longer backward
+            return stage.bwd_s + floor + wake
+        return stage.bwd_s * (1 + split) / 2 + floor + wake  # I or W: half of a longer backward
 
     optimizer = [sum(plan.stages[s].step_s for s in schedule.stages_of(r))
                  for r in range(plan.pp)]
@@ -50,6 +52,18 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
                                cluster.send_overhead, *_step_syncs(plan, cluster, replicas),
                                send_wait_s=cluster.shared_send_wait, shared_p2p_s=shared_p2p,
                                recv_overhead_s=cluster.recv_overhead)
+
+
+def _tp_wake_up(plan: Plan, stage, cluster: Cluster) -> float:
+    """What an action of a stage with tensor-parallel layers pays beyond their priced
+    collectives: its first all-reduce wakes a group that idled since the stage's last action
+    (other stages' actions, p2p waits, the layers without collectives before it), so it takes
+    a collective reached after a stage's computing (sync_handoff) rather than after a layer's
+    (collective_handoff, already in each collective's price). W reaches none (its weight
+    gradients need no all-reduce)."""
+    if plan.tp < 2 or not any(s == "vocab-tp" or "tp" in s.split("+") for s in stage.strategies):
+        return 0.0
+    return max(0.0, cluster.sync_handoff - cluster.collective_handoff)
 
 
 def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:

@@ -9,7 +9,8 @@ from planner.bench_runtime import (cores_from_slowdown, per_tensor_and_param, ru
 from cost_model.cluster import PRESETS
 from planner.api import plan
 from planner.models import get_config
-from planner.step_prediction import _step_syncs, predicted_step
+from planner.step_prediction import _step_syncs, predicted_step, step_costs
+from runtime.schedule import Action, Kind
 
 CPU = PRESETS["cpu-gloo"]
 TINY = get_config("gpt-tiny")
@@ -180,3 +181,23 @@ def test_a_post_among_busy_cores_waits_for_its_core_and_hands_off_slower():
 def _schedule_actions(p, rank):
     from runtime.generators import make_schedule
     return make_schedule(p.schedule, p.pp, p.num_microbatches, p.virtual_stages).actions[rank]
+
+
+def test_an_action_of_a_tensor_parallel_stage_wakes_its_group_once():
+    cluster = dataclasses.replace(CPU, action_overhead=2e-4, collective_handoff=1e-4)
+    p = _plan(cluster, tp=2, pp=2, dp=1, schedule="zb-h1")
+    stages = (dataclasses.replace(p.stages[0], strategies=("none",) * len(p.stages[0].layers)),
+              dataclasses.replace(p.stages[1], strategies=("tp",) * len(p.stages[1].layers)))
+    p = dataclasses.replace(p, stages=stages)
+    asleep = dataclasses.replace(cluster, sync_handoff=2.1e-3)
+    _, quiet = step_costs(p, cluster)
+    _, woken = step_costs(p, asleep)
+    for kind, paid in ((Kind.F, 2e-3), (Kind.B, 2e-3), (Kind.I, 2e-3), (Kind.W, 0.0)):
+        before = quiet.duration(Action(0, kind, 1))
+        assert woken.duration(Action(0, kind, 1)) == pytest.approx(before)
+        assert woken.duration(Action(1, kind, 1)) == pytest.approx(
+            quiet.duration(Action(1, kind, 1)) + paid)
+    vocab = dataclasses.replace(p, stages=(stages[0], dataclasses.replace(
+        stages[1], strategies=("none",) * (len(stages[1].layers) - 1) + ("vocab-tp",))))
+    assert step_costs(vocab, asleep)[1].duration(Action(1, Kind.F, 0)) == pytest.approx(
+        step_costs(vocab, cluster)[1].duration(Action(1, Kind.F, 0)) + 2e-3)
