@@ -209,7 +209,8 @@ class Cluster:
     collective_handoff: float = 0.0  # seconds a collective takes in a step beyond back to back
     # and what each of the step's own collectives (its opening check, the data-parallel sync,
     # the loss's all-reduce) takes beyond that: their groups idled through a stage's computing
-    # (with sync_latency calibrated, the data-parallel sync's alone)
+    # (with sync_latency calibrated, the data-parallel sync's alone), and the first all-reduce of
+    # each action of a tensor-parallel stage, beyond its collective_handoff
     sync_handoff: float = 0.0
     # Seconds per ring step of those small all-reduces as a step reaches them, wake-up included
     # (measured on each calibrated world size); 0: priced by the links, plus sync_handoff
