@@ -6,7 +6,8 @@ On a cluster that also prices the runtime's own time and cores shared by ranks
 simulation instead: every compute action of the schedule with its stage's forward or backward
 (plus the runtime's floor per action), the p2p messages, the exposed data-parallel sync, the
 optimizer step and the runtime's overheads, on `cluster.cores` cores shared by all the plan's
-ranks; an action of a stage with tensor-parallel layers also wakes its group once. `fxpar bench --explain` lines the same parts up with a measured step.
+ranks; an action of a stage with tensor-parallel layers also wakes its group once. `fxpar bench
+--explain` lines the same parts up with a measured step.
 """
 from __future__ import annotations
 
