@@ -2,9 +2,9 @@
 
     python examples/bench_collectives.py --cluster out/cpu.json
 
-Predicts each collective with `cost_model.comm.collective_time` for the given
+Predicts each collective with `cost_model.hardware.comm.collective_time` for the given
 preset or profile, measures it in real process groups (gloo on CPU) with the
-harness calibration uses (`cost_model.bench_comm.measure_collectives`: the
+harness calibration uses (`cost_model.calibration.bench_comm.measure_collectives`: the
 fastest of interleaved rounds, same warm-up, same clock), and prints both
 with the median |predicted / measured - 1|. The default sizes lie between
 the ones calibration uses, so a calibrated profile is checked on data it was
@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tabulate import tabulate  # noqa: E402
 
-from cost_model.bench_comm import ROUNDS, measure_collectives  # noqa: E402
-from cost_model.calibrate import format_bytes  # noqa: E402
-from cost_model.cluster import get_cluster  # noqa: E402
-from cost_model.comm import KINDS, collective_time  # noqa: E402
+from cost_model.calibration.bench_comm import ROUNDS, measure_collectives  # noqa: E402
+from cost_model.calibration.calibrate import format_bytes  # noqa: E402
+from cost_model.hardware.cluster import get_cluster  # noqa: E402
+from cost_model.hardware.comm import KINDS, collective_time  # noqa: E402
 
 KiB, MiB = 2**10, 2**20
 DEFAULT_SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)

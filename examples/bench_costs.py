@@ -1,12 +1,12 @@
 """Predicted vs measured times on this machine: transformer blocks and collectives.
 
-    python -m cost_model.calibrate --out /tmp/cpu.json
+    python -m cost_model.calibration.calibrate --out /tmp/cpu.json
     python examples/bench_costs.py --cluster /tmp/cpu.json
 
 Layers: forward + backward of one GPT-style and one Llama-style block at a few sizes, predicted by
-`cost_model.layer_cost.price` from the block's captured graph and measured on this CPU in fp32
+`cost_model.layers.layer_cost.price` from the block's captured graph and measured on this CPU in fp32
 with one torch thread (what a calibrated CPU "device" is). Blocks are timed by calibration's own
-timer (`cost_model.bench_compute.interleaved_medians`: one warm-up each, the median of interleaved
+timer (`cost_model.calibration.bench_compute.interleaved_medians`: one warm-up each, the median of interleaved
 rounds) with the clock it uses for compute, this thread's CPU time, which other processes sharing
 the cores do not inflate; --clock wall includes the time they hold the core. Collectives: each kind
 at a few sizes and group sizes calibration also measures, predicted and measured by
@@ -29,14 +29,14 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from bench_collectives import run as collective_rows  # noqa: E402
-from cost_model.bench_comm import ROUNDS  # noqa: E402
-from cost_model.bench_compute import CLOCKS, COMPUTE_ROUNDS, interleaved_medians  # noqa: E402
-from cost_model.cluster import get_cluster  # noqa: E402
-from cost_model.comm import KINDS  # noqa: E402
-from cost_model.layer_cost import price, profile_layer  # noqa: E402
-from cost_model.strategy import Strategy  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from planner.models import GPTBlock, LlamaBlock, ModelConfig, build_model  # noqa: E402
+from cost_model.calibration.bench_comm import ROUNDS  # noqa: E402
+from cost_model.calibration.bench_compute import CLOCKS, COMPUTE_ROUNDS, interleaved_medians  # noqa: E402
+from cost_model.hardware.cluster import get_cluster  # noqa: E402
+from cost_model.hardware.comm import KINDS  # noqa: E402
+from cost_model.layers.layer_cost import price, profile_layer  # noqa: E402
+from cost_model.layers.strategy import Strategy  # noqa: E402
+from passes.capture.trace import capture  # noqa: E402
+from planner.models.presets import GPTBlock, LlamaBlock, ModelConfig, build_model  # noqa: E402
 
 KiB, MiB = 2**10, 2**20
 # (arch, hidden, heads, seq, micro-batch): each runs forward + backward in well under a second.

@@ -3,7 +3,7 @@
     python examples/bench_cp_memory.py [--seq 4096] [--cp 1 2 4 8]
 
 A one-block GPT with a tiny hidden size (so attention dominates) is captured, rewritten by
-`passes.context_parallel` for cp ranks and run forward on each rank's zig-zag share of the tokens,
+`passes.rewrite.context_parallel` for cp ranks and run forward on each rank's zig-zag share of the tokens,
 in real gloo process groups. A saved-tensors hook adds up the storage autograd keeps for backward
 (parameters and buffers excluded). Both attention forms are measured:
 
@@ -29,18 +29,18 @@ MiB = 2**20
 
 
 def _config(form: str, seq: int):
-    from planner.models import ModelConfig
+    from planner.models.presets import ModelConfig
     return ModelConfig("gpt", layers=1, hidden=32, heads=2, vocab=256, seq=seq, attention=form,
                        name="gpt-cp-bench")
 
 
 def measure(form: str, seq: int) -> dict:
     """Saved-for-backward bytes of this rank's forward (one process: cp = 1)."""
-    from passes.capture import capture
-    from passes.context_parallel import context_parallel
-    from planner.models import build_model, example_batch
-    from runtime import collectives
-    from runtime.cp_data import shard_sequence
+    from passes.capture.trace import capture
+    from passes.rewrite.context_parallel import context_parallel
+    from planner.models.presets import build_model, example_batch
+    from runtime.comm import collectives
+    from runtime.programs.token_split import shard_sequence
 
     cp = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -70,7 +70,7 @@ def measure(form: str, seq: int) -> dict:
 def _run(form: str, seq: int, cp: int) -> dict:
     if cp == 1:
         return measure(form, seq)
-    from runtime.launch import run_local
+    from runtime.launch.ranks import run_local
     return run_local(measure, cp, (form, seq), timeout_s=600)[0]
 
 

@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tabulate import tabulate  # noqa: E402
 
 from planner.api import plan  # noqa: E402
-from planner.bench import attainable, bench  # noqa: E402
-from planner.explain import _mesh  # noqa: E402
-from planner.models import get_config  # noqa: E402
+from planner.bench.plans import attainable, bench  # noqa: E402
+from planner.report.explain import _mesh  # noqa: E402
+from planner.models.presets import get_config  # noqa: E402
 
 CASES = (("gpt-tiny", 2), ("gpt-tiny", 4), ("llama-tiny", 2), ("llama-tiny", 4))
 RATIO_TARGET = 0.20   # largest |predicted / measured - 1| of a case's plans
@@ -75,7 +75,7 @@ def _verdict(case: str, worst: float, first: float) -> str:
 def across_runs(labels: list[list], times: list[list[tuple[float, float]]]) -> str:
     """Each plan over the runs (the same plans each run: one profile; `labels`: the first
     run's rows, `times`: each run's (predicted, measured) seconds per row): its measured range,
-    the predictions within RATIO_TARGET of every run (planner.bench.attainable) and whether the
+    the predictions within RATIO_TARGET of every run (planner.bench.plans.attainable) and whether the
     planner's is one; then how many plans the host alone put out of any prediction's reach."""
     rows, unreachable, outside = [], 0, 0
     for i, label in enumerate(labels):

@@ -1,7 +1,7 @@
 """Measured saved-activation memory per pipeline stage, by schedule, against the schedule's count.
 
 One training step of a small GPT on p gloo ranks per schedule, with the bytes autograd saves for
-backward counted while alive (runtime.memory). Per stage: the peak, the same peak counted in
+backward counted while alive (runtime.training.activation_memory). Per stage: the peak, the same peak counted in
 micro-batches (peak / what one micro-batch's forward saves) and, to compare, the number of
 micro-batches the schedule itself keeps in flight on that stage (F until B, or until W).
 
@@ -14,17 +14,17 @@ import argparse
 import torch
 from tabulate import tabulate
 
-from passes.capture import capture
-from planner.models import build_model, example_batch, get_config
-from planner.train import make_optimizer
-from runtime.generators import make_schedule
-from runtime.launch import run_local
-from passes.program import build_pipeline_trainer
-from runtime.measure import gather_memory
-from runtime.mesh import mesh_groups
-from runtime.mesh import Mesh
-from runtime.schedule import Kind, Schedule
-from runtime.trainer import TrainOptions
+from passes.capture.trace import capture
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import make_optimizer
+from runtime.pipeline.generators import make_schedule
+from runtime.launch.ranks import run_local
+from passes.stages.program import build_pipeline_trainer
+from runtime.observe.measure import gather_memory
+from runtime.comm.mesh import mesh_groups
+from runtime.comm.mesh import Mesh
+from runtime.pipeline.schedule import Kind, Schedule
+from runtime.training.trainer import TrainOptions
 
 CONFIG = get_config("gpt-tiny")
 MICRO_BATCH = 2

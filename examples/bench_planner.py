@@ -1,5 +1,5 @@
 """How long planning takes: presets on 8 to 1024 GPUs, synthetic models of 24 to 1000 layers, and
-a 61-block model of three block kinds on 1024 GPUs (planner.mixed_models: 3 wide Llama blocks,
+a 61-block model of three block kinds on 1024 GPUs (planner.models.mixed: 3 wide Llama blocks,
 57 narrow ones, 1 GPT-2 block, DeepSeek-V3's sizes; captured whole on the meta device).
 
     python examples/bench_planner.py [--repeat 3] [--only gpt3-175b/1024 "1000 layers"]
@@ -17,11 +17,11 @@ import time
 import torch
 from tabulate import tabulate
 
-from planner import ilp
+from planner.search import ilp
 from planner.api import plan
-from planner.costs import PlanningError
-from planner.mixed_models import MixedSpec
-from planner.models import get_config
+from planner.search.costs import PlanningError
+from planner.models.mixed import MixedSpec
+from planner.models.presets import get_config
 
 PRESET_CASES = [(m, g) for m in ("gpt2-xl", "llama2-70b", "gpt3-175b") for g in (8, 64, 512, 1024)]
 SYNTHETIC_LAYERS = (24, 96, 384, 1000)

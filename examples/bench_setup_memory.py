@@ -1,5 +1,5 @@
 """Set-up memory: a Llama-style model of over a billion parameters trained on 8 gloo ranks, each
-rank materialising only its own shard from the meta device (planner.materialize).
+rank materialising only its own shard from the meta device (planner.weights.materialize).
 
     python examples/bench_setup_memory.py                 # 1.17 B parameters, tp=2 x pp=4, 3 steps
     python examples/bench_setup_memory.py --layers 2 --hidden 256 --vocab 1024   # a quick look
@@ -18,10 +18,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from planner.models import ModelConfig  # noqa: E402
-from planner.pretrained import Source, plan_for  # noqa: E402
-from planner.setup_memory import GiB, memory_worker, table, vocab_parallel  # noqa: E402
-from runtime.launch import run_local  # noqa: E402
+from planner.models.presets import ModelConfig  # noqa: E402
+from planner.training.pretrained import Source, plan_for  # noqa: E402
+from planner.bench.setup_memory import GiB, memory_worker, table, vocab_parallel  # noqa: E402
+from runtime.launch.ranks import run_local  # noqa: E402
 
 
 def main() -> None:

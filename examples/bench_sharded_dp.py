@@ -1,7 +1,7 @@
 """Sharded data parallel, measured beside its price: for ZeRO levels 0-3 on a few meshes of 4
 gloo ranks, the bytes each rank holds after a step (parameters, gradients, optimizer states, read
-from the tensors) and the bytes it sends per collective kind in one step (runtime.sharded_dp's
-counters; level 0 from the all-reduce buckets' sizes), each beside cost_model.sharding's figure
+from the tensors) and the bytes it sends per collective kind in one step (runtime.data_parallel.sharded_dp's
+counters; level 0 from the all-reduce buckets' sizes), each beside cost_model.layers.sharding's figure
 for the plan's layers, and the step time measured relative to level 0.
 
     python examples/bench_sharded_dp.py            # gpt-tiny, 4 layers; about a minute
@@ -17,10 +17,10 @@ import torch
 from tabulate import tabulate
 
 from planner.api import plan
-from planner.models import build_model, example_batch, get_config
-from planner.train import make_optimizer
-from planner.zero import gpt_layer_numels, priced_stage
-from runtime.launch import run_local
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import make_optimizer
+from planner.search.zero import gpt_layer_numels, priced_stage
+from runtime.launch.ranks import run_local
 
 MESHES = {"dp4": dict(dp=4, mb=2), "dp2-pp2-zb": dict(dp=2, pp=2, mb=2, schedule="zb-h1"),
           "hsdp2x2": dict(dp=4, mb=2)}
@@ -30,8 +30,8 @@ STEPS = 3
 def worker(config, plan_jsons: list[str]):
     """Per plan: (pp index, held bytes, bytes sent per kind in the last step, seconds per step)."""
     from planner.api import ParallelModel
-    from planner.plan import Plan
-    from runtime import sharded_dp
+    from planner.search.plan import Plan
+    from runtime.data_parallel import sharded_dp
 
     torch.set_num_threads(1)
     out = []
@@ -54,7 +54,7 @@ def worker(config, plan_jsons: list[str]):
             held = {"params": trainer.sharded.param_bytes(),
                     "grads": trainer.sharded.grad_bytes(), "optimizer": states}
             sent = dict(sharded_dp.TRAFFIC)
-        else:  # level 0: the all-reduce buckets (runtime.trainer._GradSync)
+        else:  # level 0: the all-reduce buckets (runtime.training.trainer._GradSync)
             params = [p for prog in trainer.programs.values() for p in prog.gm.parameters()]
             buckets = [b for bs in (trainer.sync.buckets.values() if trainer.sync else [])
                        for b in bs]
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
             exact = all(held[k] == want_held[k] for k in held) and all(
                 abs(sent.get(k, 0) - want_sent.get(k, 0)) < 1e-6 for k in want_sent)
             rows.append([mesh, level, rank, *cells, "yes" if exact else "NO"])
-    print("bytes per rank, measured / priced (cost_model.sharding)")
+    print("bytes per rank, measured / priced (cost_model.layers.sharding)")
     print(tabulate(rows, headers=["mesh", "zero", "rank", "params", "grads", "optimizer",
                                   "reduce-scatter/step", "all-gather/step", "all-reduce/step",
                                   "equal"], disable_numparse=True))

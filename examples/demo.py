@@ -1,8 +1,8 @@
 """The main job: plan a small GPT for 8 GPUs, then train the plan for 3 steps on 8 gloo CPU processes
 standing in for the GPUs, each step's loss beside the same model trained in one process."""
 from planner.api import plan
-from planner.models import get_config
-from planner.train import compare_with_reference
+from planner.models.presets import get_config
+from planner.training.local import compare_with_reference
 
 
 def main() -> None:

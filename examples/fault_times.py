@@ -2,7 +2,7 @@
 
     python examples/fault_times.py
 
-Trains the tiny GPT of planner.faults on 2 or 4 local gloo ranks and, in step 2, SIGKILLs one
+Trains the tiny GPT of tests.harness.faults on 2 or 4 local gloo ranks and, in step 2, SIGKILLs one
 rank at a pipeline send, a backward, the data-parallel gradient all-reduce or the optimizer step,
 or makes one raise; then interrupts `fxpar run` from outside with SIGINT, SIGTERM and SIGKILL.
 Prints, per scenario, the seconds from the fault to the exit of the last rank (for a signal to
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tabulate import tabulate  # noqa: E402
 
-from planner.faults import interrupt_cli, timed_fault  # noqa: E402
+from tests.harness.faults import interrupt_cli, timed_fault  # noqa: E402
 
 FAULTS = [  # (dp, pp, victim, point, fate)
     (1, 2, 0, "forward p2p", "kill"),

@@ -4,17 +4,17 @@
     python examples/fuzz.py --examples 50 --seed 0 --shrink   # and minimise the first failure
     python examples/fuzz.py --replay "Case(config=ModelConfig(...), gpus=4, fix={...}, steps=2)"
 
-Each case (planner.fuzzing.build_case, drawn uniformly from a seeded generator) is planned with
+Each case (tests.harness.fuzzing.build_case, drawn uniformly from a seeded generator) is planned with
 its settings fixed (or, with a strategy drawn per block or vocabulary-parallel ends, priced as
-given by planner.pricing), trained on 4 or 8 local gloo ranks and compared with the same model
+given by planner.interop.configuration), trained on 4 or 8 local gloo ranks and compared with the same model
 trained in one process: per-step losses, every gradient and the final parameters, rtol 1e-5. One
 line per case; at the end, how many passed, how many the planner refused, how many failed, each
 failure as a replayable Case. A mismatch past rtol counts as noise, not a failure, when the
 parallel run is no farther from the same training in float64 than the fp32 one-process run is (a
-few steps of SGD at lr 0.5 amplify summation-order differences; planner.fuzzing.within_fp32_noise).
+few steps of SGD at lr 0.5 amplify summation-order differences; tests.harness.fuzzing.within_fp32_noise).
 --shrink then minimises the first failure: every choice of its case, in turn, to the simplest
 option that still fails the same way. Cases that fail for a known open reason
-(planner.fuzzing.known_failure) are counted apart.
+(tests.harness.fuzzing.known_failure) are counted apart.
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def main(argv=None) -> int:
                         help="collective timeout of the ranks in seconds (default 60)")
     args = parser.parse_args(argv)
 
-    from planner.fuzzing import (Case, Chooser, Refused, build_case, describe, known_failure,
+    from tests.harness.fuzzing import (Case, Chooser, Refused, build_case, describe, known_failure,
                                  plan_case, shrink, train_both, within_fp32_noise)
-    from planner.models import ModelConfig
-    from planner.train import assert_same_run
-    from runtime.launch import RankPool
+    from planner.models.presets import ModelConfig
+    from planner.training.local import assert_same_run
+    from runtime.launch.ranks import RankPool
 
     worlds = tuple(int(w) for w in args.worlds.split(","))
     pools: dict[int, RankPool] = {}

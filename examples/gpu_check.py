@@ -15,12 +15,12 @@ import time
 import torch
 from tabulate import tabulate
 
-from cost_model.calibrate import calibrate
-from cost_model.layer_cost import price, profile_layer
-from cost_model.strategy import Strategy
-from passes.capture import capture
+from cost_model.calibration.calibrate import calibrate
+from cost_model.layers.layer_cost import price, profile_layer
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import capture
 from planner.api import plan
-from planner.models import GPTBlock, LlamaBlock, ModelConfig, build_model, example_batch
+from planner.models.presets import GPTBlock, LlamaBlock, ModelConfig, build_model, example_batch
 
 BLOCKS = (("gpt", 2048, 16, 2048, 1), ("gpt", 4096, 32, 2048, 1), ("llama", 4096, 32, 2048, 1),
           ("llama", 4096, 32, 4096, 2))

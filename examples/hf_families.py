@@ -1,6 +1,6 @@
 """The table of Hugging Face architectures: does each family plan, does it train exactly.
 
-For every family of planner.hf_families (small configs, no download): plan it from its
+For every family of planner.models.hf_families (small configs, no download): plan it from its
 config.json as `fxpar plan --hf-config` does (seconds), then train 2 steps under tp=2 x pp=2 and
 cp=2 x pp=2 on 4 local gloo ranks beside one process and compare losses, every gradient and the
 final parameters (rtol 1e-5). An axis the family cannot use shows the planner's refusal.
@@ -18,11 +18,11 @@ import torch
 from tabulate import tabulate
 
 from planner.api import plan
-from planner.costs import PlanningError
-from planner.hf import build_hf_from_file, small_config
-from planner.hf_families import FAMILIES
-from planner.train import HFSpec, assert_same_run, build, reference_run, run_parallel
-from runtime.launch import RankPool
+from planner.search.costs import PlanningError
+from planner.models.hf import build_hf_from_file, small_config
+from planner.models.hf_families import FAMILIES
+from planner.training.local import HFSpec, assert_same_run, build, reference_run, run_parallel
+from runtime.launch.ranks import RankPool
 
 MESHES = {"tp=2 x pp=2": {"tp": 2, "pp": 2, "cp": 1, "strategy": "tp"},
           "cp=2 x pp=2": {"cp": 2, "pp": 2, "tp": 1}}

@@ -1,7 +1,7 @@
 """Race this pipeline runtime against torch.distributed.pipelining on the same stages.
 
 The same GPT is captured once and cut into the same stage GraphModules; one copy runs under our
-executor (runtime.trainer.PipelineTrainer), another inside torch's PipelineStage with
+executor (runtime.training.trainer.PipelineTrainer), another inside torch's PipelineStage with
 ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, on the same gloo ranks with the same
 micro-batches and the same optimizer. Rounds alternate (ours, torch, ours, torch, ...); each
 round times several full training steps (pipeline + optimizer step) on the slowest rank, and each
@@ -25,16 +25,16 @@ from tabulate import tabulate
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
-from passes.capture import capture
-from passes.program import Layout, rank_programs
-from planner.models import build_model, example_batch, get_config
-from planner.train import make_optimizer
-from runtime.generators import make_schedule
-from runtime.launch import run_local
-from passes.program import build_pipeline_trainer
-from runtime.measure import (balanced_stage_sizes, export_timelines, gather_timeline,
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rank_programs
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import make_optimizer
+from runtime.pipeline.generators import make_schedule
+from runtime.launch.ranks import run_local
+from passes.stages.program import build_pipeline_trainer
+from runtime.observe.measure import (balanced_stage_sizes, export_timelines, gather_timeline,
                              simulate_like, timed)
-from runtime.mesh import Mesh, mesh_groups
+from runtime.comm.mesh import Mesh, mesh_groups
 
 # Big enough that a stage's forward takes milliseconds, small enough for a laptop's CPU.
 CONFIG = get_config("gpt-tiny").with_(layers=6, hidden=128, heads=4, vocab=512, seq=64,

@@ -9,26 +9,26 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from cost_model.cluster import Cluster, get_cluster
-from cost_model.memory import TrainingMemory
-from passes.capture import capture
-from passes.program import rank_programs
-from planner.expert_search import search_experts
-from planner.loss import with_loss
-from planner.moe_config import captured_config, preset_runs
-from planner.materialize import capture_inputs, give_values, value_source
-from planner.models import ModelConfig, build_model, get_config
-from planner.plan import GiB, Plan, gib
-from planner.costs import ModelCosts, PlanningError
-from planner.refusals import why_nothing_plans
-from planner.search import Request, check_fix, search, smallest_memory
-from runtime.batch import BatchSpec
-from runtime.experts import bind_ep_group, expert_groups
-from runtime.generators import make_schedule
-from runtime.mesh import Mesh, mesh_groups
-from runtime.shards import shard_specs
-from runtime.tied import canonical_names
-from runtime.trainer import PipelineTrainer, TrainOptions
+from cost_model.hardware.cluster import Cluster, get_cluster
+from cost_model.layers.memory import TrainingMemory
+from passes.capture.trace import capture
+from passes.stages.program import rank_programs
+from planner.search.experts import search_experts
+from planner.models.loss import with_loss
+from planner.models.moe_config import captured_config, preset_runs
+from planner.weights.materialize import capture_inputs, give_values, value_source
+from planner.models.presets import ModelConfig, build_model, get_config
+from planner.search.plan import GiB, Plan, gib
+from planner.search.costs import ModelCosts, PlanningError
+from planner.search.refusals import why_nothing_plans
+from planner.search.meshes import Request, check_fix, search, smallest_memory
+from runtime.training.batch import BatchSpec
+from runtime.experts.dispatch import bind_ep_group, expert_groups
+from runtime.pipeline.generators import make_schedule
+from runtime.comm.mesh import Mesh, mesh_groups
+from runtime.programs.shards import shard_specs
+from runtime.training.tied import canonical_names
+from runtime.training.trainer import PipelineTrainer, TrainOptions
 
 
 def _check_gpus(gpus) -> int:
@@ -48,7 +48,7 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
          moe_imbalance: float | None = None) -> list[Plan]:
     """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
     device memory). Raises PlanningError, saying why, when none fits. loss_fn: see
-    planner.loss (for a module whose forward does not return the loss)."""
+    planner.models.loss (for a module whose forward does not return the loss)."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
     hw = get_cluster(cluster or default_cluster())
@@ -135,7 +135,7 @@ class ParallelModel:
     def __init__(self, model: torch.nn.Module | None, plan: Plan, alternatives: list[Plan],
                  example_inputs=None, optimizer=None, weights: str | None = None, seed: int = 0):
         self.plan = plan
-        self.weights, self.seed = weights, seed   # planner.materialize: values of a meta model
+        self.weights, self.seed = weights, seed   # planner.weights.materialize: values of a meta model
         self.alternatives = alternatives
         self.model = model
         self._example_inputs = example_inputs
@@ -164,9 +164,9 @@ class ParallelModel:
     def save(self, path: str, extra: dict | None = None) -> str:
         """Save parameters, optimizer state, step, data position, RNG states, the loss scale and
         `extra` (picklable) as a torch.distributed.checkpoint folder that loads under any plan
-        (runtime.checkpoint; collective: every rank calls it). Returns its absolute path."""
-        from planner.export import model_files
-        from runtime import checkpoint
+        (runtime.checkpoint.state; collective: every rank calls it). Returns its absolute path."""
+        from planner.weights.export import model_files
+        from runtime.checkpoint import state as checkpoint
         info = {"step": self.step, "data_position": self.data_position, "extra": extra}
         return checkpoint.save(self.shard(), path, info, model_files(self.model))
 
@@ -174,7 +174,7 @@ class ParallelModel:
         """Load a checkpoint folder, or the latest complete one under a folder of step-N
         checkpoints, saved under any plan; restores step and data_position and returns the
         saved info (its `extra` too)."""
-        from runtime import checkpoint
+        from runtime.checkpoint import state as checkpoint
         info = checkpoint.load(self.shard(), path)
         self.step, self.data_position = info["step"], info["data_position"]
         return info
@@ -225,7 +225,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     give_values(programs, values, captured.tied)  # a meta model, or weights=DIR
     split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
     batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
-    options = TrainOptions(zero=plan.zero, dp_shard=plan.dp_shard)  # runtime.sharded_dp
+    options = TrainOptions(zero=plan.zero, dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
                            tied=captured.tied, batch=batch, experts=experts, options=options)
 
@@ -275,8 +275,8 @@ def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, examp
     """Plan `model` for `gpus` devices (memory_limit: GiB per device, as for `plan`). Outside a
     distributed launch this only plans; inside one (world size must equal gpus) rank 0's plan is
     shared so every rank shards the same way. weights: a Hugging Face checkpoint directory each
-    rank reads its own slices of (planner.weights); a model on the meta device without weights
-    is initialised per shard by planner.materialize's plan-independent rule from `seed`."""
+    rank reads its own slices of (planner.weights.hf_weights); a model on the meta device without weights
+    is initialised per shard by planner.weights.materialize's plan-independent rule from `seed`."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
     if dist.is_initialized() and dist.get_world_size() != gpus:

@@ -29,8 +29,8 @@ EXAMPLES = {
 
 def _fix(text: str) -> dict:
     """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}; a bad item is an
-    error naming the key and its legal values (planner.search.check_fix, as for the API)."""
-    from planner.search import FIX_KEYS, FIX_NUMBERS, check_fix
+    error naming the key and its legal values (planner.search.meshes.check_fix, as for the API)."""
+    from planner.search.meshes import FIX_KEYS, FIX_NUMBERS, check_fix
     result: dict = {}
     for item in filter(None, text.split(",")):
         key, _, value = (part.strip() for part in item.partition("="))
@@ -44,7 +44,7 @@ def _fix(text: str) -> dict:
                 raise argparse.ArgumentTypeError(f"bad item {item!r}: {key} must be a positive "
                                                  f"integer (1, 2, 3, ...)")
             value = int(value)
-        elif key in ("zero", "dp_shard") and value.isdigit():  # planner.zero checks the rest
+        elif key in ("zero", "dp_shard") and value.isdigit():  # planner.search.zero checks the rest
             value = int(value)
         result[key] = value
         try:
@@ -105,7 +105,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def _config(args):
     """The preset with the size overrides and --global-batch: what is planned is what trains."""
-    from planner.models import get_config
+    from planner.models.presets import get_config
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
     sizes["seq"] = args.seq
     sizes["global_batch"] = args.global_batch
@@ -116,8 +116,8 @@ def _hf_model(args):
     """The Hugging Face model and a global batch, on the meta device (no weights allocated)."""
     import torch
 
-    from planner.hf import build_hf, build_hf_from_file, sequence_length
-    from planner.hf_moe import has_experts, use_routed_experts
+    from planner.models.hf import build_hf, build_hf_from_file, sequence_length
+    from planner.models.hf_moe import has_experts, use_routed_experts
     with torch.device("meta"):
         model = build_hf_from_file(args.hf_config) if args.hf_config else build_hf(args.hf)
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
@@ -136,7 +136,7 @@ def _plans(args, top_k: int = 1):
 
 
 def _load_plan(path: str):
-    from planner.plan import Plan
+    from planner.search.plan import Plan
     not_a_plan = f"{path} is not a plan written by `fxpar plan --json`"
     try:
         with open(path, encoding="utf-8") as f:
@@ -159,7 +159,7 @@ def _load_plan(path: str):
 
 
 def cmd_plan(args) -> int:
-    from planner.explain import diff, explain
+    from planner.report.explain import diff, explain
     if args.diff:
         a, b = (_load_plan(p) for p in args.diff)
         print(diff(a, b, tuple(args.diff)))
@@ -168,7 +168,7 @@ def cmd_plan(args) -> int:
         raise ValueError("fxpar plan needs --gpus and a model: --model PRESET, --hf ARCH or "
                          "--hf-config FILE.json (or --diff A.json B.json)")
     if args.emit or args.from_megatron is not None or args.from_torchtitan:
-        from planner.importing import cmd_portable  # --emit, --from-megatron, --from-torchtitan
+        from planner.interop.price_imported import cmd_portable  # --emit, --from-megatron, --from-torchtitan
         return cmd_portable(args, _config, _hf_model)
     start = time.perf_counter()
     plans = _plans(args, top_k=args.top_k if args.explain else 1)
@@ -178,7 +178,7 @@ def cmd_plan(args) -> int:
         return 0
     print(best)
     if args.png:
-        from planner.pictures import plot_plan
+        from planner.report.pictures import plot_plan
         print(f"plan picture written to {plot_plan(best, args.png)}")
     if args.explain:
         print()
@@ -188,7 +188,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from planner.pictures import predicted_timeline, write_timeline
+    from planner.report.pictures import predicted_timeline, write_timeline
     if args.plan:
         chosen = _load_plan(args.plan)
     elif args.gpus and (args.model or args.hf or args.hf_config):
@@ -213,9 +213,9 @@ def _preset_only(args, command: str) -> None:
 
 
 def cmd_run(args) -> int:
-    from planner.train import compare_with_reference
+    from planner.training.local import compare_with_reference
     if args.weights:  # a Hugging Face checkpoint directory, read per shard
-        from planner.pretrained import cmd_run_weights
+        from planner.training.pretrained import cmd_run_weights
         return cmd_run_weights(args)
     _preset_only(args, "run")
     best = _plans(args)[0]
@@ -227,8 +227,8 @@ def cmd_run(args) -> int:
     if args.torchrun:
         print(torchrun_command(best, _config(args), args.steps, args.torchrun))
         return 0
-    if args.checkpoint or args.save_every or args.resume:  # planner.resume
-        from planner.resume import compare_resumed
+    if args.checkpoint or args.save_every or args.resume:  # planner.training.resume
+        from planner.training.resume import compare_resumed
         compare_resumed(_config(args), best, args.steps, args.checkpoint, args.save_every,
                         args.resume)
         return 0
@@ -241,7 +241,7 @@ def torchrun_command(plan, config, steps: int, folder: str) -> str:
     import dataclasses
     import os
 
-    from cost_model.cluster import get_cluster
+    from cost_model.hardware.cluster import get_cluster
     os.makedirs(folder, exist_ok=True)
     plan_path, model_path = os.path.join(folder, "plan.json"), os.path.join(folder, "model.json")
     with open(plan_path, "w") as f:
@@ -252,12 +252,12 @@ def torchrun_command(plan, config, steps: int, folder: str) -> str:
     nodes = -(-plan.gpus // per_node)
     return (f"# on each of the {nodes} node(s), with the same files at the same paths:\n"
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint $MASTER_HOST:29500 -m planner.bench --worker {plan_path} "
+            f"--rdzv-endpoint $MASTER_HOST:29500 -m planner.bench.plans --worker {plan_path} "
             f"{model_path} {steps} 0 {os.path.join(folder, 'result.json')}")
 
 
 def cmd_bench(args) -> int:
-    from planner.bench import bench, plot, report
+    from planner.bench.plans import bench, plot, report
     _preset_only(args, "bench")
     plans = _plans(args, top_k=args.top_k)
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
@@ -268,8 +268,8 @@ def cmd_bench(args) -> int:
     print(report(plans, results))
     print(f"plot written to {plot(plans, results, args.png)}")
     if args.explain:
-        from cost_model.cluster import get_cluster
-        from planner.bench_explain import explain_table, write_traces
+        from cost_model.hardware.cluster import get_cluster
+        from planner.bench.explain import explain_table, write_traces
         cluster = get_cluster(args.cluster)
         stem = os.path.splitext(args.png)[0]
         for i, (p, m) in enumerate(zip(plans, results)):
@@ -370,21 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["calibrate"]:  # its own parser (it also runs as python -m cost_model.calibrate)
-        from cost_model.calibrate import main as calibrate_main
-        from planner.bench_runtime import RuntimeProbe
+    if argv[:1] == ["calibrate"]:  # its own parser (it also runs as python -m cost_model.calibration.calibrate)
+        from cost_model.calibration.calibrate import main as calibrate_main
+        from planner.bench.runtime_probes import RuntimeProbe
         return _guarded(lambda args: calibrate_main(args, runtime=RuntimeProbe()), argv[1:])
     args = build_parser().parse_args(argv)
     return _guarded(args.func, args)
 
 
 def _cmd_export(args) -> int:
-    from planner.export import cmd_export
+    from planner.weights.export import cmd_export
     return cmd_export(args)
 
 
 def _summary(err: Exception):
-    """A failed distributed run (runtime.launch.RankFailure) is told by its first line, which names
+    """A failed distributed run (runtime.launch.ranks.RankFailure) is told by its first line, which names
     the rank that failed, where and why; the other ranks and the tracebacks go to a file."""
     if not hasattr(err, "write_report"):
         return err
@@ -398,7 +398,7 @@ def _guarded(func, *args) -> int:
     except (ValueError, RuntimeError, OSError, KeyError) as err:
         print(f"fxpar: error: {_one_line(_summary(err))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; runtime.launch has ended the ranks
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; runtime.launch.ranks has ended the ranks
         print("fxpar: interrupted", file=sys.stderr)
         return 130
 

@@ -1,8 +1,15 @@
-"""fxpar's runtime: what a rank runs and how ranks meet. The schedule IR and its generators,
-validator and simulator; the stage programs' types (stage.StageProgram) and shard specs; the
-executor over torch.distributed point-to-point ops; the trainer (data-parallel sync, tied
-parameters, replicas made equal, the batch check, clipping, mixed precision); the collectives
-rewritten graphs call and the bytes each puts on the wire; meshes and process groups; the
-launcher, fault reports and activity. It imports nothing of the floors above it.
+"""fxpar's runtime: what a rank runs and how ranks meet. It imports nothing of the floors above.
 
-Floors: planner → cost_model → passes → runtime; imports point downward only."""
+  programs/       the types passes/ produce: stage programs, shard specs, token layouts
+  launch/         torchrun or local gloo ranks, the pool of ranks, fault reports, progress
+  comm/           collectives as graph nodes, the device mesh, bytes on the wire, counters
+  pipeline/       the schedule IR, its generators, validator, simulators, executor, timeline
+  data_parallel/  ZeRO 1-3 / FSDP over flat buckets, replicas made equal
+  experts/        expert-parallel dispatch and the routed-experts op
+  context/        ring attention
+  training/       one training iteration on a rank: sync, tied weights, batch check, RNG
+  checkpoint/     DCP checkpoints under any plan
+  observe/        measurement runs and the split of a measured step
+
+Inside, highest first: observe → checkpoint → training → {pipeline, data_parallel, experts,
+context} → comm → {programs, launch} (tests/unit/test_floors.py)."""

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from runtime.launch import RankPool
+from runtime.launch.ranks import RankPool
 
 _POOLS: dict[int, RankPool] = {}
 

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from cost_model.cluster import PRESETS
+from cost_model.hardware.cluster import PRESETS
 from planner.api import plan
-from planner.bench import run_plan
-from planner.bench_explain import explain_table, measured_parts, write_traces
-from planner.models import ModelConfig
-from runtime.generators import make_schedule
+from planner.bench.plans import run_plan
+from planner.bench.explain import explain_table, measured_parts, write_traces
+from planner.models.presets import ModelConfig
+from runtime.pipeline.generators import make_schedule
 
 CONFIG = ModelConfig("gpt", 2, 32, 4, 64, 16, global_batch=4, name="bench-probe")
 CLUSTER = dataclasses.replace(PRESETS["cpu-gloo"], action_overhead=1e-4, step_overhead=1e-3)

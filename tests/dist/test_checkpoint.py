@@ -1,4 +1,4 @@
-"""Checkpoints (runtime.checkpoint, torch.distributed.checkpoint) on real gloo ranks: a resumed run
+"""Checkpoints (runtime.checkpoint.state, torch.distributed.checkpoint) on real gloo ranks: a resumed run
 continues bit for bit in new processes; a checkpoint saved under dp=2 x tp=2 x pp=2 resumes under
 other tp, pp, cp and numbers of ranks as one process would have continued; a save killed mid-write
 leaves the previous checkpoint the one a resume picks."""
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from planner.api import plan
-from planner.models import get_config
-from planner.resume import reference_steps, run_with_checkpoints
-from runtime import checkpoint
-from runtime.launch import RankFailure, run_local
+from planner.models.presets import get_config
+from planner.training.resume import reference_steps, run_with_checkpoints
+from runtime.checkpoint import state as checkpoint
+from runtime.launch.ranks import RankFailure, run_local
 
 # A GPT with a fused QKV weight (3 chunks per tp shard), a head tied to the embedding (held by the
 # first and last stages), and a vocabulary of 250, which tp=4 pads to 252.
@@ -36,7 +36,7 @@ def test_resume_in_new_processes_is_bit_identical(pool4, tmp_path):
     """4 steps in one go (saving at step 2) == the checkpoint of step 2 loaded in freshly started
     processes and 2 more steps (AdamW, so the optimizer's step count and both moments must come
     back)."""
-    from planner.resume import checkpoint_worker
+    from planner.training.resume import checkpoint_worker
     chosen = fixed(CONFIG, dp=1, tp=2, pp=2)
     root = str(tmp_path)
     whole = run_with_checkpoints(CONFIG, chosen, STEPS, root, save_every=SAVED_AT,
@@ -96,7 +96,7 @@ CLI_MESH = ["--model", "gpt-tiny", "--layers", "2", "--global-batch", "8", "--gp
 def test_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, capsys):
     """Rank 1 dies while writing the checkpoint of step 4: step 2 stays the latest complete
     one, and `fxpar run --resume` continues from it as one process would."""
-    from planner.checkpoint_faults import killed_mid_save_worker
+    from tests.harness.checkpoint_faults import killed_mid_save_worker
     from planner.cli import main
     root = str(tmp_path)
     chosen = fixed(CLI_CONFIG, dp=1, tp=2, pp=2)
@@ -127,9 +127,9 @@ def test_export_loads_in_transformers_with_the_same_loss(pool4, tmp_path):
     one safetensors file that from_pretrained loads: the trained weights, the same loss."""
     transformers = pytest.importorskip("transformers")
     from planner.cli import main
-    from planner.hf import HFCausalLM
-    from planner.resume import batch_at
-    from planner.train import HFSpec, build
+    from planner.models.hf import HFCausalLM
+    from planner.training.resume import batch_at
+    from planner.training.local import HFSpec, build
     spec = HFSpec("gpt2", global_batch=8, overrides=(("n_layer", 2),))
     torch.manual_seed(0)
     model, batch = build(spec)

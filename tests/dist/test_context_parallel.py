@@ -3,7 +3,7 @@
 Attention: each rank holds its zig-zag share of q, k, v; the ring output and (dq, dk, dv) must equal
 F.scaled_dot_product_attention of the full sequence (then sharded the same way) within 1e-5.
 Models: plans with cp > 1 (alone and with tp, sp, recompute, pp and dp) trained through
-autoparallelize's path (planner.train.run_parallel); per-step losses, gradients and final parameters
+autoparallelize's path (planner.training.local.run_parallel); per-step losses, gradients and final parameters
 must equal the same model trained on the whole batch in one process.
 """
 from __future__ import annotations
@@ -13,18 +13,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cost_model.cluster import get_cluster
-from cost_model.layer_cost import price, profile_layer
-from cost_model.strategy import Strategy
-from passes.capture import capture
-from passes.program import Layout, rank_programs
+from cost_model.hardware.cluster import get_cluster
+from cost_model.layers.layer_cost import price, profile_layer
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rank_programs
 from planner.api import plan
-from planner.models import build_model, example_batch, get_config
-from planner.train import assert_same_run, reference_run, run_parallel
-from runtime import collectives, instrument
-from runtime.cp_data import shard_sequence
-from runtime.mesh import Mesh, mesh_groups
-from runtime.ring_attention import ring_attention
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import assert_same_run, reference_run, run_parallel
+from runtime.comm import collectives
+from runtime.comm import instrument
+from runtime.programs.token_split import shard_sequence
+from runtime.comm.mesh import Mesh, mesh_groups
+from runtime.context.ring_attention import ring_attention
 
 STEPS = 3
 _SUBGROUPS: dict[tuple[int, int], list] = {}

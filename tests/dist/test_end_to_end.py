@@ -3,8 +3,8 @@ final parameters."""
 import pytest
 
 from planner.api import plan
-from planner.models import get_config
-from planner.train import assert_same_run, reference_run, run_parallel
+from planner.models.presets import get_config
+from planner.training.local import assert_same_run, reference_run, run_parallel
 
 MESHES = [(1, 1, 8), (1, 8, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1)]  # (dp, tp, pp)
 STEPS = 3
@@ -33,9 +33,9 @@ def _train_and_close(plan_json: str) -> tuple[float, bool]:
     import torch.distributed as dist
 
     from planner.api import ParallelModel
-    from planner.models import build_model, example_batch
-    from planner.plan import Plan
-    from planner.train import make_optimizer
+    from planner.models.presets import build_model, example_batch
+    from planner.search.plan import Plan
+    from planner.training.local import make_optimizer
     config = get_config("gpt-tiny", layers=2)
     batch = example_batch(config, 8)
     pm = ParallelModel(build_model(config), Plan.from_json(plan_json), [], batch, make_optimizer)
@@ -48,7 +48,7 @@ def _train_and_close(plan_json: str) -> tuple[float, bool]:
 def test_close_ends_the_run_on_every_rank():
     """ParallelModel.close() frees the shard and destroys the process groups on every rank (the
     launcher, finding none left, does not destroy them twice)."""
-    from runtime.launch import run_local
+    from runtime.launch.ranks import run_local
     config = get_config("gpt-tiny", layers=2)
     chosen = plan(config, 2, cluster="cpu-gloo", global_batch=8,
                   fix={"dp": 2, "tp": 1, "pp": 1, "mb": 1})[0]

@@ -2,7 +2,7 @@
 import pytest
 
 from planner.api import autoparallelize
-from planner.models import build_model, example_batch, get_config
+from planner.models.presets import build_model, example_batch, get_config
 
 
 def _mismatched_world():

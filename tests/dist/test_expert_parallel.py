@@ -9,8 +9,8 @@ import torch
 from conftest import rank_pool
 
 from planner.api import plan
-from planner.models import build_model, example_batch, get_config
-from planner.train import assert_same_run, reference_run, run_parallel
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import assert_same_run, reference_run, run_parallel
 
 STEPS = 2
 MIXTRAL = get_config("mixtral-tiny").with_(layers=2, global_batch=8)
@@ -74,9 +74,10 @@ def _traffic_worker(config, plan_json: str):
     import torch.distributed as dist
 
     from planner.api import ParallelModel
-    from planner.plan import Plan
-    from planner.train import build, make_optimizer
-    from runtime import experts, instrument
+    from planner.search.plan import Plan
+    from planner.training.local import build, make_optimizer
+    from runtime.experts import dispatch as experts
+    from runtime.comm import instrument
 
     torch.manual_seed(0)
     model, batch = build(config)
@@ -111,7 +112,7 @@ def _traffic_worker(config, plan_json: str):
 @pytest.mark.parametrize("ep,dp,pp,schedule", [(4, 4, 1, "1f1b"), (2, 2, 2, "zb-h1")],
                          ids=["ep4", "ep2-pp2-zb"])  # zb-h1: a split backward, exchanged once
 def test_all_to_all_bytes_counted_as_priced(pool4, ep, dp, pp, schedule):
-    from cost_model.moe import MoEFacts
+    from cost_model.ops.moe import MoEFacts
     chosen = _plan(MIXTRAL, 4, ep, dp, pp=pp, schedule=schedule)
     results = pool4.run(_traffic_worker, MIXTRAL, chosen.dumps())
     e, f, h = MIXTRAL.experts, MIXTRAL.expert_ffn, MIXTRAL.hidden
@@ -121,7 +122,7 @@ def test_all_to_all_bytes_counted_as_priced(pool4, ep, dp, pp, schedule):
         assert sent.keys() == remote.keys() and sent
         layers |= sent.keys()
         for layer, slots in remote.items():
-            # cost_model.moe: 4 T k h d r per micro-batch, T k r the slots a rank sends away,
+            # cost_model.ops.moe: 4 T k h d r per micro-batch, T k r the slots a rank sends away,
             # which routing balances against those it receives: here their mean, slots / 2
             facts = MoEFacts(tokens=slots, hidden=h, experts=e, top_k=1, ffn=f, dtype_bytes=4)
             assert sent[layer] == facts.all_to_all_bytes(4, remote=0.5)
@@ -134,12 +135,12 @@ def test_balance_all_reduce_and_all_to_all_under_cp_counted_as_priced(pool4):
     each MoE layer's balance statistics (2 b E values per micro-batch of b sequences) are
     all-reduced forward and backward, the bytes layer_cost.price adds under cp; the all-to-all
     moves the rank's seq / cp tokens."""
-    from cost_model.cluster import get_cluster
-    from cost_model.comm import bytes_on_wire
-    from cost_model.layer_cost import price, profile_layer
-    from cost_model.moe import MoEFacts
-    from cost_model.strategy import Strategy
-    from passes.capture import capture
+    from cost_model.hardware.cluster import get_cluster
+    from cost_model.hardware.comm import bytes_on_wire
+    from cost_model.layers.layer_cost import price, profile_layer
+    from cost_model.ops.moe import MoEFacts
+    from cost_model.layers.strategy import Strategy
+    from passes.capture.trace import capture
 
     cp, mb = 2, 1
     chosen = _plan(BALANCED, 4, 2, 1, pp=2, schedule="zb-h1", cp=cp)
@@ -165,7 +166,7 @@ def test_balance_all_reduce_and_all_to_all_under_cp_counted_as_priced(pool4):
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # deepseek_v3: latent attention,
 def test_hugging_face_moe_ep2_pp2_matches_one_process(pool4, arch):  # a dense first block,
     pytest.importorskip("transformers")  # group-limited sigmoid routing, a shared expert
-    from planner.hf_moe import HFMoESpec
+    from planner.models.hf_moe import HFMoESpec
     spec = HFMoESpec(arch)
     model, batch = spec.build()
     fix = {"dp": 2, "tp": 1, "pp": 2, "mb": 1, "schedule": "1f1b", "ep": 2}

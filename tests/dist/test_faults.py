@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from planner.faults import interrupt_cli, timed_fault
-from runtime import activity
-from runtime.launch import GRACE_S, RankFailure, RankPool, _failure, _Report
+from tests.harness.faults import interrupt_cli, timed_fault
+from runtime.launch import activity
+from runtime.launch.ranks import GRACE_S, RankFailure, RankPool, _failure, _Report
 
 TIMEOUT_S = 12  # the process-group timeout of these runs: every end must come well before it
 

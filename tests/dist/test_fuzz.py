@@ -1,6 +1,6 @@
 """Random tiny models × random fixed plans on 4 or 8 gloo ranks against one process.
 
-planner.fuzzing draws the model (GPT or Llama, 1-4 layers, grouped-query heads, prime vocabularies,
+tests.harness.fuzzing draws the model (GPT or Llama, 1-4 layers, grouped-query heads, prime vocabularies,
 tied or not, sdpa or written-out attention) and the plan (mesh, schedule, v, micro-batch size,
 one strategy for every block, the planner's per block or one drawn per block, vocabulary-parallel
 ends); each accepted plan trains 2-3 steps and must match one process in losses, every gradient
@@ -12,7 +12,7 @@ import pytest
 from conftest import rank_pool  # the session's pools (tests/conftest.py), restarted if closed
 from hypothesis import HealthCheck, assume, event, given, settings
 
-from planner.fuzzing import Refused, cases, check, known_failure, plan_case
+from tests.harness.fuzzing import Refused, cases, check, known_failure, plan_case
 
 
 @pytest.mark.dist

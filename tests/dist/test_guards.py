@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from planner.api import ParallelModel, plan
-from planner.models import get_config
-from planner.plan import Plan
-from planner.train import (RunResult, assert_same_run, build, make_optimizer, reference_run,
+from planner.models.presets import get_config
+from planner.search.plan import Plan
+from planner.training.local import (RunResult, assert_same_run, build, make_optimizer, reference_run,
                            run_parallel)
 
 STEPS = 3
@@ -130,7 +130,7 @@ class HeadReadsEmbedding(torch.nn.Module):
 
 
 class _HeadReadsEmbeddingSpec:
-    """What planner.train.build needs: the model and its batch, the same on every rank."""
+    """What planner.training.local.build needs: the model and its batch, the same on every rank."""
 
     def build(self):
         model = HeadReadsEmbedding()

@@ -3,9 +3,9 @@ ranks against one process: losses, every gradient of every step, final parameter
 import pytest
 
 from planner.api import plan
-from planner.mixed_models import MixedSpec
-from planner.models import get_config
-from planner.train import assert_same_run, reference_run, run_parallel
+from planner.models.mixed import MixedSpec
+from planner.models.presets import get_config
+from planner.training.local import assert_same_run, reference_run, run_parallel
 
 BASE = get_config("llama-tiny").with_(layers=1, hidden=64, heads=4, kv_heads=2, vocab=97, seq=16)
 CASES = {

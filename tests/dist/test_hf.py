@@ -5,7 +5,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from planner.api import plan  # noqa: E402
-from planner.train import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
+from planner.training.local import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
 
 CASES = [("gpt2", {"dp": 2, "tp": 2, "pp": 2}), ("llama", {"dp": 2, "tp": 2, "pp": 2}),
          ("gpt2", {"dp": 1, "tp": 4, "pp": 2}), ("llama", {"dp": 1, "tp": 2, "pp": 4})]

@@ -1,4 +1,4 @@
-"""Decoder-only Hugging Face families (planner.hf_families), each built from a small config with no
+"""Decoder-only Hugging Face families (planner.models.hf_families), each built from a small config with no
 download: planned from its config.json as `fxpar plan --hf-config` does, and trained under
 tp=2 x pp=2 and cp=2 x pp=2 on 4 gloo ranks against one process (losses, every gradient, the
 final parameters, rtol 1e-5). An axis a family cannot use is refused at plan time with the reason
@@ -12,18 +12,18 @@ transformers = pytest.importorskip("transformers")
 
 from planner.api import plan  # noqa: E402
 from planner.cli import main  # noqa: E402
-from planner.costs import PlanningError  # noqa: E402
-from planner.hf import small_config  # noqa: E402
-from planner.hf_families import FAMILIES  # noqa: E402
-from planner.train import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
-from cost_model.cluster import get_cluster  # noqa: E402
-from cost_model.layer_cost import price, profile_layer  # noqa: E402
-from cost_model.strategy import Strategy  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from passes.program import Layout, rank_programs  # noqa: E402
-from runtime import instrument  # noqa: E402
-from runtime.mesh import Mesh, mesh_groups  # noqa: E402
-from runtime.wire import bytes_on_wire  # noqa: E402
+from planner.search.costs import PlanningError  # noqa: E402
+from planner.models.hf import small_config  # noqa: E402
+from planner.models.hf_families import FAMILIES  # noqa: E402
+from planner.training.local import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
+from cost_model.hardware.cluster import get_cluster  # noqa: E402
+from cost_model.layers.layer_cost import price, profile_layer  # noqa: E402
+from cost_model.layers.strategy import Strategy  # noqa: E402
+from passes.capture.trace import capture  # noqa: E402
+from passes.stages.program import Layout, rank_programs  # noqa: E402
+from runtime.comm import instrument  # noqa: E402
+from runtime.comm.mesh import Mesh, mesh_groups  # noqa: E402
+from runtime.comm.wire import bytes_on_wire  # noqa: E402
 
 ARCHS = [f.arch for f in FAMILIES]
 FIXED = {"dp": 1, "mb": 2, "schedule": "1f1b"}
@@ -139,7 +139,7 @@ def test_model_inputs_beside_the_tokens(pool4, mesh):
     """The transformers model itself, its ModelOutput through loss_fn=causal_lm_loss, given a
     padding attention mask and packed position ids through train_step(tokens, mask, positions,
     targets): every input is cut along the batch like the tokens, and under cp along the
-    sequence too, the mask then built on the whole sequence (passes.cp_masks)."""
+    sequence too, the mask then built on the whole sequence (passes.rewrite.cp_masks)."""
     spec = HFSpec("llama", global_batch=8, seq=32,
                   extra_inputs=("attention_mask", "position_ids"))
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def test_model_inputs_beside_the_tokens(pool4, mesh):
 def test_dropout_trains_like_one_process_in_distribution(pool4, arch, overrides):
     """Attention dropout 0.1 under tp=2 x pp=2, written out (Gemma-2's eager attention: a dropout
     of this rank's heads) or fused into SDPA (Llama), drawn from the rank's own tensor-parallel
-    stream (runtime.rng): the 20-step loss curve stays within a few percent of one process's,
+    stream (runtime.training.rng): the 20-step loss curve stays within a few percent of one process's,
     while differing from the curve without dropout by more than that (the dropout is active)."""
     spec = HFSpec(arch, global_batch=8, seq=32, overrides=(*overrides, ("attention_dropout", 0.1)))
     torch.manual_seed(0)

@@ -1,14 +1,14 @@
 """A mean loss over targets that do not all count (ignore_index), a summed loss, class weights and
 label smoothing, trained on real gloo ranks with several micro-batches and replicas: equal to one
-process, whose mean is over the whole batch (passes.token_mean). Before the rewrite the mean of
+process, whose mean is over the whole batch (passes.rewrite.token_mean). Before the rewrite the mean of
 the micro-batches' means differed from one process at about 3e-4 on these batches."""
 
 import pytest
 import torch
 
 from planner.api import plan
-from planner.models import build_model, example_batch, get_config
-from planner.train import HFSpec, assert_same_run, reference_run, run_parallel
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import HFSpec, assert_same_run, reference_run, run_parallel
 
 STEPS = 2
 

@@ -2,7 +2,7 @@
 
 Training: 3 SGD-with-momentum steps in fp32; per-step losses, gradients (planned runs) and every
 final parameter must match the same model trained on the whole batch in one process
-(planner.train.reference_run and assert_same_run, rtol 1e-5).
+(planner.training.local.reference_run and assert_same_run, rtol 1e-5).
 Plans come from the planner with the block strategy fixed; embed/head are set in the plan to the
 case's strategy (the planner's own choice depends on the cluster). Models the planner does not
 build (GPT-2 style Conv1D, a graph captured by torch.export) and vocabulary padding run from a
@@ -21,20 +21,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cost_model.cluster import get_cluster
-from cost_model.layer_cost import price, profile_layer
-from cost_model.strategy import Strategy
-from passes.capture import capture
-from passes.program import Layout, rank_programs
-from passes.sharding import tag_layers
+from cost_model.hardware.cluster import get_cluster
+from cost_model.layers.layer_cost import price, profile_layer
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rank_programs
+from passes.rewrite.sharding import tag_layers
 from planner.api import gather_full_state, plan
-from planner.models import build_model, example_batch, get_config
-from planner.train import (RunResult, assert_same_run, build, make_optimizer, reference_run,
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import (RunResult, assert_same_run, build, make_optimizer, reference_run,
                            run_parallel)
-from runtime import instrument
-from runtime.generators import make_schedule
-from runtime.mesh import Mesh, mesh_groups
-from runtime.trainer import PipelineTrainer
+from runtime.comm import instrument
+from runtime.pipeline.generators import make_schedule
+from runtime.comm.mesh import Mesh, mesh_groups
+from runtime.training.trainer import PipelineTrainer
 
 STEPS = 3
 # (model, dp, tp, pp, micro-batch, block strategy, embed/head strategy)
@@ -150,7 +150,7 @@ class Gpt2Style(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Gpt2Spec:
-    """Gpt2Style and its batch, built as planner.train.build builds its specs."""
+    """Gpt2Style and its batch, built as planner.training.local.build builds its specs."""
 
     traceable: bool
     size: int = 16

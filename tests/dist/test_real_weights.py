@@ -2,7 +2,7 @@
 checkpoints read per shard, trained on gloo ranks against one process.
 
 Ground truth: for a preset, the same meta model materialised whole in one process by the same
-init rule (planner.materialize.materialize_full); for a checkpoint, transformers' own
+init rule (planner.weights.materialize.materialize_full); for a checkpoint, transformers' own
 from_pretrained — its loss on the batch, then two training steps (losses, every gradient, final
 parameters)."""
 import dataclasses
@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import rank_pool
 
-from planner.models import get_config
-from planner.pretrained import Source, plan_for, run_parallel, train_one_process
-from planner.train import assert_same_run
+from planner.models.presets import get_config
+from planner.training.pretrained import Source, plan_for, run_parallel, train_one_process
+from planner.training.local import assert_same_run
 
 
 def _vocab_parallel(plan):
@@ -57,7 +57,7 @@ def checkpoints(tmp_path_factory):
     """A tiny Hugging Face Llama (grouped-query heads, tied embeddings; saved in several shards
     with an index) and GPT-2 (fused c_attn in Conv1D layout, tied head), via save_pretrained."""
     pytest.importorskip("transformers")
-    from planner.hf import build_hf
+    from planner.models.hf import build_hf
     folders = {}
     torch.manual_seed(0)
     llama = build_hf("llama", num_hidden_layers=4, tie_word_embeddings=True, vocab_size=254)

@@ -15,17 +15,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from passes.capture import capture
-from runtime.stage import StageProgram, TensorSpec
+from passes.capture.trace import capture
+from runtime.programs.stage import StageProgram, TensorSpec
 from planner.api import gather_full_state
-from planner.models import build_model, example_batch, get_config
-from planner.train import RunResult, assert_same_run, make_optimizer, reference_run
-from runtime.generators import SCHEDULES, make_schedule
-from runtime.launch import run_local
-from passes.program import build_pipeline_trainer
-from runtime.measure import export_timelines, gather_memory, gather_timeline, simulate_like
-from runtime.mesh import Mesh, mesh_groups
-from runtime.trainer import PipelineTrainer, TrainOptions
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import RunResult, assert_same_run, make_optimizer, reference_run
+from runtime.pipeline.generators import SCHEDULES, make_schedule
+from runtime.launch.ranks import run_local
+from passes.stages.program import build_pipeline_trainer
+from runtime.observe.measure import export_timelines, gather_memory, gather_timeline, simulate_like
+from runtime.comm.mesh import Mesh, mesh_groups
+from runtime.training.trainer import PipelineTrainer, TrainOptions
 from conftest import rank_pool
 
 CFG = get_config("gpt-tiny")  # embed + 8 blocks + head = 10 layers

@@ -1,8 +1,8 @@
-"""Calibration's probes of the runtime (planner.bench_runtime) on two real gloo ranks."""
+"""Calibration's probes of the runtime (planner.bench.runtime_probes) on two real gloo ranks."""
 import pytest
 
 from conftest import rank_pool
-from planner.bench_runtime import RECV_GAP_S, _recv_worker, _step_sync_worker
+from planner.bench.runtime_probes import RECV_GAP_S, _recv_worker, _step_sync_worker
 
 
 @pytest.mark.dist

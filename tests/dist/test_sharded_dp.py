@@ -1,4 +1,4 @@
-"""Sharded data parallel (runtime.sharded_dp) on real gloo ranks against one process, and its bytes
+"""Sharded data parallel (runtime.data_parallel.sharded_dp) on real gloo ranks against one process, and its bytes
 against the cost model.
 
 Numerics: ZeRO levels 1, 2 and 3 on the meshes dp=8; dp=4 x tp=2; dp=2 x tp=2 x pp=2 (1F1B,
@@ -9,7 +9,7 @@ parameters must equal the same model trained on the whole batch in one process (
 
 Bytes: the parameter, gradient and optimizer-state bytes each rank holds after a step (read from
 the tensors) and the bytes each collective kind sends in a step must equal
-cost_model.sharding's figures for the plan's layers, on every rank.
+cost_model.layers.sharding's figures for the plan's layers, on every rank.
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from planner.api import plan
-from planner.models import build_model, example_batch, get_config
+from planner.models.presets import build_model, example_batch, get_config
 from conftest import rank_pool
-from planner.zero import gpt_layer_numels, priced_stage
-from planner.train import (RunResult, assert_same_run, make_optimizer, parallel_worker,
+from planner.search.zero import gpt_layer_numels, priced_stage
+from planner.training.local import (RunResult, assert_same_run, make_optimizer, parallel_worker,
                            reference_run)
 
 STEPS = 2
@@ -111,7 +111,7 @@ def test_level_matches_one_process(matrix, name):
 def _parallel_model(plan_json: str):
     """Per rank: (the plan, CFG at its global batch as a ParallelModel of it, the batch)."""
     from planner.api import ParallelModel
-    from planner.plan import Plan
+    from planner.search.plan import Plan
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -124,10 +124,10 @@ def _parallel_model(plan_json: str):
 # ---------------------------------------------------------------- clipping and bf16
 
 def _options_worker(plan_json: str, max_norm, precision: str):
-    """Like planner.train.parallel_worker with TrainOptions of its own (clipping, precision)."""
+    """Like planner.training.local.parallel_worker with TrainOptions of its own (clipping, precision)."""
     import torch.distributed as dist
 
-    from runtime.trainer import PipelineTrainer, TrainOptions
+    from runtime.training.trainer import PipelineTrainer, TrainOptions
 
     chosen, pm, batch = _parallel_model(plan_json)
     trainer: PipelineTrainer = pm.shard()
@@ -188,7 +188,7 @@ def _bytes_worker(plan_json: str):
     kind during it)."""
     import torch.distributed as dist
 
-    from runtime import sharded_dp
+    from runtime.data_parallel import sharded_dp
 
     _, pm, batch = _parallel_model(plan_json)
     pm.train_step(*batch)

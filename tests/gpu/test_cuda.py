@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from passes.capture import capture
-from passes.program import Layout, rank_programs
-from planner.models import build_model, example_batch, get_config
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rank_programs
+from planner.models.presets import build_model, example_batch, get_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -14,12 +14,12 @@ Adam keeps 2 + 2 + K bytes with K = 12; ZeRO stage 1 (P_os) keeps 2 + 2 + K/N_d.
 import pytest
 import torch
 
-from cost_model.cluster import get_cluster
-from cost_model.memory import TrainingMemory
-from cost_model.strategy import Strategy
-from passes.capture import capture
-from planner.costs import ModelCosts
-from planner.models import ModelConfig, build_model, get_config
+from cost_model.hardware.cluster import get_cluster
+from cost_model.layers.memory import TrainingMemory
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import capture
+from planner.search.costs import ModelCosts
+from planner.models.presets import ModelConfig, build_model, get_config
 
 CLUSTER = get_cluster("a100-80g-dgx")
 

@@ -1,14 +1,15 @@
 """Planning mixtures of experts: expert parallelism as a search axis, heterogeneous blocks
 (dense first blocks, then MoE), the planner against hand-tuned configurations priced by --fix,
-and what ep changes in a MoE block's price against cost_model.moe's formulas."""
+and what ep changes in a MoE block's price against cost_model.ops.moe's formulas."""
 import dataclasses
 
 import pytest
 
-from cost_model.cluster import get_cluster
-from cost_model.comm import collective_time
-from cost_model.strategy import Strategy
-from planner import api, expert_search
+from cost_model.hardware.cluster import get_cluster
+from cost_model.hardware.comm import collective_time
+from cost_model.layers.strategy import Strategy
+from planner import api
+from planner.search import experts as expert_search
 from planner.api import plan
 
 H100 = "h100-sxm-dgx"
@@ -62,7 +63,7 @@ def test_ep_prices_all_to_all_weights_and_imbalance_by_formula():
 def test_cp_prices_the_balance_all_reduce_and_routes_local_tokens():
     """Under cp a rank routes seq / cp tokens of each sequence (all-to-all bytes / cp) and
     all-reduces each MoE layer's balance statistics, 2 b E values, forward and backward."""
-    from cost_model.comm import bytes_on_wire
+    from cost_model.hardware.comm import bytes_on_wire
     costs, *_ = api._model_costs("mixtral-8x7b", None, None, None)
     cluster, ep, b, cp = get_cluster(H100), 8, 1, 4
     assert costs.cp_error is None and costs.supports_cp(cp, 4096)
@@ -86,7 +87,7 @@ def test_cp_prices_the_balance_all_reduce_and_routes_local_tokens():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny"])
 def test_moe_models_with_a_balance_loss_plan_with_cp(name):
-    from planner.models import get_config
+    from planner.models.presets import get_config
     assert get_config(name).aux_loss > 0
     best = plan(name, 8, cluster="cpu-gloo", fix={"cp": 2, "ep": 2, "pp": 2})[0]
     assert (best.cp, best.ep, best.pp) == (2, 2, 2)

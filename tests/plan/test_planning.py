@@ -5,9 +5,9 @@ import math
 import pytest
 
 from planner.api import autoparallelize, plan
-from planner.models import get_config
-from planner.plan import GiB, Plan
-from planner.search import PlanningError
+from planner.models.presets import get_config
+from planner.search.plan import GiB, Plan
+from planner.search.meshes import PlanningError
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +73,10 @@ def test_prime_and_odd_gpu_counts(gpus):
 
 
 def test_pruned_search_equals_exhaustive_search():
-    from planner.search import ModelCosts, Request, build_problem, candidates, search
+    from planner.search.meshes import ModelCosts, Request, build_problem, candidates, search
     from planner.api import _model_costs
-    from cost_model.cluster import get_cluster
-    from planner import ilp
+    from cost_model.hardware.cluster import get_cluster
+    from planner.search import ilp
 
     costs, name, batch, seq = _model_costs("gpt2-small", None, 32, None)
     req = Request(16, get_cluster("a100-80g-dgx"), batch, seq, 80e9, name, top_k=1)
@@ -100,9 +100,9 @@ def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
     """A configuration whose stage ILP HiGHS cannot prove optimal in a second (8% gap after 10 s
     when this was written): the search still returns its best plan and says how far from proven
     it is, not "optimal"."""
-    from planner.search import Request, search
+    from planner.search.meshes import Request, search
     from planner.api import _model_costs
-    from cost_model.cluster import get_cluster
+    from cost_model.hardware.cluster import get_cluster
 
     costs, name, batch, seq = _model_costs("gpt3-175b", None, None, None)
     cluster = get_cluster("a100-80g-dgx")
@@ -121,10 +121,10 @@ def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
 def test_pruned_top_three_equal_exhaustive_search_under_memory_pressure():
     """The best plan of each of the three fastest kinds (mesh and schedule), with a memory
     limit that forces recomputation, equals what solving every candidate's ILP finds."""
-    from planner.search import Request, build_problem, candidates, search
+    from planner.search.meshes import Request, build_problem, candidates, search
     from planner.api import _model_costs
-    from cost_model.cluster import get_cluster
-    from planner import ilp
+    from cost_model.hardware.cluster import get_cluster
+    from planner.search import ilp
 
     costs, name, batch, seq = _model_costs("gpt2-xl", None, 32, None)
     req = Request(8, get_cluster("a100-80g-dgx"), batch, seq, 12 * GiB, name, top_k=3)

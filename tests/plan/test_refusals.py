@@ -3,9 +3,9 @@ identical requests give identical plans."""
 import pytest
 
 from planner.api import plan
-from planner.models import get_config
-from planner.plan import GiB, Plan
-from planner.search import PlanningError
+from planner.models.presets import get_config
+from planner.search.plan import GiB, Plan
+from planner.search.meshes import PlanningError
 
 TINY = "gpt-tiny"   # 8 blocks (10 layers with embed and head), 8 heads, seq 32, global batch 16
 
@@ -81,14 +81,14 @@ def test_fixed_settings_the_runtime_or_the_search_would_refuse_are_refused_befor
 
 @pytest.mark.parametrize("fix", [{"v": 2}, {"schedule": "interleaved-1f1b"}])
 def test_interleaving_asked_for_by_v_or_by_name_plans_what_the_runtime_runs(fix):
-    from runtime.generators import make_schedule
+    from runtime.pipeline.generators import make_schedule
     chosen = plan(TINY, 8, cluster="cpu-gloo", fix=fix)[0]
     assert (chosen.schedule, chosen.virtual_stages) == ("interleaved-1f1b", 2)
     make_schedule(chosen.schedule, chosen.pp, chosen.num_microbatches, chosen.virtual_stages)
 
 
 def test_memory_limits_are_gib_and_printed_with_the_digits_that_matter():
-    from planner.plan import gib
+    from planner.search.plan import gib
     message = refusal(8, memory_limit=0.001)
     assert "no plan fits in 0.0010 GiB per device" in message
     need = float(message.split("needs is ")[1].split(" GiB")[0])
@@ -120,10 +120,10 @@ def test_plans_written_with_the_seconds_in_the_solver_field_still_load():
 def test_every_configuration_the_search_considers_is_one_the_runtime_builds():
     import math
 
-    from cost_model.cluster import get_cluster
+    from cost_model.hardware.cluster import get_cluster
     from planner.api import _model_costs
-    from planner.search import Request, configurations
-    from runtime.generators import schedule_error
+    from planner.search.meshes import Request, configurations
+    from runtime.pipeline.generators import schedule_error
 
     costs, name, batch, seq = _model_costs(TINY, None, None, None)
     for fix in ({}, {"v": 3}, {"schedule": "gpipe"}, {"schedule": "interleaved-1f1b"}):

@@ -2,12 +2,12 @@
 tp ranks. The rewrite refuses the rest, so a plan with sp there could not run."""
 import pytest
 
-from passes.capture import capture
-from passes.program import Layout, rewrite
-from passes.sharding import ShardingError
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rewrite
+from passes.rewrite.sharding import ShardingError
 from planner.api import plan
-from planner.costs import PlanningError
-from planner.models import ModelConfig, build_model, example_batch
+from planner.search.costs import PlanningError
+from planner.models.presets import ModelConfig, build_model, example_batch
 
 GPT = ModelConfig("gpt", 1, 16, 4, 64, 12, global_batch=2)
 

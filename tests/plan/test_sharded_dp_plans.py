@@ -1,15 +1,15 @@
 """The ZeRO level as a search axis: llama2-7b on 8 H100s priced beside a torchtitan-like FSDP
 configuration (dp=8, zero=3) and a Megatron-like one (tp=8), a model that fits only with ZeRO-3,
-the memory split per level against cost_model.memory's per-parameter counts, and bad fixes."""
+the memory split per level against cost_model.layers.memory's per-parameter counts, and bad fixes."""
 from __future__ import annotations
 
 import pytest
 
-from cost_model.memory import TrainingMemory
-from cost_model.sharding import Sharding, padded, step_traffic, sync_terms
+from cost_model.layers.memory import TrainingMemory
+from cost_model.layers.sharding import Sharding, padded, step_traffic, sync_terms
 from planner.api import plan
 from planner.cli import main
-from planner.costs import PlanningError
+from planner.search.costs import PlanningError
 
 H100 = "h100-sxm-dgx"
 

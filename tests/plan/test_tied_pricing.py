@@ -1,11 +1,11 @@
 """A tied head on another stage than the embedding is priced: both hold the weight and the
-all-reduce summing its gradients over their two ranks is on the critical path (runtime.tied)."""
+all-reduce summing its gradients over their two ranks is on the critical path (runtime.training.tied)."""
 import pytest
 
-from cost_model.cluster import get_cluster
-from cost_model.comm import collective_time
+from cost_model.hardware.cluster import get_cluster
+from cost_model.hardware.comm import collective_time
 from planner.api import plan
-from planner.models import get_config
+from planner.models.presets import get_config
 
 FIX = {"tp": 4, "dp": 4, "mb": 1, "strategy": "tp", "schedule": "1f1b"}
 

@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from cost_model.cluster import get_cluster
-from planner import ilp
+from cost_model.hardware.cluster import get_cluster
+from planner.search import ilp
 from planner.api import _model_costs
-from planner.models import PRESETS
-from planner.search import Candidate, Request, build_problem, search, tp_sizes
+from planner.models.presets import PRESETS
+from planner.search.meshes import Candidate, Request, build_problem, search, tp_sizes
 
 
 def _even(blocks: int, stages: int) -> list[int]:

@@ -2,7 +2,7 @@
 the predictions that several runs of a plan leave within a tolerance."""
 import pytest
 
-from planner.bench import Measured, attainable, bench, combined
+from planner.bench.plans import Measured, attainable, bench, combined
 
 
 def _measured(step_s: float, peak: float, rank: int = 0) -> Measured:

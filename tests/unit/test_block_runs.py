@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from passes.block_runs import block_runs
-from passes.capture import capture
+from passes.capture.block_runs import block_runs
+from passes.capture.trace import capture
 from planner.api import plan
-from planner.costs import ModelCosts, PlanningError
-from planner.mixed_models import MixedSpec, parse_block
-from planner.models import get_config
+from planner.search.costs import ModelCosts, PlanningError
+from planner.models.mixed import MixedSpec, parse_block
+from planner.models.presets import get_config
 
 BASE = get_config("llama-tiny").with_(layers=1, hidden=32, heads=4, kv_heads=2, vocab=61, seq=8)
 
@@ -69,8 +69,8 @@ def test_stages_follow_the_blocks_and_each_kind_is_priced_on_its_own():
     assert first > second
     captured = capture(model, tuple(x[:1] for x in batch))
     costs = ModelCosts(captured, 8, 4)
-    from cost_model.cluster import get_cluster
-    from cost_model.strategy import Strategy
+    from cost_model.hardware.cluster import get_cluster
+    from cost_model.layers.strategy import Strategy
     narrow, wide = (costs.price_block(Strategy(), 1, get_cluster("cpu-gloo"), 1, kind=k)
                     for k in (0, 1))
     assert wide.params > 50 * narrow.params and wide.fwd_s > 2 * narrow.fwd_s
@@ -113,7 +113,7 @@ class DataDependent(torch.nn.Module):
 
 
 def test_a_data_dependent_shape_is_refused_with_the_module_the_line_and_the_fix():
-    from passes.capture import CaptureError
+    from passes.capture.trace import CaptureError
     tokens = torch.randint(0, 16, (1, 8))
     with pytest.raises(CaptureError) as caught:
         capture(DataDependent(), (tokens, tokens))
@@ -125,7 +125,7 @@ def test_a_data_dependent_shape_is_refused_with_the_module_the_line_and_the_fix(
 def test_a_stated_layout_of_mixed_blocks_is_priced_per_kind_as_the_search_priced_it():
     """The search's plan, priced again as a stated layout, predicts the same time; moving one
     wide block to the other stage changes it, so the kinds are told apart."""
-    from planner.pricing import Configuration, Pricer
+    from planner.interop.configuration import Configuration, Pricer
     spec = MixedSpec(BASE, ("llama:16",) * 3 + ("llama:8192",) * 3)
     model, batch = spec.build()
     pricer = Pricer(model, 2, batch, cluster="cpu-gloo")
@@ -142,7 +142,7 @@ def test_a_stated_layout_of_mixed_blocks_is_priced_per_kind_as_the_search_priced
 def test_a_long_alternating_pattern_is_described_by_counts():
     from types import SimpleNamespace
 
-    from passes.block_runs import describe
+    from passes.capture.block_runs import describe
     blocks = [SimpleNamespace(signature=str(i % 2), nodes=(0,) * (2 + i % 2), name=f"blocks.{i}")
               for i in range(8)]
     assert describe(blocks) == ("8 blocks in 8 runs: 4 of kind 0 (2 nodes, first block "

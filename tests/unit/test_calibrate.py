@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from cost_model import bench_comm, bench_compute, calibrate, fitting
-from cost_model.cluster import PER_ELEMENT_RULES, PRESETS
-from cost_model.comm import KINDS
+from cost_model.calibration import bench_comm, bench_compute, calibrate, fitting
+from cost_model.hardware.cluster import PER_ELEMENT_RULES, PRESETS
+from cost_model.hardware.comm import KINDS
 
 
 def test_median_time_uses_the_thread_clock_on_cpu(monkeypatch):
@@ -48,7 +48,7 @@ def test_compute_microbenchmarks_run():
 def test_per_element_probes_time_forward_and_backward_apart():
     """Each per-element rule's forward and forward + backward run as training runs them, and
     calibration turns their times into seconds per element of each pass."""
-    from cost_model.calibrate import _per_element_fields
+    from cost_model.calibration.calibrate import _per_element_fields
     steps = [bench_compute.per_element_steps(rule) for rule in PER_ELEMENT_RULES]
     for forward, step, elements in steps:
         forward(), step()

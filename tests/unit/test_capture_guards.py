@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from passes.capture import CaptureError, capture
+from passes.capture.trace import CaptureError, capture
 from planner.api import plan
-from planner.models import build_model, example_batch, get_config
+from planner.models.presets import build_model, example_batch, get_config
 
 
 class Residual(torch.nn.Module):
@@ -44,7 +44,7 @@ def test_a_forward_returning_logits_is_refused_naming_loss_fn():
 
 def test_loss_fn_makes_the_loss_and_keeps_the_model_and_its_names():
     model, tokens = LogitsModel(), torch.randint(0, 32, (4, 8))
-    from planner.loss import with_loss
+    from planner.models.loss import with_loss
     wrapped = with_loss(model, _loss)
     assert dict(wrapped.named_parameters()).keys() == dict(model.named_parameters()).keys()
     assert wrapped.head.weight is model.head.weight
@@ -110,7 +110,7 @@ class ReadsEmbeddingInHead(torch.nn.Module):
 
 
 def test_a_weight_two_stages_read_is_read_by_each_not_sent():
-    from passes.program import Layout, rank_programs
+    from passes.stages.program import Layout, rank_programs
     tokens = torch.randint(0, 32, (2, 8))
     captured = capture(ReadsEmbeddingInHead(), (tokens, tokens))
     programs = rank_programs(captured, Layout(1, (), (2, 2)), 0, (0, 1))

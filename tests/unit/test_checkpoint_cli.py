@@ -3,7 +3,7 @@ import json
 import os
 
 from planner.cli import main
-from runtime import checkpoint
+from runtime.checkpoint import state as checkpoint
 
 RUN = ["run", "--model", "gpt-tiny", "--layers", "2", "--global-batch", "8", "--gpus", "2",
        "--fix", "dp=1,tp=1,pp=2,mb=1"]

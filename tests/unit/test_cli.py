@@ -211,9 +211,9 @@ def test_plan_json_is_the_same_for_the_same_request_but_for_timing(capsys):
 
 
 def test_run_trains_the_global_batch_it_planned_for(monkeypatch, tmp_path, capsys):
-    import planner.train
+    import planner.training.local
     seen = {}
-    monkeypatch.setattr(planner.train, "compare_with_reference",
+    monkeypatch.setattr(planner.training.local, "compare_with_reference",
                         lambda config, plan, steps: seen.update(config=config, plan=plan))
     assert main(["run", "--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8",
                  "--steps", "1"]) == 0

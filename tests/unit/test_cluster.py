@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cost_model.cluster import (
+from cost_model.hardware.cluster import (
     PRESETS,
     Cluster,
     ProfileError,
@@ -13,7 +13,7 @@ from cost_model.cluster import (
     load_profile,
     save_profile,
 )
-from cost_model.compute import OP_CLASSES, compute_time
+from cost_model.hardware.compute import OP_CLASSES, compute_time
 
 A100 = PRESETS["a100-80g-dgx"]
 

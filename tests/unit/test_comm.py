@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from cost_model.fitting import fit_alpha_beta, fit_links
-from cost_model.cluster import PRESETS
-from cost_model.comm import (
+from cost_model.calibration.fitting import fit_alpha_beta, fit_links
+from cost_model.hardware.cluster import PRESETS
+from cost_model.hardware.comm import (
     KINDS,
     bytes_on_wire,
     collective_time,

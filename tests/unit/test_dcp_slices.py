@@ -1,4 +1,4 @@
-"""runtime.dcp_slices against brute force: the pieces of a shard are where ShardSpec.take took
+"""runtime.checkpoint.dcp_slices against brute force: the pieces of a shard are where ShardSpec.take took
 them from, a flat range's boxes tile exactly that range, and DCP (in one process) writes the
 pieces of one layout and reads them back into another."""
 import itertools
@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from runtime.dcp_slices import (Piece, Slices, SlicesLoadPlanner, SlicesSavePlanner,
+from runtime.checkpoint.dcp_slices import (Piece, Slices, SlicesLoadPlanner, SlicesSavePlanner,
                                 flat_range_pieces, full_shape, shard_pieces, to_full)
-from runtime.shards import ShardSpec
+from runtime.programs.shards import ShardSpec
 
 
 def paint(slices: Slices) -> torch.Tensor:

@@ -29,11 +29,11 @@ from dataclasses import replace
 import pytest
 
 from planner.cli import main
-from planner.emit import emit, facts_of_config, nearest, schedule_csv
-from planner.from_megatron import megatron_configuration, parse_layout, read_megatron_flags
-from planner.from_torchtitan import torchtitan_configuration
-from planner.models import get_config
-from planner.pricing import Configuration, Pricer, block_strategies
+from planner.interop.emit import emit, facts_of_config, nearest, schedule_csv
+from planner.interop.from_megatron import megatron_configuration, parse_layout, read_megatron_flags
+from planner.interop.from_torchtitan import torchtitan_configuration
+from planner.models.presets import get_config
+from planner.interop.configuration import Configuration, Pricer, block_strategies
 
 PRICED = re.compile(r"# fxpar plan: ([\d.]+) s/iteration; nearest (torchtitan|Megatron-LM) "
                     r"configuration: ([\d.]+) s/iteration")

@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 
-from passes.capture import capture
-from planner.models import build_model, example_batch, get_config
-from planner.train import make_optimizer
-from runtime.generators import make_schedule
-from passes.program import build_pipeline_trainer
-from runtime.measure import balanced_stage_sizes
-from runtime.memory import SavedActivations
-from runtime.mesh import Mesh, RankGroups
-from runtime.trainer import TrainOptions
+from passes.capture.trace import capture
+from planner.models.presets import build_model, example_batch, get_config
+from planner.training.local import make_optimizer
+from runtime.pipeline.generators import make_schedule
+from passes.stages.program import build_pipeline_trainer
+from runtime.observe.measure import balanced_stage_sizes
+from runtime.training.activation_memory import SavedActivations
+from runtime.comm.mesh import Mesh, RankGroups
+from runtime.training.trainer import TrainOptions
 
 CFG = get_config("gpt-tiny").with_(layers=2, global_batch=8)  # embed + 2 blocks + head
 SOLO = RankGroups(Mesh(1, 1, 1), 0)

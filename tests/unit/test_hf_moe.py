@@ -5,10 +5,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from cost_model.ops import node_cost  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from planner.hf import build_hf  # noqa: E402
-from planner.hf_moe import use_routed_experts  # noqa: E402
+from cost_model.ops.node_cost import node_cost  # noqa: E402
+from passes.capture.trace import capture  # noqa: E402
+from planner.models.hf import build_hf  # noqa: E402
+from planner.models.hf_moe import use_routed_experts  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # qwen3_moe: mixtral's experts module

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from planner import ilp
-from runtime.generators import peak_inflight
+from planner.search import ilp
+from runtime.pipeline.generators import peak_inflight
 
 
 def _compositions(total: int, parts: int, minimum: list[int]):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from planner import ilp
+from planner.search import ilp
 from test_ilp import assert_matches_brute_force, problem_with_random_costs, random_pipeline
 
 

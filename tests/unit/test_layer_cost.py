@@ -18,12 +18,12 @@ is checked against a count by hand here and against counted traffic in tests/dis
 import pytest
 import torch
 
-from cost_model.cluster import get_cluster
-from cost_model.comm import bytes_on_wire
-from cost_model.layer_cost import price, profile_layer
-from cost_model.strategy import Strategy
-from passes.capture import capture
-from planner.models import ModelConfig, build_model, get_config
+from cost_model.hardware.cluster import get_cluster
+from cost_model.hardware.comm import bytes_on_wire
+from cost_model.layers.layer_cost import price, profile_layer
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import capture
+from planner.models.presets import ModelConfig, build_model, get_config
 
 CLUSTER = get_cluster("a100-80g-dgx")
 TOLERANCE = 0.05
@@ -202,7 +202,7 @@ def test_norms_and_strided_ops_are_priced_per_element_when_measured():
     op takes at least elements x rate; unmeasured (0, the presets), the roofline alone."""
     import dataclasses
 
-    from cost_model.compute import op_seconds
+    from cost_model.hardware.compute import op_seconds
     profile = _llama_block_profile()
     norms = [op for op in profile.ops if op.per_element == "rms_norm"]
     strided = [op for op in profile.ops if op.per_element == "strided"]

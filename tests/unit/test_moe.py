@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planner.models import build_model, example_batch, get_config
-from runtime.experts import moe_ffn
+from planner.models.presets import build_model, example_batch, get_config
+from runtime.experts.dispatch import moe_ffn
 
 
 def _brute(x, router, wg, wu, wd, k, score, scale):
@@ -51,7 +51,7 @@ def test_balance_loss_formula():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny"])
 def test_moe_presets_train_and_capture(name):
-    from passes.capture import capture
+    from passes.capture.trace import capture
     config = get_config(name)
     model = build_model(config)
     batch = example_batch(config, 2)

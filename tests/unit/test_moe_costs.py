@@ -1,11 +1,11 @@
-"""cost_model.moe against brute force: the expected maximum load of uniform top-k routing
+"""cost_model.ops.moe against brute force: the expected maximum load of uniform top-k routing
 against sampling, and a MoE node's FLOPs against the formula."""
 import random
 
 import pytest
 import torch
 
-from cost_model.moe import MoEFacts, _max_normal, expected_max_load, pricing
+from cost_model.ops.moe import MoEFacts, _max_normal, expected_max_load, pricing
 
 
 def _sampled_max_load(tokens, experts, k, ep, trials=400, seed=0):
@@ -42,9 +42,9 @@ def test_no_imbalance_without_expert_parallel_and_its_limit():
 
 
 def test_moe_node_flops_equal_formula():
-    from passes.capture import capture
-    from planner.models import build_model, get_config
-    from cost_model.ops import node_cost
+    from passes.capture.trace import capture
+    from planner.models.presets import build_model, get_config
+    from cost_model.ops.node_cost import node_cost
     cfg = get_config("mixtral-tiny")
     model = build_model(cfg.with_(layers=1))
     tokens = torch.zeros(2, cfg.seq, dtype=torch.long)

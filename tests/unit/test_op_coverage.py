@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from cost_model.op_fallback import UnpricedOpWarning
-from cost_model.ops import node_cost
+from cost_model.ops.fallback import UnpricedOpWarning
+from cost_model.ops.node_cost import node_cost
 
 
 def _priced(model, *inputs, export=False):
@@ -80,9 +80,9 @@ def test_hugging_face_graphs_need_no_fallback(arch):
     """ALiBi (bloom), soft-capping and alternating sliding windows (gemma2), a router and grouped
     expert matmuls (qwen3_moe), a Mamba conv (falcon_h1), complex rotary (llama4)."""
     pytest.importorskip("transformers")
-    from passes.capture import capture
-    from planner.costs import ModelCosts
-    from planner.hf import build_hf, vocab_size
+    from passes.capture.trace import capture
+    from planner.search.costs import ModelCosts
+    from planner.models.hf import build_hf, vocab_size
     model = build_hf(arch)
     tokens = torch.randint(0, vocab_size(model), (1, 8))
     with warnings.catch_warnings():

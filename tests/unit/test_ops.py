@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from cost_model import op_fallback
-from cost_model.op_fallback import UnpricedOpWarning
-from cost_model.ops import OpCost, node_cost, saved_node_name
+from cost_model.ops import fallback as op_fallback
+from cost_model.ops.fallback import UnpricedOpWarning
+from cost_model.ops.node_cost import OpCost, node_cost, saved_node_name
 
 BF16 = torch.bfloat16
 S, B, H, A = 16, 2, 64, 4  # sequence, batch, hidden, heads
@@ -232,7 +232,7 @@ class _Rotate(nn.Module):
 
 def test_only_a_non_contiguous_operand_read_in_full_is_strided():
     """Ops over a transposed operand run element by element (priced per element when measured,
-    cost_model.cluster); a broadcast operand or contiguous data does not make an op strided."""
+    cost_model.hardware.cluster); a broadcast operand or contiguous data does not make an op strided."""
     x = meta(2, 8, 4, 16).requires_grad_()
     cs = costs(fake_trace(_Rotate(), x, meta(8, 16)))
     assert (cs["mul"].per_element, cs["mul"].elements) == ("strided", 2 * 8 * 4 * 16)

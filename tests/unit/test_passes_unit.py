@@ -9,16 +9,16 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from cost_model.comm import KINDS
-from cost_model.layer_cost import profile_layer
-from passes.capture import capture
-from passes.program import Layout, rank_programs, rewrite
-from passes.capture import propagate_shapes
-from passes.sharding import ShardingError, ShardSpec, shard_specs, tag_layers
-from passes.tensor_parallel import tensor_parallel
-from passes.vocab_parallel import vocab_parallel
-from planner.models import build_model, example_batch, get_config
-from runtime import instrument
+from cost_model.hardware.comm import KINDS
+from cost_model.layers.layer_cost import profile_layer
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rank_programs, rewrite
+from passes.capture.trace import propagate_shapes
+from passes.rewrite.sharding import ShardingError, ShardSpec, shard_specs, tag_layers
+from passes.rewrite.tensor_parallel import tensor_parallel
+from passes.rewrite.vocab_parallel import vocab_parallel
+from planner.models.presets import build_model, example_batch, get_config
+from runtime.comm import instrument
 
 
 def _captured(name: str, batch: int = 2, **changes):
@@ -183,10 +183,10 @@ def test_lifted_weights_are_made_parameters_and_sharded():
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_context_parallel_reads_attention_dropout_that_tensor_parallel_made_per_rank(dropout):
-    # tp turns a dropout of the sharded attention probabilities into runtime.rng.tp_dropout;
+    # tp turns a dropout of the sharded attention probabilities into runtime.training.rng.tp_dropout;
     # cp must still see it: skipped at p = 0, refused (by name) above
-    from passes.context_parallel import ContextParallelError
-    from planner.models import ModelConfig
+    from passes.rewrite.context_parallel import ContextParallelError
+    from planner.models.presets import ModelConfig
     cfg = ModelConfig(arch="gpt", layers=1, hidden=8, heads=2, vocab=64, seq=8, attention="math",
                       global_batch=1, dropout=dropout)
     model = build_model(cfg).train()

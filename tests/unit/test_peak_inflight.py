@@ -1,8 +1,8 @@
 """Closed-form peak in-flight counts agree with simulating the generated schedules."""
 import pytest
 
-from runtime.generators import make_schedule, peak_inflight
-from runtime.simulator import simulate
+from runtime.pipeline.generators import make_schedule, peak_inflight
+from runtime.pipeline.simulator import simulate
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),

@@ -1,7 +1,7 @@
-"""runtime.progress: a bar redrawn in place on a terminal, one plain line per update elsewhere."""
+"""runtime.launch.progress: a bar redrawn in place on a terminal, one plain line per update elsewhere."""
 import io
 
-from runtime.progress import Progress, format_seconds
+from runtime.launch.progress import Progress, format_seconds
 
 
 class Clock:

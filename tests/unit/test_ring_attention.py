@@ -9,12 +9,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes.capture import capture, propagate_shapes
-from passes.context_parallel import POSITIONS_BUFFER, ContextParallelError, context_parallel
-from planner.models import build_model, example_batch, get_config
-from runtime.cp_data import (chunk_ids, global_positions, shard_batch, shard_sequence,
+from passes.capture.trace import capture, propagate_shapes
+from passes.rewrite.context_parallel import POSITIONS_BUFFER, ContextParallelError, context_parallel
+from planner.models.presets import build_model, example_batch, get_config
+from runtime.programs.token_split import (chunk_ids, global_positions, shard_batch, shard_sequence,
                              unshard_sequence)
-from runtime.ring_attention import Spec, backward_blocks, forward_blocks, ring_attention
+from runtime.context.ring_attention import Spec, backward_blocks, forward_blocks, ring_attention
 
 # ---------------------------------------------------------------- the split
 
@@ -257,9 +257,9 @@ class _ShiftedLM(nn.Module):
 
 
 def test_labels_shifted_inside_the_graph_are_refused():
-    from passes.context_parallel import why_not
+    from passes.rewrite.context_parallel import why_not
     from planner.api import plan
-    from planner.costs import PlanningError
+    from planner.search.costs import PlanningError
 
     batch = (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))
     captured = capture(_ShiftedLM(), batch)
@@ -274,7 +274,7 @@ def test_labels_shifted_inside_the_graph_are_refused():
 
 def test_blocks_a_boolean_mask_hides_do_no_work(monkeypatch):
     """A causal mask given explicitly computes the blocks is_causal computes, no more."""
-    from runtime import ring_attention as ring
+    from runtime.context import ring_attention as ring
     calls = []
     real = ring.block_forward
     monkeypatch.setattr(ring, "block_forward", lambda *a: calls.append(1) or real(*a))

@@ -1,4 +1,4 @@
-"""Ring attention priced as runtime.ring_attention runs it: its traced block loops against a count
+"""Ring attention priced as runtime.context.ring_attention runs it: its traced block loops against a count
 of the attention products by hand, the fused kernel it replaces left out under cp, and the
 calibrated time per ring step."""
 import dataclasses
@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 import torch
 
-from cost_model.cluster import get_cluster
-from cost_model.layer_cost import price, profile_layer
-from cost_model.ring_compute import TRACED_GROUPS, RingShape, calls, ring_ops
-from cost_model.strategy import Strategy
-from passes.capture import capture
-from planner.bench_ring import ring_terms
-from planner.models import build_model, get_config
+from cost_model.hardware.cluster import get_cluster
+from cost_model.layers.layer_cost import price, profile_layer
+from cost_model.ops.ring_attention import TRACED_GROUPS, RingShape, calls, ring_ops
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import capture
+from planner.bench.ring_probe import ring_terms
+from planner.models.presets import build_model, get_config
 
 HEADS, KV_HEADS, SEQ, DIM = 4, 2, 32, 8
 

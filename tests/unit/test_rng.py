@@ -3,8 +3,8 @@ the masks its forward drew, and the stream goes on as if nothing had been recomp
 import pytest
 import torch
 
-from passes.recompute import checkpointed
-from runtime import rng
+from passes.rewrite.recompute import checkpointed
+from runtime.training import rng
 
 
 class _Body(torch.nn.Module):
@@ -85,10 +85,10 @@ def test_fused_attention_dropout_draws_from_the_tp_stream():
 
 def test_tensor_parallel_makes_a_dropping_sdpa_draw_per_rank():
     pytest.importorskip("transformers")
-    from passes.capture import capture
-    from passes.program import Layout, rewrite
-    from passes.sharding import is_sdpa
-    from planner.train import HFSpec, build
+    from passes.capture.trace import capture
+    from passes.stages.program import Layout, rewrite
+    from passes.rewrite.sharding import is_sdpa
+    from planner.training.local import HFSpec, build
     model, batch = build(HFSpec("llama", global_batch=2, seq=16,
                                 overrides=(("attention_dropout", 0.1),)))
     captured = capture(model, tuple(x[:1] for x in batch))

@@ -2,10 +2,10 @@
 
 import pytest
 
-from runtime.generators import interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
-from runtime.schedule import Action, Kind, Schedule, ScheduleError
-from runtime.simulator import grid, simulate
-from runtime.validate import validate
+from runtime.pipeline.generators import interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
+from runtime.pipeline.schedule import Action, Kind, Schedule, ScheduleError
+from runtime.pipeline.simulator import grid, simulate
+from runtime.pipeline.validate import validate
 
 NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 

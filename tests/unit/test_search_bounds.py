@@ -1,8 +1,8 @@
 """What the outer search's lower bound assumes of the cost model, and that it holds."""
 import pytest
 
-from cost_model.cluster import get_cluster
-from cost_model.strategy import strategy_space
+from cost_model.hardware.cluster import get_cluster
+from cost_model.layers.strategy import strategy_space
 from dataclasses import replace
 from planner.api import _model_costs
 
@@ -16,7 +16,7 @@ def costs():
 @pytest.mark.parametrize("tp,cp,b", [(1, 1, 1), (2, 1, 4), (4, 2, 2), (2, 4, 1), (1, 2, 8)])
 def test_recomputation_never_makes_a_block_faster_or_lighter_in_parameters(costs, cluster, tp,
                                                                             cp, b):
-    """planner.search._least_costs prices only recompute-free strategies for its bound."""
+    """planner.search.meshes._least_costs prices only recompute-free strategies for its bound."""
     hw = get_cluster(cluster)
     for s in strategy_space(tp):
         cost = costs.price_block(s, b, hw, tp, cp)
@@ -29,7 +29,7 @@ def test_a_configuration_left_open_by_a_time_limit_turns_the_plan_into_a_gap():
     """search: a plan is "optimal" only if no configuration a time limit stopped could beat it."""
     from dataclasses import replace as with_
     from planner.api import plan
-    from planner.search import _with_search_gap
+    from planner.search.meshes import _with_search_gap
 
     best = with_(plan("gpt-tiny", 8, cluster="cpu-gloo")[0], solver="optimal, gap 0.00%")
     time_s = best.predicted.iteration_s

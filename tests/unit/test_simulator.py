@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from runtime.generators import gpipe, interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
-from runtime.schedule import Action, Kind
-from runtime.simulator import Event, Timeline, simulate
-from runtime.timeline import plot_gantt, to_chrome_trace
+from runtime.pipeline.generators import gpipe, interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
+from runtime.pipeline.schedule import Action, Kind
+from runtime.pipeline.simulator import Event, Timeline, simulate
+from runtime.pipeline.timeline import plot_gantt, to_chrome_trace
 
 FB = {"F": 1.0, "B": 2.0}  # t_B = 2 t_F, the usual assumption in the literature
 FIW = {"F": 1.0, "I": 1.0, "W": 1.0}

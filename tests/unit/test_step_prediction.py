@@ -1,16 +1,16 @@
 """Plans on clusters that price the runtime's own time (calibrated CPU profiles) are predicted by
-simulating the whole step (planner.step_prediction); presets keep the ILP's closed form."""
+simulating the whole step (planner.search.step_prediction); presets keep the ILP's closed form."""
 import dataclasses
 
 import pytest
 
-from planner.bench_runtime import (cores_from_slowdown, per_tensor_and_param, runtime_terms,
+from planner.bench.runtime_probes import (cores_from_slowdown, per_tensor_and_param, runtime_terms,
                                    slope_through_origin)
-from cost_model.cluster import PRESETS
+from cost_model.hardware.cluster import PRESETS
 from planner.api import plan
-from planner.models import get_config
-from planner.step_prediction import _step_syncs, predicted_step, step_costs
-from runtime.schedule import Action, Kind
+from planner.models.presets import get_config
+from planner.search.step_prediction import _step_syncs, predicted_step, step_costs
+from runtime.pipeline.schedule import Action, Kind
 
 CPU = PRESETS["cpu-gloo"]
 TINY = get_config("gpt-tiny")
@@ -87,8 +87,8 @@ def test_the_step_sync_fit_is_least_squares_through_the_origin():
 
 def test_replicas_count_the_steps_targets_at_the_start():
     """With replicas a mean loss's target count is all-reduced over them as the step starts
-    (runtime.loss_tokens): one more small all-reduce than the batch check alone."""
-    from cost_model.comm import collective_time
+    (runtime.training.loss_tokens): one more small all-reduce than the batch check alone."""
+    from cost_model.hardware.comm import collective_time
     p = _plan(CPU, dp=4)
     start, _ = _step_syncs(p, CPU, 4)
     assert start == pytest.approx(collective_time(CPU, "all_reduce", 16, 4)
@@ -179,7 +179,7 @@ def test_a_post_among_busy_cores_waits_for_its_core_and_hands_off_slower():
 
 
 def _schedule_actions(p, rank):
-    from runtime.generators import make_schedule
+    from runtime.pipeline.generators import make_schedule
     return make_schedule(p.schedule, p.pp, p.num_microbatches, p.virtual_stages).actions[rank]
 
 

@@ -1,13 +1,13 @@
-"""runtime.step_sim against runtime.simulator (own devices) and against hand-worked and
+"""runtime.pipeline.step_sim against runtime.pipeline.simulator (own devices) and against hand-worked and
 conservation facts on shared cores."""
 import math
 import random
 
 import pytest
 
-from runtime.generators import make_schedule
-from runtime.simulator import simulate
-from runtime.step_sim import StepCosts, simulate_step
+from runtime.pipeline.generators import make_schedule
+from runtime.pipeline.simulator import simulate
+from runtime.pipeline.step_sim import StepCosts, simulate_step
 
 SCHEDULES = [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("zb-h1", 3, 5, 1),
              ("interleaved-1f1b", 2, 4, 2)]

@@ -1,4 +1,4 @@
-"""passes.token_mean on its own: a rewritten loss outside the trainer is the original loss; its
+"""passes.rewrite.token_mean on its own: a rewritten loss outside the trainer is the original loss; its
 counter counts the targets the mean divides by; a step with none is refused."""
 import dataclasses
 
@@ -7,9 +7,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from passes.token_mean import loss_counts, token_mean
-from runtime.loss_tokens import StepTokens
-from runtime.stage import StageProgram
+from passes.rewrite.token_mean import loss_counts, token_mean
+from runtime.training.loss_tokens import StepTokens
+from runtime.programs.stage import StageProgram
 
 
 class _Loss(torch.nn.Module):

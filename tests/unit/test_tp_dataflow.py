@@ -1,4 +1,4 @@
-"""The tensor-parallel dataflow check (passes.tp_dataflow): layers whose column-parallel outputs
+"""The tensor-parallel dataflow check (passes.rewrite.tp_dataflow): layers whose column-parallel outputs
 meet an op that looks across the sharded dimension are refused, with the reason; the models the
 rewrite is known to run exactly are accepted at every tp their heads allow."""
 import pytest
@@ -6,10 +6,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.capture import capture
+from passes.capture.trace import capture
 from planner.api import plan
-from planner.costs import ModelCosts, PlanningError
-from planner.models import build_model, get_config
+from planner.search.costs import ModelCosts, PlanningError
+from planner.models.presets import build_model, get_config
 
 HIDDEN, VOCAB, SEQ = 32, 64, 8
 
@@ -219,7 +219,7 @@ def _costs_of(config) -> ModelCosts:
 
 
 def test_hugging_face_blocks_are_accepted():
-    hf = pytest.importorskip("planner.hf")
+    hf = pytest.importorskip("planner.models.hf")
     pytest.importorskip("transformers")
     for arch in ("gpt2", "llama"):
         model = hf.build_hf(arch)

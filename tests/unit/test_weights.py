@@ -9,15 +9,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from passes.capture import capture
-from passes.program import Layout, rank_programs
-from planner.materialize import (MaterializeError, init_value, materialize_full,
+from passes.capture.trace import capture
+from passes.stages.program import Layout, rank_programs
+from planner.weights.materialize import (MaterializeError, init_value, materialize_full,
                                  materialize_programs, init_source)
-from planner.models import build_model, example_batch, get_config
-from planner.weights import (HFTensor, ShardReader, WeightsError, hf_model, name_map,
+from planner.models.presets import build_model, example_batch, get_config
+from planner.weights.hf_weights import (HFTensor, ShardReader, WeightsError, hf_model, name_map,
                              open_checkpoint, read_shard)
-from runtime.shards import ShardSpec, shard_specs
-from runtime.tied import canonical_names
+from runtime.programs.shards import ShardSpec, shard_specs
+from runtime.training.tied import canonical_names
 
 SPECS = [ShardSpec(d, p, i, c, pad) for d, p, c, pad in
          [(0, 2, 1, 0), (1, 2, 1, 0), (0, 4, 1, 0), (0, 2, 3, 0), (1, 2, 3, 0), (0, 4, 1, 2),
@@ -80,7 +80,7 @@ def test_init_rule_depends_on_name_and_seed_only():
 def test_a_meta_buffer_without_config_is_named():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     model.register_buffer("table", torch.ones(3, device="meta"))
-    from planner.materialize import buffer_value
+    from planner.weights.materialize import buffer_value
     with pytest.raises(MaterializeError, match="buffer table .*no cfg or config"):
         buffer_value(model, "table")
 
@@ -93,7 +93,7 @@ def _hf_loss(hf, tokens, targets):
 
 def _hf_dir(tmp_path, arch, **overrides):
     pytest.importorskip("transformers")
-    from planner.hf import build_hf
+    from planner.models.hf import build_hf
     torch.manual_seed(0)
     model = build_hf(arch, **overrides)
     model.model.save_pretrained(tmp_path)

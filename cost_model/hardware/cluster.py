@@ -1,0 +1,537 @@
+"""Hardware description used by the cost model: the `Cluster` spec, presets,
+and JSON profiles (as written by `fxpar calibrate --out FILE`).
+
+Every number is per device (one GPU, or one rank process on CPU) so that the
+cost model never has to know how many devices share a node's resources,
+except through `gpus_per_node`, which decides whether a communication group
+stays on the fast intra-node links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.comm.wire import KINDS
+
+__all__ = [
+    "Cluster",
+    "ProfileError",
+    "PRESETS",
+    "get_cluster",
+    "load_profile",
+    "save_profile",
+]
+
+CALIBRATE_HINT = "fxpar calibrate --out FILE"
+
+
+class ProfileError(ValueError):
+    """A cluster profile file is missing, unreadable or malformed."""
+
+
+# Field rules: (kind, lower bound, upper bound, lower bound inclusive?).
+# "pos" fields divide something, so zero is as wrong as negative.
+_POSITIVE = ("float", 0.0, math.inf, False)
+_NONNEG = ("float", 0.0, math.inf, True)
+_FRACTION = ("float", 0.0, 1.0, False)  # an efficiency of 0 would mean "never finishes"
+_SHARE = ("float", 0.0, 1.0, True)  # an overlap share may legitimately be 0
+
+# Ops priced per element where a profile measured them (OpCost.per_element; Cluster.element_s)
+PER_ELEMENT_RULES = ("layer_norm", "rms_norm", "strided")
+
+_RULES: dict[str, tuple] = {
+    "name": ("str",),
+    "device": ("device",),
+    "gpus_per_node": ("int",),
+    "peak_flops": _POSITIVE,
+    "mem_bytes": _POSITIVE,
+    "mem_bw": _POSITIVE,
+    "intra_bw": _POSITIVE,
+    "inter_bw": _POSITIVE,
+    "intra_latency": _NONNEG,
+    "inter_latency": _NONNEG,
+    "matmul_eff": _FRACTION,
+    "attention_eff": _FRACTION,
+    "bw_eff": _FRACTION,
+    "kernel_floor": _NONNEG,
+    "comm_eff": _FRACTION,
+    "dp_overlap": _SHARE,
+    "comm_corrections": ("corrections",),
+    "matmul_overhead": _NONNEG,
+    "pointwise_flops": _NONNEG,
+    "attention_overhead": _NONNEG,
+    "forward_floor": _NONNEG,
+    "backward_floor": _NONNEG,
+    **{f"{rule}_{side}": _NONNEG for rule in PER_ELEMENT_RULES for side in ("fwd", "bwd")},
+    "op_overhead": _NONNEG,
+    "action_floor": _NONNEG,
+    "action_overhead": _NONNEG,
+    "step_overhead": _NONNEG,
+    "split_backward": _NONNEG,
+    "optimizer_per_param": _NONNEG,
+    "optimizer_per_tensor": _NONNEG,
+    "cores": _NONNEG,
+    "unshared_ranks": _NONNEG,
+    "collective_handoff": _NONNEG,
+    "sync_handoff": _NONNEG,
+    "sync_latency": _NONNEG,
+    "send_overhead": _NONNEG,
+    "recv_overhead": _NONNEG,
+    "p2p_handoff": _NONNEG,
+    "shared_send_wait": _NONNEG,
+    "shared_p2p_handoff": _NONNEG,
+    "ring_step_fwd": _NONNEG,
+    "ring_step_bwd": _NONNEG,
+}
+
+# The runtime's own time and shared cores (planner.bench.runtime_probes measures them): any of them
+# non-zero makes plans simulate the whole step (Cluster.runtime_priced).
+RUNTIME_FIELDS = ("action_floor", "action_overhead", "step_overhead", "split_backward",
+                  "optimizer_per_param", "optimizer_per_tensor", "cores", "collective_handoff",
+                  "sync_handoff", "sync_latency", "send_overhead", "recv_overhead", "p2p_handoff",
+                  "shared_send_wait", "shared_p2p_handoff", "ring_step_fwd", "ring_step_bwd")
+
+_DEVICES = ("cuda", "cpu")
+
+# Collective kinds the cost model prices (re-exported as comm.KINDS); each may
+# carry a measured correction in `comm_corrections`.
+COMM_KINDS = KINDS  # the collective kinds (runtime.comm.wire), keying the per-kind fields
+# The neutral correction: the textbook ring formula as it stands.
+NEUTRAL = (1.0, 1.0)
+
+
+def _field_problem(field: str, value: Any) -> str | None:
+    """Why `value` is not acceptable for `field`, or None when it is."""
+    kind = _RULES[field][0]
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            return f"must be a non-empty string, got {value!r}"
+        return None
+    if kind == "device":
+        if value not in _DEVICES:
+            return f"must be one of {list(_DEVICES)}, got {value!r}"
+        return None
+    # bool is an int subclass; `true` in a profile is a typo, not a number.
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"must be an integer >= 1, got {value!r}"
+        return None
+    if kind == "corrections":
+        return _corrections_problem(value)
+    return _number_problem(value, _RULES[field])
+
+
+def _number_problem(value: Any, rule: tuple) -> str | None:
+    _, lo, hi, lo_inclusive = rule
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number, got {type(value).__name__} {value!r}"
+    if not math.isfinite(value):
+        return f"must be finite, got {value!r}"
+    if value < lo or (value == lo and not lo_inclusive):
+        return f"must be {'>=' if lo_inclusive else '>'} {lo:g}, got {value!r}"
+    if value > hi:
+        return f"must be <= {hi:g}, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-device hardware numbers and achieved efficiencies; all SI units."""
+
+    name: str
+    device: str  # "cuda" or "cpu"
+    gpus_per_node: int
+    peak_flops: float  # dense bf16 FLOP/s per device (fp32 for cpu)
+    mem_bytes: float  # memory per device
+    mem_bw: float  # device memory bandwidth, bytes/s
+    intra_bw: float  # per-device one-direction bandwidth inside a node, bytes/s
+    inter_bw: float  # per-device one-direction bandwidth between nodes, bytes/s
+    intra_latency: float  # alpha, seconds per ring step inside a node
+    inter_latency: float  # alpha, seconds per ring step across nodes
+    matmul_eff: float  # achieved fraction of peak_flops for large matmuls
+    attention_eff: float  # achieved fraction for attention kernels
+    bw_eff: float  # achieved fraction of mem_bw for memory-bound kernels
+    kernel_floor: float  # seconds: the least time any kernel takes
+    comm_eff: float  # achieved fraction of nominal link bandwidth
+    dp_overlap: float  # fraction of the DP all-reduce hidden behind backward
+    # Per-kind (latency, bandwidth) multipliers of the ring formula's alpha and
+    # bw, measured by calibration because a library implements each kind its
+    # own way (see comm.py). Given as {kind: (latency, bandwidth)} and stored
+    # as sorted (kind, latency, bandwidth) triples so that a Cluster stays
+    # hashable; a kind left out is neutral (1, 1), i.e. textbook.
+    comm_corrections: Any = ()
+    # Seconds each priced matmul (a layer's forward, or its backward) takes on
+    # top of flops / (peak_flops * matmul_eff): small GEMMs reach a lower rate
+    # than large ones (CPU BLAS packing and blocking), which one efficiency
+    # cannot express. Calibration fits it with matmul_eff; 0 keeps the plain
+    # roofline, as in the presets.
+    matmul_overhead: float = 0.0
+    # FLOP/s at which pointwise ops (activations, exp, their backward) run the FLOPs their rules
+    # count: a CPU evaluates erf or exp far below its matmul rate, which left a small model's
+    # GELU priced at a twentieth of its time. 0: the matmul rate, as in the presets.
+    pointwise_flops: float = 0.0
+    # Seconds fused attention takes per (batch x head) pair beyond its FLOPs (per forward;
+    # backward counts SDPA_BWD_FACTOR of it): a CPU kernel's per-pair set-up, which dominates
+    # small heads (head_dim 8: 8x the FLOP-priced time). 0 in the presets.
+    attention_overhead: float = 0.0
+    # The least seconds of an op in a training step: recorded by autograd in the forward, run
+    # as an autograd node in the backward (more than a bare kernel's kernel_floor on CPU).
+    # 0: kernel_floor, as in the presets.
+    forward_floor: float = 0.0
+    backward_floor: float = 0.0
+    # Seconds per element, forward and backward, of ops a CPU runs element by element far from
+    # what their FLOPs and bytes say (OpCost.per_element): LayerNorm and RMSNorm (whose CPU
+    # backward runs about 6x its forward, decomposed), and pointwise ops and copies over a
+    # non-contiguous tensor (3-4x slower than over a contiguous one). Each is the least time
+    # of such an op; 0 (the presets): not measured, the roofline alone.
+    layer_norm_fwd: float = 0.0
+    layer_norm_bwd: float = 0.0
+    rms_norm_fwd: float = 0.0
+    rms_norm_bwd: float = 0.0
+    strided_fwd: float = 0.0
+    strided_bwd: float = 0.0
+    # The runtime's own time, which op costs leave out (Python, autograd's set-up), measured by
+    # calibration on a one-rank training run (planner.bench.runtime_probes); 0 in the presets, where
+    # a GPU runs kernels while the host prepares the next ones.
+    op_overhead: float = 0.0       # seconds per op of a layer's graph per pass (F or B), beyond
+    #                                its priced kernel: Python, dispatch, autograd's node, views
+    action_floor: float = 0.0      # seconds added to every pipeline compute action (F, B, I, W)
+    action_overhead: float = 0.0   # seconds per compute action between actions (bookkeeping)
+    step_overhead: float = 0.0     # seconds per training step outside the schedule
+    split_backward: float = 0.0    # I + W take (1 + this) x B's compute: a second traversal
+    optimizer_per_param: float = 0.0   # seconds of the optimizer step per parameter
+    optimizer_per_tensor: float = 0.0  # and per parameter tensor
+    collective_handoff: float = 0.0  # seconds a collective takes in a step beyond back to back
+    # and what each of the step's own collectives (its opening check, the data-parallel sync,
+    # the loss's all-reduce) takes beyond that: their groups idled through a stage's computing
+    # (with sync_latency calibrated, the data-parallel sync's alone), and the first all-reduce of
+    # each action of a tensor-parallel stage, beyond its collective_handoff
+    sync_handoff: float = 0.0
+    # Seconds per ring step of those small all-reduces as a step reaches them, wake-up included
+    # (measured on each calibrated world size); 0: priced by the links, plus sync_handoff
+    sync_latency: float = 0.0
+    send_overhead: float = 0.0     # seconds the sender spends posting a pipeline message
+    # CPU seconds a received pipeline message costs its rank: posting the receive, taking the
+    # message, and gloo's own thread moving it (both ends'), all outside the actions
+    recv_overhead: float = 0.0
+    p2p_handoff: float = 0.0       # seconds from one stage's action to the next stage's, through
+    #                                a message the receiver waited for (post, wire, wake-up)
+    # The same for a post made while more ranks want CPU than run unshared on the cores
+    # (runtime.pipeline.step_sim counts them at the post): it then also waits for the core the receiver it
+    # wakes takes from the sender (no CPU of its own), and the hand-off is as measured with every
+    # core busy. 0: as on idle cores.
+    shared_send_wait: float = 0.0
+    shared_p2p_handoff: float = 0.0
+    # Seconds each step of ring attention (one K/V block, cp per attention and pass) takes in a
+    # forward or backward beyond its priced ops and messages: the Python between blocks, gloo's
+    # batched post and wake-up, waiting for the peer's block (planner.bench.ring_probe). 0: none.
+    ring_step_fwd: float = 0.0
+    ring_step_bwd: float = 0.0
+    # Cores the ranks of one node share (CPU ranks; calibration measures how N busy ranks slow
+    # each other down); 0: every rank has a device of its own.
+    cores: float = 0.0
+    # Busy ranks that run at full speed together (measured: no slowdown); more than that share
+    # `cores`. 0: they share `cores` from the second one on.
+    unshared_ranks: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.comm_corrections, dict):
+            # Frozen dataclass: normalise through object.__setattr__.
+            object.__setattr__(self, "comm_corrections", _corrections_tuple(self.comm_corrections))
+        for f in dataclasses.fields(self):
+            problem = _field_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"Cluster field '{f.name}' {problem}")
+
+    @property
+    def runtime_priced(self) -> bool:
+        """Whether plans on this cluster price the runtime's own time and shared cores, by
+        simulating the whole step (planner.search.step_prediction)."""
+        return any(getattr(self, name) for name in RUNTIME_FIELDS)
+
+    def element_s(self, rule: str, backward: bool) -> float:
+        """Measured seconds per element of a per-element op (OpCost.per_element), 0 for
+        none."""
+        return getattr(self, f"{rule}_{'bwd' if backward else 'fwd'}") if rule else 0.0
+
+    def comm_correction(self, kind: str) -> tuple[float, float]:
+        """(latency, bandwidth) multipliers for `kind`; (1, 1) when not measured."""
+        return next(((lat, bw) for k, lat, bw in self.comm_corrections if k == kind), NEUTRAL)
+
+    def to_json(self) -> dict:
+        """A plain dict that `from_json` accepts and `json.dump` can write."""
+        data = dataclasses.asdict(self)
+        data["comm_corrections"] = {
+            kind: {"latency": lat, "bandwidth": bw} for kind, lat, bw in self.comm_corrections}
+        return data
+
+    @staticmethod
+    def from_json(d: dict, source: str = "<dict>") -> "Cluster":
+        """Build from a profile dict; any problem raises ProfileError naming
+        `source` and the offending field."""
+        command = CALIBRATE_HINT if source == "<dict>" else CALIBRATE_HINT.replace("FILE", source)
+        fix = f"fix the field or regenerate the profile with `{command}`"
+        if not isinstance(d, dict):
+            raise ProfileError(
+                f"{source}: a cluster profile must be a JSON object, "
+                f"got {type(d).__name__}; {fix}"
+            )
+        names = [f.name for f in dataclasses.fields(Cluster)]
+        d = _with_json_corrections(d, source, fix)
+        # Unknown keys are rejected so that a misspelt field cannot silently
+        # fall back to nothing and leave the intended value unused.
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ProfileError(
+                f"{source}: unknown field(s) {unknown}; the known fields are "
+                f"{names}; remove or rename them"
+            )
+        for name in names:
+            if name not in d and name in _OPTIONAL:
+                continue  # profiles written before the field existed keep loading
+            if name not in d:
+                raise ProfileError(f"{source}: missing field '{name}'; {fix}")
+            problem = _field_problem(name, d[name])
+            if problem:
+                raise ProfileError(f"{source}: field '{name}' {problem}; {fix}")
+        return Cluster(**{n: d[n] for n in names if n in d})
+
+
+# Fields a profile may leave out: those with a neutral default in Cluster (profiles written
+# before a field existed keep loading).
+_OPTIONAL = frozenset(f.name for f in dataclasses.fields(Cluster)
+                      if f.default is not dataclasses.MISSING)
+
+
+def _corrections_tuple(mapping: dict) -> tuple:
+    """{kind: (latency, bandwidth)} -> sorted (kind, latency, bandwidth) triples."""
+    return tuple(sorted((kind, *pair) for kind, pair in mapping.items()))
+
+
+def _corrections_problem(value: Any) -> str | None:
+    """Why a comm_corrections tuple is not acceptable, or None."""
+    if not isinstance(value, tuple):
+        return f"must be a mapping of kind to (latency, bandwidth), got {value!r}"
+    for entry in value:
+        if not (isinstance(entry, tuple) and len(entry) == 3):
+            return f"entries must be (kind, latency, bandwidth), got {entry!r}"
+        kind, *factors = entry
+        if kind not in COMM_KINDS:
+            return f"has unknown kind {kind!r}; expected some of {list(COMM_KINDS)}"
+        for label, factor in zip(("latency", "bandwidth"), factors):
+            problem = _number_problem(factor, _POSITIVE)
+            if problem:
+                return f"{kind}.{label} {problem}"
+    return None
+
+
+def _with_json_corrections(d: Any, source: str, fix: str) -> Any:
+    """`d` with its JSON comm_corrections ({kind: {"latency", "bandwidth"}})
+    turned into the tuple form the dataclass validates; shape errors here name
+    the nested field, value errors are left to the common field check."""
+    if not isinstance(d, dict) or "comm_corrections" not in d:
+        return d
+    raw, where = d["comm_corrections"], f"{source}: field 'comm_corrections'"
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be an object of kind -> "
+                           f"{{latency, bandwidth}}, got {raw!r}; {fix}")
+    pairs = {}
+    for kind, entry in raw.items():
+        if not isinstance(entry, dict) or set(entry) != {"latency", "bandwidth"}:
+            raise ProfileError(f"{where}: '{kind}' must be an object with exactly the keys "
+                               f"'latency' and 'bandwidth', got {entry!r}; {fix}")
+        pairs[kind] = (entry["latency"], entry["bandwidth"])
+    return {**d, "comm_corrections": _corrections_tuple(pairs)}
+
+
+def load_profile(path: str | os.PathLike) -> Cluster:
+    """Read a JSON profile; every failure is a ProfileError naming the file."""
+    path = os.fspath(path)
+    hint = f"create it with `{CALIBRATE_HINT.replace('FILE', path)}` or use a preset"
+    if not os.path.exists(path):
+        raise ProfileError(
+            f"cluster profile {path} does not exist; {hint} "
+            f"({', '.join(sorted(PRESETS))})"
+        )
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"cluster profile {path} could not be read ({exc}); {hint}") from exc
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ProfileError(f"cluster profile {path} is not valid JSON ({exc}); {hint}") from exc
+    return Cluster.from_json(data, source=path)
+
+
+def _reject_constant(token: str) -> float:
+    # Python's json accepts NaN/Infinity, which are not JSON and never valid here.
+    raise ValueError(f"non-standard JSON constant {token}")
+
+
+def save_profile(cluster: Cluster, path: str | os.PathLike) -> None:
+    """Write `cluster` as JSON; written to a temp file first so that a crash
+    never leaves a half-written profile behind."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(cluster.to_json(), fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def get_cluster(name_or_path: "str | os.PathLike | Cluster") -> Cluster:
+    """A preset by name, a profile by path, or a Cluster passed through."""
+    if isinstance(name_or_path, Cluster):
+        return name_or_path
+    if isinstance(name_or_path, os.PathLike):
+        return load_profile(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise TypeError(
+            f"expected a preset name, a profile path or a Cluster, got {name_or_path!r}")
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    looks_like_path = (
+        name_or_path.endswith(".json") or os.sep in name_or_path or os.path.exists(name_or_path)
+    )
+    if looks_like_path:
+        return load_profile(name_or_path)
+    raise ValueError(
+        f"unknown cluster {name_or_path!r}; known presets: {', '.join(sorted(PRESETS))}; "
+        f"or pass the path of a JSON profile (make one with `{CALIBRATE_HINT}`)"
+    )
+
+
+# --------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------
+GB = 1e9  # vendor datasheets use decimal units
+GiB = float(2**30)
+
+# mem_bytes uses the datasheet's decimal GB. The card reports slightly more
+# (80 GB cards show ~79-80 GiB), but the CUDA context and allocator
+# fragmentation take ~1-3 GB, so the decimal figure is a fair usable cap.
+
+# Efficiencies shared by the NVIDIA presets. Sources and reasoning:
+# - matmul_eff: the cost model sums op by op, so this is the per-GEMM
+#   fraction, not end-to-end MFU. Large bf16 cuBLAS GEMMs reach ~70-80% of
+#   dense peak on A100 and ~65-75% on H100 (clock/power limited); Megatron-LM
+#   (Narayanan et al., SC'21; Korthikanti et al., 2022) reports 52-56% MFU
+#   end to end, which includes the non-matmul and communication time this
+#   model prices separately. Training-shaped GEMMs are smaller than the best
+#   case, hence 0.70 (A100) and 0.65 (Hopper).
+# - attention_eff: FlashAttention-2 (Dao, 2023) reports 50-73% of peak
+#   forward and less backward on A100, ~35-50% on H100 (FA3 reaches more, but
+#   PyTorch SDPA does not always select it): 0.50 / 0.45.
+# - bw_eff: streaming kernels reach ~80-90% of HBM bandwidth (STREAM-like
+#   copy); PyTorch elementwise kernels sit at the low end: 0.80.
+# - kernel_floor: eager PyTorch dispatch + launch is ~5 us per op.
+# - comm_eff: nccl-tests bus bandwidth on DGX systems is ~75-85% of nominal
+#   NVLink / InfiniBand rate for large messages: 0.80.
+# - latencies: NCCL's own tuning model (src/graph/tuning.cc, hwLat) charges
+#   a few us per ring step over NVLink and ~5-15 us over the network.
+# - dp_overlap: DDP's bucketed all-reduce (Li et al., VLDB 2020) overlaps all
+#   but roughly the last bucket with backward: 0.70.
+_GPU_EFFS = dict(
+    bw_eff=0.80,
+    kernel_floor=5e-6,
+    comm_eff=0.80,
+    intra_latency=5e-6,
+    inter_latency=10e-6,
+    dp_overlap=0.70,
+)
+
+PRESETS: dict[str, Cluster] = {
+    # This kind of machine: a 2-core x86 VM (AVX2, no AVX-512) running one
+    # gloo rank per process, each with one torch thread. Rounded from what an
+    # earlier `fxpar calibrate` measured here (median timings; today's
+    # calibration times collectives by their fastest op, which gives ~0.2 ms
+    # latency and ~1 GB/s, and prices causal attention fwd+bwd at ~25% of
+    # peak); run it for this machine's numbers. Left as they were so that
+    # plans chosen on this preset stay put. A "node" is
+    # as many ranks as there are cores: larger groups time-share cores, and
+    # every ring step then also waits for the scheduler, which the model
+    # treats as a slower inter-node link (see calibrate._cpu_ranks_per_node).
+    "cpu-gloo": Cluster(
+        name="cpu-gloo",
+        device="cpu",
+        gpus_per_node=2,
+        peak_flops=100e9,  # ~3 GHz x 32 fp32 FLOP/cycle (2 AVX2 FMA units)
+        mem_bytes=4.0 * GiB,  # a share of host RAM per rank, kept modest
+        mem_bw=20 * GB,  # single-thread copy measured 16-25 GB/s
+        intra_bw=0.7 * GB,  # gloo over loopback TCP, full-duplex ring rate
+        inter_bw=0.6 * GB,
+        intra_latency=500e-6,  # includes scheduler wake-ups on a busy host
+        inter_latency=1.2e-3,
+        matmul_eff=0.75,  # 256-2048 fp32 GEMMs reached 70-90 GFLOP/s
+        attention_eff=0.60,
+        bw_eff=0.85,
+        kernel_floor=5e-6,  # a tiny eager op measured 2-7 us
+        comm_eff=1.0,  # the bandwidths above are already achieved rates
+        dp_overlap=0.30,  # gloo's thread competes with compute for the cores
+        # (latency, bandwidth) multipliers of the ring terms, from how gloo
+        # implements these kinds (comm.py): reduce_scatter runs a whole
+        # all-reduce (twice the ring's steps and volume), and only one side
+        # of a p2p transfer copies, so it moves at twice the ring rate. A
+        # calibrated profile measures all five kinds instead.
+        comm_corrections={"reduce_scatter": (2.0, 0.5), "p2p": (1.0, 2.0)},
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS
+    # dense (624 with sparsity), 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s
+    # (total, both directions). NVIDIA DGX A100 datasheet: 8 GPUs, 8x
+    # single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute = 25 GB/s
+    # per GPU.
+    "a100-80g-dgx": Cluster(
+        name="a100-80g-dgx",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=312e12,
+        mem_bytes=80 * GB,
+        mem_bw=2039 * GB,
+        intra_bw=300 * GB,  # 600 GB/s bidirectional -> 300 per direction
+        inter_bw=25 * GB,  # 200 Gb/s / 8
+        matmul_eff=0.70,
+        attention_eff=0.50,
+        **_GPU_EFFS,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with
+    # sparsity -> 989 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s
+    # (bidirectional). NVIDIA DGX H100 datasheet: 8 GPUs, 8x ConnectX-7
+    # 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+    "h100-sxm-dgx": Cluster(
+        name="h100-sxm-dgx",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        mem_bytes=80 * GB,
+        mem_bw=3350 * GB,
+        intra_bw=450 * GB,  # 900 GB/s bidirectional -> 450 per direction
+        inter_bw=50 * GB,  # 400 Gb/s / 8
+        matmul_eff=0.65,
+        attention_eff=0.45,
+        **_GPU_EFFS,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with
+    # sparsity -> 989 dense (same compute as H100), 141 GB HBM3e at
+    # 4.8 TB/s, NVLink 900 GB/s. NVIDIA DGX H200 datasheet: 8 GPUs, 8x
+    # ConnectX-7 400 Gb/s = 50 GB/s per GPU.
+    "h200-sxm-dgx": Cluster(
+        name="h200-sxm-dgx",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        mem_bytes=141 * GB,
+        mem_bw=4800 * GB,
+        intra_bw=450 * GB,
+        inter_bw=50 * GB,
+        matmul_eff=0.65,
+        attention_eff=0.45,
+        **_GPU_EFFS,
+    ),
+}

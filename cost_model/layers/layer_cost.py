@@ -1,0 +1,539 @@
+"""Price one layer under one strategy, from its graph.
+
+`profile_layer` cuts the layer out of the captured graph, applies the tensor-parallel rewrite when
+asked, re-propagates fake shapes and counts every node (cost_model.ops.node_cost). `price` turns a profile into
+times and bytes for a micro-batch size and a strategy:
+
+  activations  saved-for-backward bytes, deduplicated by tensor (Korthikanti et al. 2022 count per
+               GPT layer: sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) under tensor parallelism).
+               Sequence parallel divides the tensors the TP rewrite left replicated (the layer
+               input, the norms' inputs and outputs, the dropout masks after each row-parallel
+               reduce: 10sbh) by t; selective recompute drops the attention core (the scores and
+               everything computed from them up to the attention-over-values matmul: softmax
+               output, dropout mask and dropout output, 5as²b); full recompute keeps only the
+               layer input.
+  compute      Σ roofline(op) forward and backward; recompute adds the recomputed forward.
+  comm         the collectives the rewrite inserted, priced by alpha-beta ring models: those of
+               the tensor-parallel rewrite, and for tp+sp those of the real sequence-parallel
+               rewrite (the gradient sums of replicated norm weights, the re-gather of each
+               column-parallel block's input in backward). Recomputation runs the forward
+               collectives of its region again in backward (`_rerun_modes`); repeated bytes
+               are reported apart from the bytes sent once.
+The ends ("embed", "head") under tp are profiled vocabulary-parallel, padded when tp does not
+divide the vocabulary, as passes.stages.program rewrites them.
+Everything but a parameter's gradient sum is linear in the micro-batch size, so profiles are
+taken once at the captured batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from cost_model.ops import moe
+from cost_model.ops import graph_facts as op_graph
+from cost_model.hardware.cluster import Cluster
+from cost_model.hardware.comm import bytes_on_wire, collective_time
+from cost_model.hardware.compute import kernels_s, op_seconds
+from cost_model.ops.node_cost import UnknownOpError, node_cost, saved_node_name
+from cost_model.ops.ring_attention import RingShape
+from cost_model.layers.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
+from cost_model.layers.strategy import Strategy
+from passes.capture.trace import Captured, Layer, propagate_shapes
+from passes.rewrite.context_parallel import ContextParallelError, find_attentions
+from passes.rewrite.expert_parallel import moe_nodes
+from passes.stages.pipeline_split import split_stage
+from passes.rewrite.recompute import attention_cores
+from passes.rewrite.sequence_parallel import sequence_parallel, with_params
+from passes.rewrite.sharding import LAYER, ShardingError, localize_shapes
+from passes.rewrite.tensor_parallel import tensor_parallel
+from passes.rewrite.vocab_parallel import vocab_parallel, vocab_parallel_cross_entropy
+from runtime.comm import collectives as C
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    op_class: str
+    fwd_flops: float
+    bwd_flops: float
+    fwd_bytes: float
+    bwd_bytes: float
+    matmul_flops: float
+    core: bool                     # part of the attention core (see _core_nodes)
+    pairs: float = 0.0             # fused attention's (batch x head) pairs
+    per_element: str = ""          # OpCost.per_element: priced per element when measured
+    elements: float = 0.0
+    ringed: bool = False           # replaced by ring attention under context parallelism
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One communication a collective node makes in one pass."""
+
+    kind: str                      # "all_reduce", ...
+    phase: str                     # "fwd" | "bwd"
+    nbytes: float                  # full tensor size at the captured batch
+    per_sample: bool = True        # False for a parameter's gradient sum: batch-independent
+    repeated: bool = False         # communication redone to save memory (sp re-gather)
+    rerun: frozenset = frozenset()  # recompute modes ("full", "selective") that run it again
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    layer: str
+    kind: str
+    tp: int
+    batch: int                     # captured batch size; everything below is at this size
+    ops: tuple[OpRecord, ...]
+    saved: float                   # saved-for-backward bytes
+    saved_core: float              # of which attention core
+    saved_replicated: float        # of which outside the tensor-parallel regions (tp > 1)
+    input_bytes: float             # floating inputs of the layer (what full recompute keeps)
+    output_bytes: float            # what the layer hands to the next one
+    params: int                    # parameters held per device
+    collectives: tuple[Collective, ...] = field(default=())
+    kv_bytes: float = 0.0          # keys + values entering fused attention (what a CP ring moves)
+    kv_grad_bytes: float = 0.0     # their fp32 gradient accumulators (the backward ring's load)
+    rings: tuple[RingShape, ...] = ()  # the attentions ring attention would replace
+    # Statistics of mixture-of-experts balance losses, summed over the cp group forward and
+    # backward (cost_model.ops.moe.balance_bytes): per rank whatever cp is
+    balance_bytes: float = 0.0
+    # Under tp+sp, from the sequence-parallel rewrite; None when it does not apply (tp == 1, an
+    # end layer, or a ShardingError) and Megatron's swap of each all-reduce is priced instead.
+    sp_collectives: tuple[Collective, ...] | None = None
+    tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """A layer under a strategy for one micro-batch of `micro_batch` samples, on one device."""
+
+    layer: str
+    strategy: Strategy
+    micro_batch: int
+    fwd_s: float                   # forward compute + tensor-parallel communication
+    bwd_s: float                   # backward (+ recompute) compute + communication
+    comm_s: float                  # the communication part of fwd_s + bwd_s
+    flops: float                   # executed, recompute included
+    model_flops: float             # forward + backward without recompute
+    act_bytes: float               # kept for backward, per micro-batch
+    params: int
+    comm_bytes: tuple[tuple[str, float], ...]   # (kind, bytes sent per rank), once per pass
+    # (kind, bytes sent per rank) again to save memory: recomputed forward collectives and the
+    # sequence-parallel re-gather in backward (runtime.comm.instrument counts them apart too)
+    repeated_bytes: tuple[tuple[str, float], ...] = ()
+    tensors: int = 0               # parameter tensors
+
+    def optimizer_s(self, cluster) -> float:
+        """The optimizer step over this layer's parameters on one device (cluster's terms)."""
+        return self.params * cluster.optimizer_per_param + \
+            self.tensors * cluster.optimizer_per_tensor
+
+
+def _extract(captured: Captured, layer: Layer) -> fx.GraphModule:
+    """The layer alone as a graph whose placeholders are its inputs (meta shapes kept): a
+    three-stage split into the layers before it, the layer, and the layers after it. By layer
+    index, not graph position: exported graphs list every parameter's get_attr first."""
+    index = {l.name: l.index for l in captured.layers}
+    node_stage = {node: (index[owner] > layer.index) * 2 if owner != layer.name else 1
+                  for node, owner in captured.layer_of().items()}
+    return split_stage(captured.gm, node_stage, 3, 1).gm
+
+
+def _fake_inputs(sub: fx.GraphModule) -> list[torch.Tensor]:
+    inputs = []
+    for node in sub.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            inputs.append(torch.empty(val.shape, dtype=val.dtype, device="meta"))
+    return inputs
+
+
+def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile:
+    """The layer as one rank runs it at tensor-parallel size tp (raises ShardingError when the
+    rewrite does not divide it)."""
+    sub = _extract(captured, layer)
+    inputs = _fake_inputs(sub)
+    replicated_names, sp = None, None
+    if tp > 1:
+        base_saved = _saved(sub)
+        _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
+        propagate_shapes(sub, inputs)
+        # A tensor the rewrite did not shrink is held whole on every rank: sequence parallel is
+        # what shards it.
+        replicated_names = {k for k, v in _saved(sub).items() if base_saved.get(k) == v}
+        sp = _sp_collectives(captured, layer, tp) if layer.kind == "block" else None
+    else:
+        propagate_shapes(sub, inputs)
+    profile = _profile(sub, layer, tp, replicated_names, captured.batch, captured.seq)
+    return dataclasses.replace(profile, sp_collectives=sp)
+
+
+def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
+    """The rewrite passes.stages.program applies at tp: the ends vocabulary-parallel (padded when tp
+    does not divide the vocabulary: the planner prices the padding it will ask for), the
+    blocks column/row-parallel."""
+    if layer.kind == "block":
+        tensor_parallel(sub, layers, tp, 0, localize=localize)
+    else:
+        vocab_parallel(sub, layers, tp, 0, pad=True, localize=localize)
+
+
+_OUTSIDE = "<outside>"  # tag of the stand-ins for the neighbouring layers
+
+
+def _sp_collectives(captured: Captured, layer: Layer, tp: int) -> tuple[Collective, ...] | None:
+    """The layer's collectives under tp+sp, read off the real sequence-parallel rewrite of a
+    fresh copy. Its inputs come through stand-ins for a layer that is not sequence parallel (as
+    the first block's come from the embedding), so the rewrite shards them there; that
+    resharding, like the gather before the output, belongs to the neighbour, as at run time."""
+    sub = _extract(captured, layer)
+    layers = {layer.name: _stand_in_neighbours(sub)}
+    try:
+        tensor_parallel(sub, layers, tp, 0, localize=False)
+        sequence_parallel(sub, layers, {layer.name}, tp, localize=False)
+        localize_shapes(sub)  # a rewrite that does not run on its shapes: no sp either
+    except ShardingError:
+        return None
+    return _collectives(sub, layer.name)
+
+
+def _stand_in_neighbours(sub: fx.GraphModule) -> list[str]:
+    """Route each floating input through a node tagged _OUTSIDE and tag the output _OUTSIDE;
+    returns the names of the layer's own nodes."""
+    graph = sub.graph
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        val = ph.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and ph.users:
+            with graph.inserting_after(ph):
+                stand_in = graph.call_function(torch.clone, (ph,))
+            ph.replace_all_uses_with(stand_in, delete_user_cb=lambda user: user is not stand_in)
+            stand_in.meta = {**ph.meta, LAYER: _OUTSIDE}
+    next(n for n in graph.nodes if n.op == "output").meta[LAYER] = _OUTSIDE
+    graph.lint()
+    sub.recompile()
+    return [n.name for n in graph.nodes if n.meta.get(LAYER) != _OUTSIDE]
+
+
+def _identity_forward(node: fx.Node) -> bool:
+    """A collective that passes its input through unchanged in forward (tp_copy, tp_grad_sum): a
+    tensor kept after it is the tensor kept before it, under the name of its source."""
+    kind = getattr(node.target, "_fxpar_collective", "")
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    return (kind.endswith("_backward") and src is not None
+            and _bytes(node.meta.get("val")) == _bytes(src.meta.get("val")))
+
+
+def _canonical(name: str, nodes: dict[str, fx.Node], modules) -> str:
+    """A saved entry's name, followed back through identity-forward collectives and views."""
+    node_name, suffix = saved_node_name(name), name[len(saved_node_name(name)):]
+    node = nodes.get(node_name)
+    if node is None or not _identity_forward(node):
+        return name
+    while _identity_forward(node):
+        node = op_graph.alias_root(node.args[0], modules)
+    return node.name + suffix
+
+
+def _saved_entries(sub: fx.GraphModule):
+    """(canonical saved name, bytes) of every node, in graph order."""
+    modules, nodes = dict(sub.named_modules()), {n.name: n for n in sub.graph.nodes}
+    for node in sub.graph.nodes:
+        for name, nbytes in node_cost(node, modules).saved:
+            yield _canonical(name, nodes, modules), nbytes
+
+
+def _saved(sub: fx.GraphModule) -> dict[str, float]:
+    return dict(_saved_entries(sub))
+
+
+def _core_nodes(sub: fx.GraphModule, seq: int) -> set[str]:
+    """The attention core: the scores (an [..., s, s] product of two activations, QKᵀ) and every
+    non-matmul op computed from them at their shape (scale, mask, softmax, dropout), stopping at
+    the attention-over-values matmul. Found by structure, not by shape alone, so that a
+    [b, s, h] tensor with h == s is never mistaken for scores."""
+    modules = dict(sub.named_modules())
+    core: set[str] = set()
+    for node in sub.graph.nodes:
+        val = node.meta.get("val")
+        if not _square(val, seq) or node.op in ("placeholder", "get_attr", "output"):
+            continue
+        cost_class = node_cost(node, modules).op_class
+        args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if cost_class == "matmul":
+            if len(args) >= 2 and all(op_graph.kind(a) == "activation" for a in args[:2]):
+                core.add(node.name)
+        elif any(a.name in core and a.meta["val"].shape == val.shape for a in args):
+            core.add(node.name)
+    return core
+
+
+def _square(val, seq: int) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2] == seq
+
+
+def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | None,
+             batch: int, seq: int):
+    modules = dict(sub.named_modules())
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    core = _core_nodes(sub, seq)
+    ring = _ring_load(sub, layer)
+    # what the context-parallel rewrite replaces by ring attention: the attention's output node
+    # (a fused SDPA or the attention-over-values matmul) and the score ops before it
+    outputs = ring.pop("outputs")
+    ringed = core | outputs if ring["rings"] else set()
+    ops = []
+    for node in sub.graph.nodes:
+        if node.target in _MOVES:
+            continue
+        cost = node_cost(node, modules)
+        ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
+                            cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
+                            cost.per_element, cost.elements, node.name in ringed))
+    saved = _saved(sub)
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    return LayerProfile(
+        layer.name, layer.kind, tp, batch, tuple(ops),
+        saved=sum(saved.values()),
+        saved_core=sum(b for k, b in saved.items() if saved_node_name(k) in core),
+        saved_replicated=sum(b for k, b in saved.items() if replicated and k in replicated),
+        input_bytes=sum(_bytes(p.meta["val"]) for p in placeholders
+                        if p.meta["val"].dtype.is_floating_point),
+        output_bytes=_bytes(fx.node.map_arg(out.args[0], lambda n: n.meta.get("val"))),
+        params=sum(p.numel() for p in sub.parameters()),
+        tensors=sum(1 for _ in sub.parameters()),
+        collectives=_collectives(sub, layer.name), **ring,
+        balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)))
+
+
+# What each collective of runtime.comm.collectives sends: (forward kind, backward kind), None where
+# that pass does not communicate. The functions' `_fxpar_collective` names one pass only.
+_MOVES = {
+    C.tp_copy: (None, "all_reduce"),
+    C.tp_all_reduce: ("all_reduce", None),
+    C.tp_grad_sum: (None, "all_reduce"),
+    C.tp_sum: ("all_reduce", "all_reduce"),
+    C.sp_all_gather: ("all_gather", "reduce_scatter"),
+    C.sp_reduce_scatter: ("reduce_scatter", "all_gather"),
+    C.sp_scatter: (None, "all_gather"),
+    C.sp_gather: ("all_gather", None),
+    C.sp_gather_linear: ("all_gather", "reduce_scatter"),  # + the re-gather in backward
+    C.whole_sequence: ("all_gather", None),
+}
+
+
+def _collectives(gm: fx.GraphModule, tag: str) -> tuple[Collective, ...]:
+    """Every communication of the nodes of layer `tag`, in graph order."""
+    nodes = [n for n in gm.graph.nodes if n.meta.get(LAYER) == tag]
+    reruns = _rerun_modes(gm, nodes)
+    found: list[Collective] = []
+    for node in nodes:
+        if node.target is vocab_parallel_cross_entropy:
+            found += _loss_collectives(node)
+        if node.target not in _MOVES:
+            if hasattr(node.target, "_fxpar_collective"):
+                raise ValueError(f"{node.name}: collective {node.target.__name__} has no price")
+            continue
+        (fwd, bwd), nbytes = _MOVES[node.target], _moved_bytes(node)
+        # A replicated parameter's gradient sum moves the parameter, whatever the batch.
+        per_sample = op_graph.kind(node.args[0]) == "activation"
+        if fwd:
+            found.append(Collective(fwd, "fwd", nbytes, per_sample, rerun=reruns[node]))
+        if bwd:
+            found.append(Collective(bwd, "bwd", nbytes, per_sample))
+        if node.target is C.sp_gather_linear:  # keeps the local slice, gathers it again
+            found.append(Collective("all_gather", "bwd", nbytes, per_sample, repeated=True))
+    return tuple(found)
+
+
+def _moved_bytes(node: fx.Node) -> float:
+    """The full buffer a ring moves: the larger of input and output (a gather grows its input,
+    a reduce-scatter shrinks it); the fused gather-linear's is its input times the parts."""
+    if node.target is C.sp_gather_linear:
+        return _bytes(node.args[0].meta.get("val")) * node.args[5]
+    return max(_bytes(node.args[0].meta.get("val")), _bytes(node.meta.get("val")))
+
+
+def _loss_collectives(node: fx.Node) -> list[Collective]:
+    """vocab_parallel_cross_entropy all-reduces three fp32 values per row in forward (the row
+    maximum, the sum of exponentials, the target's logit) and nothing in backward."""
+    rows = node.args[1].meta["val"].numel()
+    return [Collective("all_reduce", "fwd", 4.0 * rows)] * 3
+
+
+def _rerun_modes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, frozenset]:
+    """Per node, the recompute modes that run it again in backward, regions as passes.rewrite.recompute
+    cuts them: the whole layer (full), each attention core (selective)."""
+    modules = dict(gm.named_modules())
+    body = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    modes: dict[fx.Node, set] = defaultdict(set)
+    for region, mode in [(body, "full")] + [(c, "selective") for c in attention_cores(gm, nodes)]:
+        # Non-reentrant checkpointing stops recomputing once the region's last saved tensor is
+        # back (torch's early stop): what comes after the last node that saves is not rerun.
+        last = max((i for i, n in enumerate(region) if _saves(n, modules)), default=-1)
+        for n in region[:last + 1]:
+            modes[n].add(mode)
+    return defaultdict(frozenset, {n: frozenset(m) for n, m in modes.items()})
+
+
+def _saves(node: fx.Node, modules) -> bool:
+    """Whether autograd keeps a tensor for the node's backward."""
+    if node.target in (C.sp_gather_linear, with_params):  # local input and weights; module's own
+        return True
+    if node.target in _MOVES:
+        return False
+    try:
+        return bool(node_cost(node, modules).saved)
+    except UnknownOpError:
+        return True  # unknown: assume it keeps something, so the collectives before it rerun
+
+
+def _bytes(val) -> float:
+    if isinstance(val, torch.Tensor):
+        return float(val.numel() * val.element_size())
+    if isinstance(val, (tuple, list)):
+        return float(sum(_bytes(v) for v in val))
+    return 0.0
+
+
+def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: Cluster,
+          tp: int = 1, cp: int = 1) -> LayerCost:
+    """Times and bytes of the profiled layer for a micro-batch; tp and cp are the group sizes of
+    the mesh. Context parallelism gives each rank 1/cp of the tokens — zig-zag sharding balances
+    causal attention too — and adds the key/value ring (cost_model.layers.ring_pricing) and the
+    all-reduce of any mixture-of-experts balance statistics (`_balance`)."""
+    scale = micro_batch / profile.batch / cp
+    ops, ring_fwd, ring_bwd = profile.ops, 0.0, 0.0
+    # On a cluster whose runtime is measured (CPU profiles), the attentions run as the ring's
+    # block loops, priced op by op; presets keep the fused kernel's price, which no device run
+    # has checked against the ring yet
+    as_run = cp > 1 and bool(profile.rings) and cluster.runtime_priced
+    if as_run:
+        ops = [op for op in ops if not op.ringed]
+        ring_fwd, ring_bwd = ring_compute_s(profile, micro_batch, cp, cluster)
+    # every op of the layer's graph also costs the runtime's time per op and pass, whatever
+    # the batch (cluster.op_overhead: measured on a training run, 0 in the presets)
+    ops_s = len(ops) * cluster.op_overhead
+    fwd = ops_s + ring_fwd + sum(op_seconds(op, scale, cluster, backward=False) for op in ops)
+    bwd = ops_s + ring_bwd + sum(op_seconds(op, scale, cluster, backward=True) for op in ops)
+    fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
+    model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
+    recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops,
+                                              ring_fwd)
+    fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
+    if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
+        hidden = (ring_fwd, ring_bwd) if as_run else fused_attention_s(profile, scale, cluster)
+        ring = ring_exposed(profile, scale, cluster, tp, cp, *hidden)
+        # and each ring step costs what calibration measured beyond the ops and the messages
+        steps = cp * len(profile.rings)
+        fwd_ring = ring.fwd_s + steps * cluster.ring_step_fwd
+        fwd_comm += fwd_ring
+        bwd_comm += ring.bwd_s + steps * cluster.ring_step_bwd
+        comm_bytes = tuple(sorted(comm_bytes + (("p2p", ring.sent),)))
+        if strategy.recompute != "none":  # recomputing the attention runs its forward ring again
+            bwd_comm += fwd_ring
+            repeated = tuple(sorted(repeated + (("p2p", ring.fwd_sent),)))
+    if cp > 1 and profile.balance_bytes:
+        seconds, wire = _balance(profile, micro_batch, cluster, tp, cp)
+        fwd_comm, bwd_comm = fwd_comm + seconds, bwd_comm + seconds
+        comm_bytes = _plus(comm_bytes, "all_reduce", 2 * wire)
+        if strategy.recompute == "full":  # the recomputed forward sums them again
+            bwd_comm += seconds
+            repeated = _plus(repeated, "all_reduce", wire)
+    return LayerCost(profile.layer, strategy, micro_batch,
+                     fwd_s=fwd + fwd_comm, bwd_s=bwd + recompute_s + bwd_comm,
+                     comm_s=fwd_comm + bwd_comm,
+                     flops=model_flops + recompute_flops, model_flops=model_flops,
+                     act_bytes=_activations(profile, strategy, tp) * scale,
+                     params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated,
+                     tensors=profile.tensors)
+
+
+def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
+    """kv_bytes and kv_grad_bytes: the keys and values ring attention would pass around (as
+    passes.rewrite.context_parallel finds them: fused or written out, GQA blocks unrepeated), and their
+    fp32 gradient accumulators; rings: the shapes ring attention would take; outputs: the
+    attentions' output nodes. Zero and empty when the layer cannot run context-parallel."""
+    try:
+        every = {layer.name: [n.name for n in sub.graph.nodes]}
+        found = [a for a, _ in find_attentions(sub, every)]
+    except ContextParallelError:
+        found = []
+    kv = [x.meta["val"] for a in found for x in (a.k, a.v)]
+    return {"kv_bytes": float(sum(_bytes(t) for t in kv)),
+            "kv_grad_bytes": float(sum(t.numel() * 4 for t in kv)),
+            "rings": tuple(RingShape.of(a.q.meta["val"], a.k.meta["val"], a.causal,
+                                        a.mask.meta["val"] if a.mask is not None else None)
+                           for a in found),
+            "outputs": {a.output.name for a in found}}
+
+
+def _balance(profile: LayerProfile, micro_batch: int, cluster: Cluster, tp: int,
+             cp: int) -> tuple[float, float]:
+    """(seconds, bytes sent) of one all-reduce of the layer's balance statistics over the cp
+    group (forward; backward sums their gradient the same way). They are per sequence, so
+    their size follows the micro-batch, not the rank's share of the tokens."""
+    nbytes = profile.balance_bytes * micro_batch / profile.batch
+    return (collective_time(cluster, "all_reduce", nbytes, cp, stride=tp),
+            bytes_on_wire("all_reduce", nbytes, cp))
+
+
+def _plus(pairs: tuple, kind: str, nbytes: float) -> tuple:
+    merged = dict(pairs)
+    merged[kind] = merged.get(kind, 0.0) + nbytes
+    return tuple(sorted(merged.items()))
+
+
+def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops, ring_fwd):
+    if strategy.recompute == "full":
+        return fwd_s, fwd_flops
+    if strategy.recompute == "selective" and ring_fwd:  # the core is the ring attention
+        return ring_fwd, sum(op.fwd_flops for op in profile.ops if op.ringed) * scale
+    if strategy.recompute == "selective":
+        core = [op for op in profile.ops if op.core]
+        return kernels_s(core, scale, cluster), sum(op.fwd_flops for op in core) * scale
+    return 0.0, 0.0
+
+
+def _activations(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
+    if strategy.recompute == "full":
+        return profile.input_bytes / (tp if strategy.sp else 1)
+    saved = profile.saved
+    if strategy.recompute == "selective":
+        saved -= profile.saved_core
+    if strategy.sp:
+        saved -= profile.saved_replicated * (1 - 1 / tp)
+    return saved
+
+
+def _comm(profile, strategy, scale, cluster, tp):
+    """(forward seconds, backward seconds, bytes sent once by kind, bytes repeated by kind).
+    A collective its recompute mode reruns is sent again in backward."""
+    if not strategy.tp or tp == 1:
+        return 0.0, 0.0, (), ()
+    seconds = {"fwd": 0.0, "bwd": 0.0}
+    sent: dict[str, float] = defaultdict(float)
+    again: dict[str, float] = defaultdict(float)
+    for c in _events(profile, strategy):
+        nbytes = c.nbytes * scale if c.per_sample else c.nbytes
+        one, wire = collective_time(cluster, c.kind, nbytes, tp), bytes_on_wire(c.kind, nbytes, tp)
+        seconds[c.phase] += one
+        (again if c.repeated else sent)[c.kind] += wire
+        if strategy.recompute in c.rerun:
+            seconds["bwd"] += one
+            again[c.kind] += wire
+    return seconds["fwd"], seconds["bwd"], tuple(sorted(sent.items())), tuple(sorted(again.items()))
+
+
+def _events(profile: LayerProfile, strategy: Strategy) -> tuple[Collective, ...]:
+    """The collectives of the strategy's rewrite. Without a sequence-parallel profile, Megatron's
+    swap of each tensor-parallel all-reduce for an all-gather plus a reduce-scatter."""
+    if not strategy.sp:
+        return profile.collectives
+    if profile.sp_collectives is not None:
+        return profile.sp_collectives
+    return tuple(dataclasses.replace(c, kind=kind) for c in profile.collectives
+                 for kind in ("all_gather", "reduce_scatter"))

@@ -1,0 +1,139 @@
+"""Sharded data parallel (ZeRO levels 0-3, hybrid sharding) priced: bytes each rank holds and the
+data-parallel collectives of one step, as runtime.data_parallel.sharded_dp runs them.
+
+With n = dp_shard x cp ranks sharing a shard group, r = dp / dp_shard replicate groups, and per
+parameter w weight bytes, g gradient bytes and K optimizer bytes (cost_model.layers.memory):
+
+    level   weights   gradients   optimizer   collectives per step (G gradient, W weight bytes)
+    0       w         g           K           all-reduce(G) over n·r ranks
+    1       w         g           K/n         reduce-scatter(G) once, all-gather(W) after the step
+    2       w         g/n         K/n         reduce-scatter(G) per micro-batch, all-gather(W)
+    3       w/n       g/n         K/n         reduce-scatter(G) per micro-batch, all-gather(W)
+                                              before every use: each forward and each backward
+                                              action (B; or I and W under ZB-H1) per micro-batch
+
+Hybrid sharding adds an all-reduce of the gradient shard (G/n) over the r replicate ranks. Level
+2 and 3 hold, besides the shards, one unit's whole gradient and its flat copy while it is
+reduce-scattered; level 3 also up to two units' whole weights (the one in use and the prefetched
+one): `transient_bytes`. Buffers are padded to a multiple of n elements (`padded`).
+
+Overlap: every reduce-scatter and every all-gather of level 3 runs beside compute (the next
+unit's parameters are prefetched, reduce-scatters are asynchronous), so a share
+`cluster.dp_overlap` of each is hidden, as for the all-reduce of level 0; the all-gather after
+the optimizer step (levels 1-2) and the replicate all-reduce have nothing to hide behind.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.comm.wire import bytes_on_wire
+
+LEVELS = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """level 0-3; n: ranks per shard group (dp_shard x cp); r: replicate groups (dp / dp_shard);
+    m: micro-batches per step; backward_actions: 1 (B), or 2 under ZB-H1 (I and W)."""
+
+    level: int = 0
+    n: int = 1
+    r: int = 1
+    m: int = 1
+    backward_actions: int = 1
+
+    def __post_init__(self):
+        if self.level not in LEVELS:
+            raise ValueError(f"zero level must be one of {LEVELS}, got {self.level!r}")
+        for name in ("n", "r", "m", "backward_actions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def fractions(self) -> tuple[float, float, float]:
+        """Shares of (weights, gradients, optimizer states) one rank holds."""
+        n, level = self.n, self.level
+        return (1 / n if level >= 3 else 1.0, 1 / n if level >= 2 else 1.0,
+                1 / n if level >= 1 else 1.0)
+
+    def gathers_per_step(self) -> int:
+        """All-gathers of each unit's weights per step on this rank."""
+        if self.level == 3:
+            return self.m * (1 + self.backward_actions)
+        return 1 if self.level in (1, 2) else 0
+
+    def reduce_scatters_per_step(self) -> int:
+        return 0 if self.level == 0 else 1 if self.level == 1 else self.m
+
+
+def padded(numel: int, n: int) -> int:
+    """Elements of a flat buffer of `numel` padded to a multiple of n."""
+    return -(-numel // n) * n
+
+
+def held_bytes(units: list[tuple[int, int, int]], sharding: Sharding,
+               optimizer_states: int, state_bytes: int = 4) -> dict[str, float]:
+    """Bytes one rank holds between steps for buckets of (numel, weight bytes, grad bytes)
+    each: weights, gradients and optimizer states (optimizer_states fp32 values per element)."""
+    fw, fg, fo = sharding.fractions()
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for numel, wb, gb in units:
+        full = padded(numel, sharding.n) if sharding.level else numel
+        out["params"] += full * wb * fw
+        out["grads"] += full * gb * fg
+        out["optimizer"] += full * optimizer_states * state_bytes * fo
+    return out
+
+
+def step_traffic(units: list[tuple[int, int, int, int]], sharding: Sharding) -> dict[str, float]:
+    """Bytes this rank sends per collective kind in one step, for buckets of (numel, weight
+    bytes, grad bytes, backward gathers): the last is how many backward actions per micro-batch
+    read the unit's weights (1 + ... ; 0 for an embedding, whose backward needs only the indices)
+    under level 3. Ring formula of runtime.comm.wire."""
+    s, out = sharding, {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    for numel, wb, gb, backward_gathers in units:
+        if s.level == 0:
+            out["all_reduce"] += bytes_on_wire("all_reduce", numel * gb, s.n * s.r)
+            continue
+        full = padded(numel, s.n)
+        gathers = s.m * (1 + backward_gathers) if s.level == 3 else 1
+        out["all_gather"] += gathers * bytes_on_wire("all_gather", full * wb, s.n)
+        out["reduce_scatter"] += (s.reduce_scatters_per_step() *
+                                  bytes_on_wire("reduce_scatter", full * gb, s.n))
+        if s.r > 1:
+            out["all_reduce"] += bytes_on_wire("all_reduce", full // s.n * gb, s.r)
+    return out
+
+
+def transient_bytes(unit_params: list[int], wb: int, gb: int, sharding: Sharding) -> float:
+    """Whole-sized buffers alive at a time during a step beyond `held_bytes`: at levels 2-3 one
+    unit's gradients and their flat copy, at level 3 two units' weights as well."""
+    if sharding.level < 2 or not unit_params:
+        return 0.0
+    largest = sorted(unit_params, reverse=True)
+    grads = 2 * largest[0] * gb
+    weights = sum(largest[:2]) * wb if sharding.level == 3 else 0.0
+    return grads + weights
+
+
+def sync_terms(sharding: Sharding, weight_per_grad: float, rs_alpha: float, rs_slope: float,
+               ag_alpha: float, ag_slope: float, ar_alpha: float, ar_slope: float,
+               overlap: float, units: int) -> tuple[float, float]:
+    """(exposed seconds of latency, exposed seconds per gradient byte) of one step's data-parallel
+    collectives for a rank with `units` buckets; *_alpha / *_slope are one collective's latency
+    and seconds per byte over the shard group (ar: the replicate group, or for level 0 all
+    replicas). weight_per_grad: weight bytes per gradient byte."""
+    s, hidden = sharding, 1.0 - overlap
+    if s.level == 0:
+        return ar_alpha * hidden, ar_slope * hidden
+    rs = s.reduce_scatters_per_step()
+    alpha = units * rs * rs_alpha * hidden
+    slope = rs * rs_slope * hidden
+    gathers = s.gathers_per_step()
+    ag_hidden = hidden if s.level == 3 else 1.0   # after the step nothing hides the gather
+    alpha += units * gathers * ag_alpha * ag_hidden
+    slope += gathers * ag_slope * ag_hidden * weight_per_grad
+    if s.r > 1:
+        alpha += units * ar_alpha
+        slope += ar_slope / s.n
+    return alpha, slope

@@ -1,0 +1,191 @@
+"""Cost of a mixture-of-experts layer (one runtime.experts.dispatch.moe_ffn node): compute per token,
+all-to-all bytes, the router's load imbalance, expert weights per rank, dispatched activations.
+
+Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype of d bytes:
+
+  router FLOPs      2 T h E                      (forward; backward twice that, as every matmul)
+  expert FLOPs      6 T k h f                    (three matmuls per routed slot), on the most
+                                                 loaded EP rank times the imbalance factor
+  dispatched rows   T k                          each of h values; the runtime keeps, per slot,
+                                                 the expert input (h), the gate and up outputs,
+                                                 their SwiGLU product and its silu (4 f) and the
+                                                 expert output (h): T k (2h + 4f) d bytes saved
+  router saved      2 T E d                      (scores and their softmax / sigmoid)
+  all-to-all bytes  4 T k h d r                  per micro-batch on each rank: dispatch and
+                                                 combine forward, both again in backward; r is
+                                                 the fraction of slots routed to other ranks,
+                                                 (ep - 1) / ep for uniform routing. What
+                                                 runtime.experts.dispatch counts (kind "all_to_all") is
+                                                 2 (S_out + S_in) h d for the S_out slots a rank
+                                                 sends to other ranks' experts and the S_in it
+                                                 receives: the same bytes with T k r = the mean
+                                                 of the two (tests/dist/test_expert_parallel.py).
+  expert weights    3 E h f d / ep               per rank (and their gradients and optimizer
+                                                 states, as for any weight)
+  balance stats     2 b E d                      under context parallelism, per micro-batch of
+                                                 b sequences: the balance loss's expert counts
+                                                 and score sums, all-reduced over the cp group
+                                                 forward and (their gradient) backward
+                                                 (`balance_bytes`; priced by layer_cost.price)
+
+Imbalance: with uniform random routing, each token puts k distinct experts among E; the slots an
+EP rank of E/ep experts receives from N tokens have mean N k / ep and, per token, the
+hypergeometric variance k (L/E)(1 - L/E)(E - k)/(E - 1), L = E/ep. The ep loads sum to N k, so
+they are exchangeable with correlation -1/(ep - 1); their expected maximum is
+mean + sigma * sqrt(ep/(ep - 1)) * E[max of ep standard normals] (`expected_max_load`; the
+normal approximation is checked against sampling in tests/unit/test_moe_costs.py). The factor is
+that maximum over the mean; `--moe-imbalance` overrides it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from cost_model.ops.graph_facts import BWD_FACTOR, Call, OpCost, finish, nbytes, tensor_of
+
+QUALNAME = "runtime.experts.dispatch.moe_ffn"
+OP_QUALNAME = "torch._ops.fxpar.fxpar::routed_experts"   # runtime.experts.custom_op (torch.export)
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """The sizes of one MoE layer at the captured micro-batch."""
+
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+    ffn: int
+    dtype_bytes: int
+
+    @property
+    def expert_flops(self) -> float:
+        """Forward FLOPs of the routed experts, all ranks of an EP group together per token
+        set: 6 T k h f."""
+        return 6.0 * self.tokens * self.top_k * self.hidden * self.ffn
+
+    @property
+    def router_flops(self) -> float:
+        return 2.0 * self.tokens * self.hidden * self.experts
+
+    @property
+    def expert_param_bytes(self) -> float:
+        """All E experts' weights (3 E h f values)."""
+        return 3.0 * self.experts * self.hidden * self.ffn * self.dtype_bytes
+
+    @property
+    def dispatched_bytes(self) -> float:
+        """Saved activations of the routed slots: T k (2h + 4f) d."""
+        return self.tokens * self.top_k * (2 * self.hidden + 4 * self.ffn) * self.dtype_bytes
+
+    def all_to_all_bytes(self, ep: int, remote: float | None = None) -> float:
+        """Bytes one rank sends per micro-batch (forward and backward): 4 T k h d r."""
+        r = (ep - 1) / ep if remote is None else remote
+        return 4.0 * self.tokens * self.top_k * self.hidden * self.dtype_bytes * r
+
+
+def facts(node) -> MoEFacts:
+    """MoEFacts of a moe_ffn node, or of a routed_experts op (x, weights, index, gate_up, down,
+    ep, tag, experts: its router is in the graph, priced by its own ops), with fake shapes."""
+    x = tensor_of(node.args[0])
+    tokens, hidden = int(x.numel() // x.shape[-1]), int(x.shape[-1])
+    if node.kwargs.get("top_k") is None and len(node.args) == 8:
+        weights, gate_up = tensor_of(node.args[1]), tensor_of(node.args[3])
+        return MoEFacts(tokens, hidden, int(node.args[7]), int(weights.shape[-1]),
+                        int(gate_up.shape[1] // 2), x.element_size())
+    router, w_gate = tensor_of(node.args[1]), tensor_of(node.args[2])
+    return MoEFacts(tokens, hidden, int(router.shape[0]), int(node.kwargs.get("top_k", 1)),
+                    int(w_gate.shape[1]), x.element_size())
+
+
+def balance_bytes(node) -> float:
+    """Bytes of the per-sequence statistics a moe_ffn node's balance loss sums over the
+    context-parallel group (runtime.experts.dispatch: expert counts and router score sums, [b, 2E] in
+    x's dtype; all-reduced once forward and once backward). 0 without a balance loss, and for a
+    routed_experts op (its router and any loss on it are in the graph)."""
+    if node.kwargs.get("top_k") is None or not node.kwargs.get("aux_coef"):
+        return 0.0
+    x, router = tensor_of(node.args[0]), tensor_of(node.args[1])
+    return float(math.prod(x.shape[:-2]) * 2 * router.shape[0] * x.element_size())
+
+
+def moe_rule(call: Call) -> OpCost:
+    """The node at ep = 1 and balanced routing; the planner adds expert parallelism
+    (ExpertPricing)."""
+    f = facts(call.node)
+    x = tensor_of(call.node.args[0])
+    routed_op = call.node.kwargs.get("top_k") is None   # its router is priced apart
+    flops = (0.0 if routed_op else f.router_flops) + f.expert_flops
+    moved = 2 * nbytes(x) * (1 + f.top_k) + f.expert_param_bytes
+    saved = ((f"{call.node.name}:experts", f.dispatched_bytes),
+             (f"{call.node.name}:router", 2.0 * f.tokens * f.experts * f.dtype_bytes))
+    return finish("matmul", flops, BWD_FACTOR * flops, moved, BWD_FACTOR * moved, saved, flops)
+
+
+def expected_max_load(tokens: int, experts: int, k: int, ep: int) -> float:
+    """E[max over ep ranks of the slots a rank receives] / mean, for `tokens` tokens routed
+    uniformly at random (k distinct experts each) over `experts` experts in ep equal groups."""
+    if ep == 1:
+        return 1.0
+    mean = tokens * k / ep
+    share = 1.0 / ep
+    var = tokens * k * share * (1 - share) * (experts - k) / max(experts - 1, 1)
+    top = mean + math.sqrt(var) * math.sqrt(ep / (ep - 1)) * _max_normal(ep)
+    return min(top, tokens * min(k, experts // ep)) / mean
+
+
+@functools.lru_cache(maxsize=None)
+def _max_normal(n: int, steps: int = 4000) -> float:
+    """E[max of n independent standard normals], by quadrature of 1 - Phi(x)^n and Phi(x)^n."""
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    lo, hi = -10.0, 10.0
+    dx = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps):
+        x = lo + (i + 0.5) * dx
+        p = phi(x) ** n
+        total += ((1 - p) if x > 0 else -p) * dx
+    return total
+
+
+@dataclass(frozen=True)
+class ExpertPricing:
+    """What expert parallelism of size ep changes in one MoE layer's per-micro-batch cost, beside
+    the ep = 1 price of `moe_rule`: expert compute on the most loaded rank (x imbalance), the
+    all-to-all bytes, and the expert weights each rank holds (1/ep of them)."""
+
+    facts: MoEFacts
+    ep: int
+    imbalance: float
+
+    @property
+    def extra_expert_flops(self) -> float:
+        """Forward FLOPs added on the critical rank by imbalance ((imbalance - 1) x balanced)."""
+        return self.facts.expert_flops * (self.imbalance - 1.0)
+
+    @property
+    def comm_bytes(self) -> float:
+        return self.facts.all_to_all_bytes(self.ep)
+
+    @property
+    def param_bytes_saved(self) -> float:
+        """Expert weight bytes a rank does not hold under ep."""
+        return self.facts.expert_param_bytes * (1.0 - 1.0 / self.ep)
+
+    @property
+    def extra_activation_bytes(self) -> float:
+        return self.facts.dispatched_bytes * (self.imbalance - 1.0)
+
+
+def pricing(f: MoEFacts, ep: int, micro_batch_tokens: int | None = None,
+            imbalance: float | None = None) -> ExpertPricing:
+    """ExpertPricing of a layer; imbalance defaults to the uniform-routing expected maximum over
+    the tokens one EP group routes per micro-batch (ep x the rank's own)."""
+    tokens = (micro_batch_tokens or f.tokens) * ep
+    factor = imbalance if imbalance is not None else expected_max_load(tokens, f.experts,
+                                                                       f.top_k, ep)
+    if not factor >= 1.0:
+        raise ValueError(f"MoE imbalance must be >= 1 (the most loaded rank's share over the "
+                         f"mean), got {factor!r}")
+    return ExpertPricing(f, ep, factor)

@@ -1,0 +1,329 @@
+"""Capture a model as an FX graph with a shape on every tensor node, grouped into layers.
+
+`torch.fx.symbolic_trace` is tried first (it keeps `nn.Linear` & co. as call_module nodes, which the
+rewrite passes handle directly); when it cannot trace, `torch.export` is used (its graph is FX too).
+Shapes come from FakeTensorProp, so a model on the meta device is captured without allocating weights.
+
+Layers: the largest outermost `nn.ModuleList` is the list of repeated blocks (its children need
+not be alike: passes.capture.block_runs groups them into runs of identical blocks); each block is one
+layer, everything before the first block is the "embed" layer and everything after the last one
+the "head" layer.
+
+Every node computed from no input and no trained parameter (position tables, BLOOM's ALiBi bias,
+masks from aranges) carries node.meta[CONSTANT] = True, which a layer cut out of the graph still
+reads on its placeholders: a rewrite may slice such a value per rank without a gradient to sum.
+"""
+from __future__ import annotations
+
+import linecache
+import re
+import traceback
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+CONSTANT = "fxpar_constant"
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message names the module and the operation."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str            # "embed", "blocks.3", "head"
+    index: int           # position in the chain
+    kind: str            # "embed" | "block" | "head"
+    nodes: tuple[str, ...]
+    signature: str       # equal for structurally identical blocks (same ops, same shapes)
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    layers: tuple[Layer, ...]
+    layer_graph: nx.DiGraph     # layers as nodes; an edge carries the bytes of the tensors crossing it
+    input_names: tuple[str, ...]
+    method: str                 # "symbolic_trace" or "export"
+    batch: int = 1              # samples in the example inputs (dim 0): every shape is at this size
+    seq: int = 1                # their dim 1 (tokens per sample), when they have one
+    tied: tuple[tuple[str, ...], ...] = ()  # names of one parameter used in several places
+
+    def layer_of(self) -> dict[str, str]:
+        return {n: layer.name for layer in self.layers for n in layer.nodes}
+
+    @property
+    def blocks(self) -> tuple[Layer, ...]:
+        return tuple(layer for layer in self.layers if layer.kind == "block")
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
+    """Trace `model` and propagate fake shapes of `example_inputs` through it."""
+    block_prefix = _block_list_name(model)
+    try:
+        gm, method = fx.symbolic_trace(model), "symbolic_trace"
+    except Exception as trace_error:  # noqa: BLE001 - fall back to export, report both if it fails
+        gm, method = _export(model, example_inputs, trace_error), "export"
+    propagate_shapes(gm, example_inputs)
+    check_loss(gm, model)
+    mark_constants(gm)
+    layers = _group_layers(gm, block_prefix)
+    inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    batch = int(first.shape[0]) if first is not None and first.dim() else 1
+    seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
+    return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq,
+                    tied_parameters(model))
+
+
+def mark_constants(gm: fx.GraphModule) -> None:
+    """node.meta[CONSTANT] on the nodes computed from no placeholder and no trained parameter."""
+    constant: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            prefix, _, name = str(node.target).rpartition(".")
+            value = getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
+            if not (isinstance(value, torch.nn.Parameter) and value.requires_grad):
+                constant.add(node)
+        elif node.op in ("call_function", "call_method") and all(
+                a in constant for a in node.all_input_nodes):
+            constant.add(node)
+            node.meta[CONSTANT] = True
+
+
+def check_loss(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """fxpar trains the value forward returns (or the first of a tuple): it must be a scalar
+    floating-point loss, or the backward would start from logits summed as if they were one."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    if isinstance(result, (tuple, list)) and result:
+        result = result[0]
+    val = result.meta.get("val") if isinstance(result, fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point:
+        return
+    what = (f"a {val.dtype} tensor of shape {list(val.shape)}" if isinstance(val, torch.Tensor)
+            else type(val).__name__ if val is not None else repr(result))
+    raise CaptureError(f"{type(model).__name__}.forward returns {what}, not a scalar loss: "
+                       f"fxpar back-propagates what forward returns; return the loss, or pass "
+                       f"loss_fn=(output, targets) -> loss to autoparallelize / plan, with the "
+                       f"targets as the last example input")
+
+
+def tied_parameters(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of names that hold one parameter (lm_head.weight = wte.weight), first name first,
+    as named_parameters() names it. The rewrites and the pipeline split must keep each group one
+    parameter (runtime.training.tied), or its uses would train as copies that drift apart."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
+    """Set node.meta["val"] on every node, using fake tensors (no real memory is touched)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    with mode:  # fake inputs on the weights' device: only shapes and dtypes matter
+        fakes = [torch.empty(x.shape, dtype=x.dtype, device=device)
+                 if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    prop = _TrackingProp(gm, mode)
+    try:
+        prop.propagate(*fakes)
+    except Exception as err:  # noqa: BLE001 - re-raised with the module and op named
+        where = _node_where(prop.current) if prop.current is not None else _where(err, gm)
+        raise CaptureError(f"shape propagation failed {where}: {_first_line(err)}; "
+                           f"{_hint(err)}") from err
+
+
+class _TrackingProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, to name it when one fails."""
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        return super().run_node(n)
+
+
+def _node_where(node: fx.Node) -> str:
+    """"at node X (target) in module 'a.b', from `source line`"."""
+    paths = _module_paths(node)
+    target = getattr(node.target, "__name__", None) or str(node.target)
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = trace[-1].strip() if trace else ""
+    return (f"at node {node.name} ({target}) in module '{paths[-1] if paths else '<root>'}'"
+            + (f", from `{line}`" if line else ""))
+
+
+def _first_line(err: BaseException) -> str:
+    message = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {message[0] if message else ''}"
+
+
+def _hint(err: BaseException) -> str:
+    """What to change, by the kind of failure."""
+    text = f"{type(err).__name__} {err}"
+    if "DataDependent" in text or "data-dependent" in text or "_local_scalar_dense" in text:
+        return ("a tensor's values decide a shape or a branch there (.item(), .tolist(), "
+                "nonzero, boolean-mask indexing, torch.unique); fxpar captures on fake tensors, "
+                "so compute such sizes from the config or the inputs' shapes (e.g. a fixed "
+                "capacity per expert, a mask multiplied in instead of indexed with)")
+    if "Guard" in text or "Unsupported" in text or "control flow" in text:
+        return ("a Python branch or call there cannot be traced: keep control flow on sizes "
+                "and config values, not on tensor values")
+    return ("check that the example inputs have the shapes and dtypes forward expects (the "
+            "global batch on dim 0; fxpar captures with one sample)")
+
+
+def _export(model, example_inputs, trace_error) -> fx.GraphModule:
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as err:  # noqa: BLE001
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: torch.fx.symbolic_trace failed "
+            f"({_where(trace_error, model)}) and torch.export failed ({_where(err, model)}); "
+            f"{_hint(err)}") from err
+    # No guards on the example's shapes: the rewrites run the graph at other shapes (a
+    # context-parallel rank sees seq/cp tokens), which the shape checks of each pass cover.
+    try:
+        return exported.module(check_guards=False)
+    except TypeError:  # a torch without the option
+        return exported.module()
+
+
+def _where(err: BaseException, root: torch.nn.Module) -> str:
+    """'in module X, at operation `line`, Error: msg' for the innermost frame inside one of root's modules."""
+    names = {id(m): name or type(root).__name__ for name, m in root.named_modules()}
+    module, line = None, None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        owner = frame.f_locals.get("self")
+        if id(owner) in names:
+            module = names[id(owner)]
+            line = linecache.getline(frame.f_code.co_filename, lineno).strip() or None
+    message = str(err).splitlines()[0] if str(err) else ""
+    parts = [f"in module '{module}'" if module else None,
+             f"at operation `{line}`" if line else None, f"{type(err).__name__}: {message}"]
+    return ", ".join(p for p in parts if p)
+
+
+def _block_list_name(model: torch.nn.Module) -> str | None:
+    """The outermost nn.ModuleList with the most children. Outermost: a list inside an element
+    of another list (the experts of a mixture-of-experts block, per-head modules) is part of a
+    block, however long it is. Its children need not be alike (passes.capture.block_runs groups them)."""
+    lists = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    def nested(name: str) -> bool:
+        return any(name.startswith(f"{outer}.") for outer in lists if outer != name)
+    best, size = None, 0
+    for name in lists:
+        module = model.get_submodule(name)
+        if not nested(name) and len(module) > size:
+            best, size = name, len(module)
+    return best
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for key, value in stack.items():
+        path = value[0] if isinstance(value, tuple) else key
+        paths.append(re.sub(r"^L\['self'\]\.?", "", str(path)))
+    return paths
+
+
+def _block_of(node: fx.Node, prefix: str | None) -> str | None:
+    if prefix is None:
+        return None
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)")
+    candidates = _module_paths(node)
+    if node.op == "call_module":
+        candidates.append(str(node.target))
+    for path in candidates:
+        path = path.replace("_", ".") if path.startswith(prefix.replace(".", "_")) else path
+        match = pattern.match(path)
+        if match:
+            return f"{prefix}.{match.group(1)}"
+    return None
+
+
+def _group_layers(gm: fx.GraphModule, prefix: str | None) -> tuple[Layer, ...]:
+    nodes = list(gm.graph.nodes)
+    assigned: dict[fx.Node, str] = {}
+    for n in nodes:
+        if n.op in ("call_module", "call_function", "call_method"):
+            block = _block_of(n, prefix)
+            if block:
+                assigned[n] = block
+    blocks = list(dict.fromkeys(assigned.values()))
+    order = {block: i for i, block in enumerate(blocks)}
+    first = next((i for i, n in enumerate(nodes) if n in assigned), len(nodes))
+    last = max((i for i, n in enumerate(nodes) if n in assigned), default=-1)
+    for i, n in enumerate(nodes):
+        if n in assigned or n.op in ("placeholder", "get_attr"):
+            continue
+        assigned[n] = ("embed" if i < first else "head" if i > last
+                       else _nearest_block(n, assigned, order))
+    for n in nodes:  # inputs and constants live with their first user
+        if n.op in ("placeholder", "get_attr"):
+            assigned[n] = next((assigned[u] for u in n.users if u in assigned), "embed")
+    order = (["embed"] if "embed" in assigned.values() else []) + blocks + ["head"]
+    return tuple(_make_layer(name, i, [n for n in nodes if assigned[n] == name], blocks)
+                 for i, name in enumerate(order) if name in assigned.values())
+
+
+def _nearest_block(node: fx.Node, assigned: dict, order: dict[str, int]) -> str:
+    """A node between blocks with no module of its own belongs to the latest layer that produced
+    one of its inputs (`x + block(x)` written in the parent goes with the block, not with x's
+    producer), so every layer only reads earlier ones."""
+    producers = [assigned[arg] for arg in node.all_input_nodes if arg in assigned]
+    if not producers:
+        raise CaptureError(f"cannot assign node {node.name} ({node.target}) to a layer")
+    return max(producers, key=lambda layer: order.get(layer, -1))
+
+
+def _make_layer(name: str, index: int, nodes: list[fx.Node], blocks: list[str]) -> Layer:
+    kind = "embed" if name == "embed" else "head" if name == "head" else "block"
+    return Layer(name, index, kind, tuple(n.name for n in nodes), _signature(nodes, name))
+
+
+def _signature(nodes: list[fx.Node], layer: str) -> str:
+    """Ops, targets (with the layer's own prefix removed) and shapes: equal for identical blocks."""
+    strip = layer.replace(".", "_")
+    parts = []
+    for n in nodes:
+        target = str(n.target).replace(layer, "").replace(strip, "")
+        target = re.sub(r"lifted_tensor_\d+", "lifted_tensor", target)  # numbered model-wide
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        parts.append(f"{n.op}:{target}:{shape}")
+    return str(hash("|".join(parts)))
+
+
+def tensor_bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0
+
+
+def _layer_graph(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    owner = {}
+    for layer in layers:
+        graph.add_node(layer.name, kind=layer.kind, index=layer.index, signature=layer.signature)
+        owner.update({n: layer.name for n in layer.nodes})
+    for node in gm.graph.nodes:
+        src = owner.get(node.name)
+        for user in node.users:
+            dst = owner.get(user.name)
+            if src and dst and src != dst and node.op != "placeholder":
+                if not graph.has_edge(src, dst):
+                    graph.add_edge(src, dst, tensors=set(), bytes=0)
+                edge = graph.edges[src, dst]
+                if node.name not in edge["tensors"]:
+                    edge["tensors"].add(node.name)
+                    edge["bytes"] += tensor_bytes(node.meta.get("val"))
+    return graph

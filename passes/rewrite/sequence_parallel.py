@@ -1,0 +1,278 @@
+"""Megatron sequence parallelism for layers already rewritten tensor-parallel ("tp+sp").
+
+Outside its tensor-parallel regions a TP layer computes the same values on every rank (norms,
+dropout, residual adds). Sequence parallelism splits those along the sequence (dimension `dim` of
+[batch, seq, hidden]) instead, so each rank keeps 1/tp of them:
+
+  tp_copy(x)        -> sp_all_gather(x)       gather the sequence before each column-parallel block
+  tp_all_reduce(y)  -> sp_reduce_scatter(y)   sum and split it after each row-parallel block
+
+An all-gather whose users are all linears becomes one `sp_gather_linear` node, which keeps only the
+local slice for backward (and gathers it again there) - Megatron's way of not storing the gathered
+input of every column-parallel linear.
+
+Activations between two SP layers stay sharded, also across pipeline stages. At a boundary with a
+layer that is not SP, a resharding node is inserted, owned by the non-SP layer: `sp_scatter`
+(no communication forward) after a replicated value an SP layer reads, `sp_gather` before a non-SP
+layer reads a sharded value. Inside an SP layer, a replicated value combined with a sharded one
+(a position table added to a sharded embedding, say) is scattered along its sequence dimension.
+Replicated parameters applied to sequence shards (norm weights, the bias added after a
+reduce-scatter) get only the local tokens' part of their gradient on each rank; they are read
+through tp_grad_sum (a module's through `with_params`), which sums it over the group - the extra
+all-reduce Megatron does for those parameters.
+
+Only per-token work may sit between the regions: attention (sdpa, or a matmul of two sharded
+activations) there is a ShardingError, as is a sequence that tp does not divide.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Collection, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from passes.rewrite.expert_parallel import sequence_refusal
+from passes.rewrite.sharding import LAYER, ShardingError, is_sdpa, localize_shapes, tag_layers
+from runtime.comm import collectives as c
+
+_LINEAR = {F.linear, torch.ops.aten.linear.default}
+_MATMUL = {torch.matmul, torch.bmm, "matmul", "bmm", torch.ops.aten.matmul.default,
+           torch.ops.aten.bmm.default}
+
+
+def sequence_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
+                      sp: Collection[str], tp: int, group: str = "tp", dim: int = 1,
+                      localize: bool = True, cp: int = 1) -> fx.GraphModule:
+    """Run the layers named in `sp` sequence-parallel over tp ranks; in place. `layers` lists every
+    layer's nodes (boundaries need the neighbours); run after the tensor-parallel rewrites, on
+    shapes either local or still full (`localize` as in tensor_parallel). With context parallel
+    over cp ranks (applied after this pass), each rank's 1/cp of the sequence is what tp splits."""
+    tag_layers(gm, layers)
+    if tp == 1 or not sp:
+        return gm
+    refusal = sequence_refusal(gm, [layers[name] for name in sp if name in layers], sp=True)
+    if refusal:
+        raise ShardingError(f"sequence parallel: {refusal}")
+    walk = _Walk(gm, frozenset(sp), tp, group, dim, cp)
+    for node in list(gm.graph.nodes):
+        walk.visit(node)
+    for node in list(gm.graph.nodes):
+        if node.target is c.sp_all_gather:
+            _fuse_linears(gm, node)
+    gm.graph.lint()
+    gm.recompile()
+    if localize:
+        localize_shapes(gm)
+    return gm
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+class _Walk:
+    """Marks sequence-sharded values in graph order and inserts the collectives they need."""
+
+    def __init__(self, gm, sp, tp, group, dim, cp=1):
+        self.gm, self.sp, self.tp, self.group, self.dim, self.cp = gm, sp, tp, group, dim, cp
+        self.sharded: set[fx.Node] = set()
+        self.scattered: dict[fx.Node, fx.Node] = {}
+        self.gathered: dict[fx.Node, fx.Node] = {}
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op in ("placeholder", "get_attr"):
+            return
+        layer = node.meta.get(LAYER)
+        if layer not in self.sp or node.op == "output":
+            for arg in node.all_input_nodes:
+                if arg in self.sharded:
+                    node.replace_input_with(arg, self._gather(arg, node, layer))
+            return
+        for arg in node.all_input_nodes:
+            if (arg.meta.get(LAYER) not in self.sp and arg.op not in ("placeholder", "get_attr")
+                    and _floating(arg)):
+                self._check(arg, layer, self.dim)  # named after the SP layer that needs it
+                node.replace_input_with(arg, self._scatter(arg, arg.meta.get(LAYER)))
+        if node.target is c.tp_copy and node.args[0] in self.sharded:
+            self._convert(node, c.sp_all_gather, layer)
+        elif node.target is c.tp_all_reduce:
+            self.sharded.add(self._convert(node, c.sp_reduce_scatter, layer))
+        elif node.target is not c.tp_grad_sum and self._reads_sharded(node):
+            self._align(node, layer)
+            self.sharded.add(self._sum_param_grads(node, layer))
+
+    def _sum_param_grads(self, node: fx.Node, layer: str) -> fx.Node:
+        """A replicated parameter applied to a sequence shard gets only this shard's part of its
+        gradient: read it through tp_grad_sum (a module's parameters through `with_params`)."""
+        graph = self.gm.graph
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and isinstance(_attr(self.gm, arg.target), nn.Parameter):
+                with graph.inserting_before(node):
+                    summed = graph.call_function(c.tp_grad_sum, (arg, self.group, layer))
+                summed.meta = {**arg.meta, LAYER: layer}
+                node.replace_input_with(arg, summed)
+        if node.op != "call_module":
+            return node
+        module = self.gm.get_submodule(node.target)
+        params = [name for name, p in module.named_parameters() if p.requires_grad]
+        if not params:
+            return node
+        with graph.inserting_before(node):
+            held = graph.get_attr(node.target)
+            summed = {}
+            for name in params:
+                attr = graph.get_attr(f"{node.target}.{name}")
+                summed[name] = graph.call_function(c.tp_grad_sum, (attr, self.group, layer))
+                attr.meta[LAYER] = summed[name].meta[LAYER] = layer
+            call = graph.call_function(with_params, (held, summed, *node.args), node.kwargs)
+        held.meta[LAYER] = layer
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        return call
+
+    def _reads_sharded(self, node: fx.Node) -> bool:
+        if not any(arg in self.sharded for arg in node.all_input_nodes):
+            return False
+        mixing = is_sdpa(node) or (node.target in _MATMUL
+                                   and all(a in self.sharded for a in node.all_input_nodes[:2]))
+        if mixing:
+            raise ShardingError(f"layer {node.meta.get(LAYER)}: {node.name} mixes tokens of "
+                                f"sequence shards; sequence parallelism needs it inside a "
+                                f"tensor-parallel region")
+        return isinstance(node.meta.get("val"), torch.Tensor)
+
+    def _align(self, node: fx.Node, layer: str) -> None:
+        """Scatter replicated operands that carry the sequence dimension of the output."""
+        out = node.meta["val"]
+        for arg in node.all_input_nodes:
+            val = arg.meta.get("val")
+            if arg in self.sharded or not isinstance(val, torch.Tensor) or not val.dim():
+                continue
+            seq_dim = self.dim - (out.dim() - val.dim())
+            if seq_dim < 0 or val.shape[seq_dim] == 1:
+                continue  # broadcast along the sequence: the same on every shard
+            if val.shape[seq_dim] != out.shape[self.dim]:
+                raise ShardingError(f"layer {layer}: {node.name} combines sequence shards with "
+                                    f"{arg.name}, whose dim {seq_dim} is not the sequence")
+            node.replace_input_with(arg, self._scatter(arg, layer, seq_dim, before=node))
+
+    def _check(self, node: fx.Node, layer: str, dim: int) -> None:
+        size = node.meta["val"].shape[dim]
+        if size % (self.tp * self.cp):
+            per_rank = f", {size / self.cp:g} per rank of cp={self.cp}," if self.cp > 1 else ""
+            raise ShardingError(f"layer {layer}: sequence length {size} (dim {dim} of "
+                                f"{node.name}){per_rank} is not divisible by tp={self.tp}")
+
+    def _convert(self, node: fx.Node, fn, layer: str) -> fx.Node:
+        """A new node (named after its collective) in place of a tp_copy / tp_all_reduce."""
+        self._check(node, layer, self.dim)
+        with self.gm.graph.inserting_before(node):
+            new = self.gm.graph.call_function(fn, (node.args[0], self.group, layer, self.tp,
+                                                   self.dim))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        self.gm.graph.erase_node(node)
+        return new
+
+    def _insert(self, fn, value: fx.Node, layer: str, dim: int, before=None) -> fx.Node:
+        self._check(value, layer, dim)
+        graph = self.gm.graph
+        with graph.inserting_before(before) if before else graph.inserting_after(value):
+            new = graph.call_function(fn, (value, self.group, layer or "", self.tp, dim))
+        new.meta = {**value.meta, LAYER: layer}
+        return new
+
+    def _scatter(self, value: fx.Node, layer: str, dim: int | None = None, before=None):
+        key = (value, dim)
+        if key not in self.scattered:
+            self.scattered[key] = self._insert(c.sp_scatter, value, layer,
+                                               self.dim if dim is None else dim, before)
+            self.sharded.add(self.scattered[key])
+        return self.scattered[key]
+
+    def _gather(self, value: fx.Node, user: fx.Node, layer: str | None) -> fx.Node:
+        if value not in self.gathered:
+            self.gathered[value] = self._insert(c.sp_gather, value, layer, self.dim, before=user)
+        return self.gathered[value]
+
+
+def with_params(module: nn.Module, params: dict, *args, **kwargs):
+    """module(*args, **kwargs) computed with `params` (name -> tensor) in place of its own."""
+    return torch.func.functional_call(module, dict(params), args, dict(kwargs))
+
+
+def _attr(gm: nn.Module, target: str):
+    prefix, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(prefix) if prefix else gm, name)
+
+
+def _fuse_linears(gm: fx.GraphModule, gather: fx.Node) -> None:
+    """sp_all_gather read only by linears -> one sp_gather_linear (saves the local slice only)."""
+    graph, users = gm.graph, list(gather.users)
+    params = [_linear_params(gm, user, gather) for user in users]
+    if not users or any(p is None for p in params):
+        return
+    x, group, tag, parts, dim = gather.args
+    first = min(users, key=_position(graph))
+    for weight, bias in params:  # weights read through tp_grad_sum may come after `first`
+        for node in (weight, bias):
+            if isinstance(node, fx.Node):
+                _hoist(node, first)
+    with graph.inserting_before(first):
+        weights, biases = [], []
+        for user, (weight, bias) in zip(users, params):
+            if isinstance(weight, str):  # a module's parameters: read them by name
+                weight = graph.get_attr(weight)
+                bias = graph.get_attr(bias) if bias else None
+                for new in filter(None, (weight, bias)):
+                    new.meta[LAYER] = user.meta.get(LAYER)
+            weights.append(weight)
+            biases.append(bias)
+        fused = graph.call_function(c.sp_gather_linear, (x, tuple(weights), tuple(biases), group,
+                                                          tag, parts, dim))
+        fused.meta = {LAYER: gather.meta.get(LAYER),
+                      "val": tuple(u.meta.get("val") for u in users)}
+        for i, user in enumerate(users):
+            out = graph.call_function(operator.getitem, (fused, i))
+            out.meta = dict(user.meta)
+            user.replace_all_uses_with(out)
+    for user in users:
+        graph.erase_node(user)
+    graph.erase_node(gather)
+
+
+def _hoist(node: fx.Node, before: fx.Node) -> None:
+    """Move node (and what it reads: parameters only) in front of `before` if it comes later."""
+    position = _position(node.graph)
+    if position(node) > position(before):
+        for arg in node.all_input_nodes:
+            _hoist(arg, before)
+        before.prepend(node)
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _linear_params(gm, node: fx.Node, gather: fx.Node):
+    """(weight, bias) of a linear reading `gather` as its input: parameter names for a module,
+    nodes for F.linear; None for anything else."""
+    if node.args[:1] != (gather,) or gather in node.args[1:]:
+        return None
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        plain = type(module).forward is nn.Linear.forward
+        if isinstance(module, nn.Linear) and plain and len(node.args) == 1 and not node.kwargs:
+            return f"{node.target}.weight", f"{node.target}.bias" if module.bias is not None \
+                else None
+        return None
+    if node.op == "call_function" and node.target in _LINEAR:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return node.args[1], bias
+    return None

@@ -1,0 +1,362 @@
+"""What the rewrite passes share: how parameters are cut (ShardSpec), the forms a linear takes in a
+graph (LinearSite), the layer tag every node carries, and local shapes after a rewrite.
+
+Linears are recognised in the forms symbolic_trace and torch.export produce: nn.Linear modules,
+F.linear / aten.linear, addmm / aten.addmm (GPT-2's Conv1D, weight [in, out]) and mm / matmul by a
+weight parameter read by get_attr. Weights that are graph inputs (a lifted export graph) are made
+parameters first (`lift_params`) when their values are given.
+
+Every node a rewrite inserts carries its layer in node.meta["fxpar_layer"] (`call_after` does it),
+so later rewrites and the pipeline split place it. `localize_shapes` propagates fake shapes after
+rewriting, rewriting literal sizes of views and expands that still name a full (unsharded) size
+- the concrete shapes of export graphs, or GPT-2's `x.size()[:-1] + (nf,)`.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from runtime.training import rng
+from runtime.programs.shards import ShardSpec, shard_specs  # noqa: F401 - re-exported for the passes
+
+aten = torch.ops.aten
+LAYER = "fxpar_layer"
+
+
+class ShardingError(ValueError):
+    """A split that does not divide; names the layer, the dimension and the divisor."""
+
+
+def shard_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
+    """A new parameter holding this rank's shard; the spec travels with it (`shard_specs`)."""
+    param = nn.Parameter(spec.take(full.detach()), full.requires_grad)
+    param.fxpar_shard = spec
+    return param
+
+
+def shard_of(full: torch.Tensor, spec: ShardSpec, name: str, layer: str) -> nn.Parameter:
+    """This rank's shard of a parameter, cut once: a weight two layers share (a head that reads
+    the embedding's weight) is cut by the first and kept by the second, which must cut alike."""
+    done = getattr(full, "fxpar_shard", None)
+    if done is None:
+        return shard_param(full, spec)
+    if done != spec:
+        raise ShardingError(f"layer {layer}: {name} is shared with another layer that shards it "
+                            f"as {done}, but this one needs {spec}; give both the same strategy")
+    return full
+
+
+def full_size(param: torch.Tensor, dim: int) -> int:
+    """The unsharded size of dim: a parameter another layer sharing it has cut already (see
+    shard_of) reports the size the model has, not its shard's."""
+    spec = getattr(param, "fxpar_shard", None)
+    if spec is not None and spec.dim == dim % param.dim():
+        return param.shape[dim] * spec.parts - spec.pad
+    return param.shape[dim]
+
+
+def _owner(gm: nn.Module, path: str) -> tuple[nn.Module, str]:
+    prefix, _, name = path.rpartition(".")
+    return (gm.get_submodule(prefix) if prefix else gm), name
+
+
+def get_param(gm: nn.Module, path: str) -> torch.Tensor:
+    owner, name = _owner(gm, path)
+    return getattr(owner, name)
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def replace_param(gm: nn.Module, path: str, value: nn.Parameter) -> None:
+    owner, name = _owner(gm, path)
+    setattr(owner, name, value)
+
+
+# ---------------------------------------------------------------- layers and inserted nodes
+
+
+def tag_layers(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> None:
+    """Record each listed node's layer in its meta (inserted nodes are tagged when inserted)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for layer, names in layers.items():
+        for name in names:
+            if name in nodes:
+                nodes[name].meta.setdefault(LAYER, layer)
+
+
+def nodes_by_layer(gm: fx.GraphModule, chosen) -> dict[str, list[fx.Node]]:
+    result: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.meta.get(LAYER) in chosen:
+            result.setdefault(node.meta[LAYER], []).append(node)
+    return result
+
+
+def call_after(gm, anchor: fx.Node, fn, extra: tuple, layer: str, value: fx.Node | None = None,
+               replace: bool = True) -> fx.Node:
+    """Insert fn(value, *extra) after anchor (value defaults to anchor), tagged with `layer`; with
+    `replace`, every other use of value reads the new node instead."""
+    value = anchor if value is None else value
+    with gm.graph.inserting_after(anchor):
+        new = gm.graph.call_function(fn, (value, *extra))
+    if replace:
+        value.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    new.meta = {**value.meta, LAYER: layer}
+    return new
+
+
+# ---------------------------------------------------------------- linear forms
+
+_LINEAR = {F.linear, aten.linear.default}
+_ADDMM = {torch.addmm, aten.addmm.default}
+_MM = {torch.mm, torch.matmul, operator.matmul, aten.mm.default, aten.matmul.default}
+# rng's is the same attention, its dropout drawn from the tensor-parallel stream (runtime.training.rng).
+SDPA = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default,
+        rng.tp_scaled_dot_product_attention}
+_CHUNK = {"chunk", torch.chunk, aten.chunk.default}
+_SPLIT = {"split", torch.split, aten.split.Tensor}
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA
+
+
+@dataclass(frozen=True)
+class LinearSite:
+    """A linear in one of its graph forms: y = x W (+ b), W [out, in] (out_dim 0) or [in, out]."""
+
+    node: fx.Node
+    x: fx.Node
+    module: nn.Linear | None
+    weight: str                 # parameter path
+    bias: str | None
+    out_dim: int
+
+    @property
+    def name(self) -> str:
+        return str(self.node.target) if self.module is not None else self.weight
+
+    def features(self, gm, dim: int) -> int:
+        return full_size(get_param(gm, self.weight), dim)
+
+    def drop_bias(self) -> None:
+        """Compute x W only (the row-parallel bias is added after the reduction)."""
+        node = self.node
+        if node.target in _ADDMM:
+            old = node.args[0]
+            node.target = aten.mm.default if node.target is aten.addmm.default else torch.mm
+            node.args = (self.x, node.args[2])
+        else:
+            old = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            node.args = node.args[:2]
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+        if isinstance(old, fx.Node) and not old.users:
+            node.graph.erase_node(old)
+
+
+def _param_path(gm, arg) -> str | None:
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        if isinstance(get_param(gm, arg.target), nn.Parameter):
+            return arg.target
+    return None
+
+
+def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, nn.Linear):
+            bias = f"{node.target}.bias" if module.bias is not None else None
+            return LinearSite(node, node.args[0], module, f"{node.target}.weight", bias, 0)
+        return None
+    if node.op != "call_function" or node.kwargs.get("alpha", 1) != 1:
+        return None
+    args = node.args
+    if node.target in _LINEAR and len(args) >= 2:
+        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        form = (args[0], args[1], bias, 0)
+    elif node.target in _ADDMM and len(args) == 3 and node.kwargs.get("beta", 1) == 1:
+        form = (args[1], args[2], args[0], 1)
+    elif node.target in _MM and len(args) == 2:
+        form = (args[0], args[1], None, 1)
+    else:
+        return None
+    x, weight, bias, out_dim = form
+    weight_path = _param_path(gm, weight)
+    if weight_path is None or get_param(gm, weight_path).dim() != 2:
+        return None
+    bias_path = _param_path(gm, bias)
+    if bias is not None and bias_path is None:
+        return None
+    return LinearSite(node, x, None, weight_path, bias_path, out_dim)
+
+
+def chunk_user(node: fx.Node):
+    """(user, parts, split size or None) when the output is cut into equal parts (fused QKV),
+    possibly after views that keep the last dimension (Conv1D's reshape back to [b, s, out])."""
+    node = after_views(node)
+    users = list(node.users)
+    if len(users) != 1 or len(users[0].args) < 2 or not isinstance(users[0].args[1], int):
+        return None
+    user, count = users[0], users[0].args[1]
+    if user.target in _CHUNK:
+        return user, count, None
+    width = node.meta["val"].shape[-1]
+    if user.target in _SPLIT and width % count == 0:
+        return user, width // count, count
+    return None
+
+
+def lift_params(gm: fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:
+    """Placeholders named in `params` become parameters of gm read by get_attr nodes."""
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.name in params:
+            name = f"lifted_{node.name}"
+            gm.register_parameter(name, nn.Parameter(params[node.name].detach().clone()))
+            with gm.graph.inserting_before(node):
+                attr = gm.graph.get_attr(name)
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            gm.graph.erase_node(node)
+
+
+# ---------------------------------------------------------------- local shapes
+
+_VIEWS = {"view", "reshape", torch.reshape, aten.view.default, aten.reshape.default,
+          aten._unsafe_view.default}
+_EXPANDS = {"expand", aten.expand.default}
+_RESHAPES = _VIEWS | {"flatten", torch.flatten, aten.flatten.using_ints}
+
+
+def localize_shapes(gm: fx.GraphModule, inputs: tuple | None = None) -> None:
+    """Propagate fake shapes through the rewritten graph from `inputs` (default: the placeholders'
+    recorded values; context parallelism passes its shorter sequences), rewriting the literal
+    sizes of views and expands that still name a full (unsharded) size."""
+    full = {n: n.meta.get("val") for n in gm.graph.nodes}
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    if inputs is None:
+        inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [torch.zeros(v.shape, dtype=v.dtype, device=device) if isinstance(v, torch.Tensor)
+              else v for v in inputs]
+    _Localize(gm, full).propagate(*inputs)
+    gm.recompile()
+
+
+class _Localize(FakeTensorProp):
+    def __init__(self, gm, full):
+        super().__init__(gm, FakeTensorMode(allow_non_fake_inputs=True))
+        self.full = full
+        first = next((v for n, v in full.items() if n.op == "placeholder"
+                      and isinstance(v, torch.Tensor) and v.dim()), None)
+        self.batch = int(first.shape[0]) if first is not None else 1
+
+    def run_node(self, n: fx.Node):
+        # (by op: a placeholder may be named like one, as OPT's "expand" input is)
+        if n.op in ("call_function", "call_method") and (n.target in _VIEWS
+                                                          or n.target in _EXPANDS):
+            self._fix_sizes(n)
+        try:
+            return super().run_node(n)
+        except ShardingError:
+            raise
+        except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({n.target}) does not "
+                                f"run on the sharded shapes: {str(err).splitlines()[0]}") from err
+
+    def _fix_sizes(self, n: fx.Node) -> None:
+        source, rest = n.args[0], n.args[1:]
+        local, full_in, full_out = self.env.get(source), self.full.get(source), self.full.get(n)
+        if not all(isinstance(t, torch.Tensor) for t in (local, full_in, full_out)):
+            return
+        computed = len(rest) == 1 and isinstance(rest[0], fx.Node)
+        sizes = self.env.get(rest[0]) if computed else rest[0] if len(rest) == 1 else rest
+        if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
+            return  # sizes read from tensors at run time are local already
+        # Computed sizes (GPT-2's Conv1D: `x.size()[:-1] + (nf,)`) are read at run time, hence
+        # local, except their constant tail.
+        tail = _constant_tail(rest[0]) if computed else tuple(sizes)
+        literal = range(len(sizes) - len(tail), len(sizes))
+        new = _local_sizes(n, tuple(full_in.shape), tuple(local.shape), tuple(full_out.shape),
+                           list(sizes), n.target in _EXPANDS, literal, self.batch)
+        if new == list(sizes):
+            return
+        if computed:
+            rest[0].update_arg(1, tuple(new[literal.start:]))
+            self.env[rest[0]] = tuple(new)
+        else:
+            n.args = (source, type(rest[0])(new)) if len(rest) == 1 else (source, *new)
+
+
+def _constant_tail(sizes: fx.Node) -> tuple:
+    """The constant part of sizes built as `x.size()[...] + (constants,)`; () otherwise."""
+    if sizes.target is operator.add and len(sizes.args) == 2 and isinstance(sizes.args[1], tuple):
+        return sizes.args[1]
+    return ()
+
+
+def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: range,
+                 batch: int = 1) -> list[int]:
+    """`sizes` with each output dimension that holds a cut input dimension divided by its cut
+    (tensor parallel cuts heads or features, context parallel the sequence, both at once); only
+    the `literal` indices of sizes are full-size constants, the others are local already."""
+    for d in range(len(full_in)):
+        if full_in[d] == local_in[d] or full_in[d] % local_in[d]:
+            continue
+        factor = full_in[d] // local_in[d]
+        j = _output_dim(full_in, full_out, d, expand, batch)
+        if j is None or j not in literal or sizes[j] == -1:
+            continue
+        if sizes[j] % factor:
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: size {sizes[j]} (dim {j} of "
+                                f"{n.name}) is not divisible by {factor}")
+        sizes[j] //= factor
+    return sizes
+
+
+def _output_dim(full_in, full_out, d: int, expand: bool, batch: int = 1) -> int | None:
+    """The output dimension holding input dimension d: the same one counted from the end for an
+    expand, the one holding the first element of d for a view - but for the batch, which no
+    pass cuts: a flattened [batch * seq] (GPT-2's Conv1D) viewed back as [batch, seq] is cut
+    in its sequence."""
+    if expand:
+        return d + len(full_out) - len(full_in)
+    before, prefix = math.prod(full_in[:d]), 1
+    for i, size in enumerate(full_out):
+        if size > 1 and prefix <= before < prefix * size:
+            if i == 0 and batch > 1 and size == batch and full_in[d] > size:
+                return next((k for k in range(1, len(full_out)) if full_out[k] > 1), None)
+            return i
+        prefix *= size
+    return None
+
+
+def before_views(x: fx.Node, reader: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(value, its reader): x, or what x re-views when it is used only for this linear - so a
+    region starts on [batch, seq, hidden] rather than Conv1D's flattened [batch * seq, hidden]."""
+    while x.target in _RESHAPES and len(x.users) == 1 and x.args[0].meta.get("val") is not None:
+        x, reader = x.args[0], x
+    return x, reader
+
+
+def after_views(node: fx.Node) -> fx.Node:
+    """The last of the views that only re-shape node's output (Conv1D's view back to 3-d)."""
+    while len(node.users) == 1 and next(iter(node.users)).target in _RESHAPES:
+        node = next(iter(node.users))
+    return node

@@ -1,0 +1,123 @@
+"""Cross-entropy losses divided by the whole step's count of targets, not each micro-batch's.
+
+A cross-entropy of reduction "mean" divides by the targets that count in its own inputs (not
+ignore_index; weighted by class weight). Run once per micro-batch and replica and averaged with
+equal weights, that is the step's mean only when each micro-batch counts as many targets; padded
+targets (ignore_index, as fine-tuning data marks padding and prompts) would make training silently
+differ from one process. A "sum" would come out divided by the m·R the trainer averages over.
+Each such loss becomes, in place (runtime.training.loss_tokens):
+
+    summed = cross_entropy(logits, target, ..., reduction="sum")
+    count  = count_targets(target, ignore_index, weight, mean)     # this micro-batch's
+    loss   = per_token(summed, count, tokens)                      # tokens: a 0-d buffer
+
+and `loss_counts` reads, from the rewritten graph at its local shapes, the nodes that lead to each
+`count`: the trainer runs them on every micro-batch before a step to set `tokens`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from passes.rewrite.sharding import LAYER, ancestors
+from passes.rewrite.tables import table
+from runtime.training.loss_tokens import LossCount, count_targets, per_token
+
+aten = torch.ops.aten
+CROSS_ENTROPY = {F.cross_entropy, aten.cross_entropy_loss.default}
+_REDUCTIONS = ("none", "mean", "sum")  # aten's enum order
+BUFFER = "fxpar_loss_tokens"
+
+
+def cross_entropy_args(gm: fx.GraphModule, node: fx.Node) -> dict | None:
+    """{logits, target, weight, ignore_index, reduction, label_smoothing} of a cross-entropy node
+    (F.cross_entropy, aten's, nn.CrossEntropyLoss); None for any other node."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, nn.CrossEntropyLoss):
+            return None
+        weight = module.weight if module.weight is None else f"{node.target}.weight"
+        return {"logits": node.args[0], "target": node.args[1], "weight": weight,
+                "ignore_index": module.ignore_index, "reduction": module.reduction,
+                "label_smoothing": module.label_smoothing}
+    if not (node.op == "call_function" and node.target in CROSS_ENTROPY):
+        return None
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    if node.target is F.cross_entropy:
+        names = ("weight", "size_average", "ignore_index", "reduce", "reduction",
+                 "label_smoothing")
+    given = {**dict(zip(names, node.args[2:])), **node.kwargs}
+    if given.get("size_average") is not None or given.get("reduce") is not None:
+        raise ValueError(f"{node.name}: cross_entropy's size_average/reduce are deprecated and "
+                         f"not supported; use reduction=")
+    reduction = given.get("reduction", "mean")
+    return {"logits": node.args[0], "target": node.args[1], "weight": given.get("weight"),
+            "ignore_index": given.get("ignore_index", -100),
+            "reduction": _REDUCTIONS[reduction] if isinstance(reduction, int) else reduction,
+            "label_smoothing": given.get("label_smoothing", 0.0)}
+
+
+def token_mean(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite every mean or sum cross-entropy as described above; in place."""
+    found = [(node, args) for node in gm.graph.nodes
+             for args in [cross_entropy_args(gm, node)] if args and args["reduction"] != "none"]
+    for index, (node, args) in enumerate(found):
+        _rewrite(gm, node, args, BUFFER + (f"_{index}" if index else ""))
+    if found:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, args: dict, buffer: str) -> None:
+    device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
+    gm.register_buffer(buffer, table(torch.zeros(()), device), persistent=False)
+    graph = gm.graph
+    with graph.inserting_before(node):
+        weight = args["weight"]
+        if isinstance(weight, str):
+            weight = graph.get_attr(weight)
+        extra = {"weight": weight} if weight is not None else {}
+        if args["label_smoothing"]:
+            extra["label_smoothing"] = args["label_smoothing"]
+        summed = graph.call_function(F.cross_entropy, (args["logits"], args["target"]), {
+            **extra, "ignore_index": args["ignore_index"], "reduction": "sum"})
+        count = graph.call_function(count_targets, (args["target"], args["ignore_index"], weight,
+                                                    args["reduction"] == "mean"))
+        tokens = graph.get_attr(buffer)
+        loss = graph.call_function(per_token, (summed, count, tokens))
+    for new in (summed, count, tokens, loss):
+        new.meta = {k: v for k, v in node.meta.items() if k in ("val", LAYER)}
+    node.replace_all_uses_with(loss)
+    graph.erase_node(node)
+
+
+def loss_counts(gm: fx.GraphModule) -> tuple[LossCount, ...]:
+    """For each rewritten loss: its buffer and a graph of the nodes leading to its count, whose
+    inputs are the graph's own (stage = -1: set by the pipeline split)."""
+    counts = []
+    for node in gm.graph.nodes:
+        if not (node.op == "call_function" and node.target is per_token):
+            continue
+        count, buffer = node.args[1], node.args[2].target
+        mean = count.args[3]
+        counter, inputs = _counter(gm, count) if mean else (None, ())
+        counts.append(LossCount(-1, buffer, counter, inputs))
+    return tuple(counts)
+
+
+def _counter(gm: fx.GraphModule, count: fx.Node) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    needed = ancestors(count)
+    modules = [n.name for n in needed if n.op == "call_module"]
+    if modules:
+        raise ValueError(f"the targets of loss {count.name} are computed by modules "
+                         f"({', '.join(modules)}): pass them to the model as an input")
+    graph, env = fx.Graph(), {}
+    for node in gm.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[count])
+    inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder" and n in needed)
+    return fx.GraphModule(gm, graph, "LossCounter"), inputs

@@ -1,0 +1,521 @@
+"""Is a tensor-parallel rewrite of a layer exact? A dataflow check on the captured graph.
+
+The rewrite (passes.rewrite.tensor_parallel) makes a linear column-parallel when its input is whole and
+row-parallel when its input is sharded; every other op with a sharded input is assumed to work
+shard by shard. That holds only where the op does not look across the sharded dimension. A
+mixture-of-experts router is the case in point: its linear is made column-parallel, so each rank
+holds the scores of some experts, and a softmax or top-k over them is silently wrong.
+
+`check_layer` follows the sharded dimension from each column-parallel linear (its output features)
+through the layer, on the full shapes of the capture, and proves that every sharded value reaches a
+row-parallel linear (which contracts over the sharded dimension, then all-reduces) through ops that
+work on the other dimensions only: elementwise ops (other operands broadcast along the sharded
+dimension), views that keep whole heads, transposes, reductions, norms, softmax and slicing over
+other dimensions, attention with the sharded dimension as its heads, matmuls whose contraction is
+another dimension, and the split of a fused projection the rewrite knows how to cut. Anything else
+that reads a sharded value, and a sharded value that leaves the layer, is a ShardingError naming
+the node and what it does; the planner then leaves the layer's tensor-parallel strategies out of
+the search, with that reason.
+
+Two ops that do look across the sharded dimension are made exact by the rewrite, when the value's
+parts on the tp ranks are equal contiguous blocks of it (a column-parallel output, not a fused
+one before its split, nor kv heads each rank selects from a whole projection): a sum or mean over
+the sharded dimension (the statistics of an RMSNorm over all heads, OLMo-2's q/k norms), whose
+partial results are then summed over the group (`Findings.reduced`), and an elementwise op with
+a whole trained parameter of the sharded dimension's full size (that norm's weight), which is
+then sharded like the value (`Findings.cut_params`).
+
+A view may merge the sharded dimension, innermost, with dimensions before it (BLOOM's eager
+attention runs on [batch x heads, seq, head_dim]); each rank then holds its heads of every batch
+row, which batched matmuls, elementwise ops and views that split the dimensions again keep, and
+which no linear may contract. A whole value computed from no input and no trained parameter
+(passes.capture.trace marks them: BLOOM's ALiBi bias, built before the blocks per batch row and head)
+that meets such a value along the sharded dimension is read per rank, its heads' part only
+(`Findings.sliced`).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from passes.capture.trace import CONSTANT
+from passes.rewrite.sharding import ShardingError, chunk_user, linear_site
+
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "truediv", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
+    "log", "abs", "tanh", "sigmoid", "relu", "gelu", "silu", "erf", "clamp", "where", "dropout",
+    "masked_fill", "to", "type", "type_as", "float", "half", "bfloat16", "contiguous", "clone",
+    "detach", "_to_copy", "alias", "native_dropout", "square", "reciprocal", "softplus", "sin",
+    "cos", "fill", "zeros_like", "ones_like", "leaky_relu", "elu", "mish", "hardtanh", "sign",
+}
+_ELEMENTWISE_MODULES = (nn.Dropout, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity,
+                        nn.Mish, nn.LeakyReLU, nn.ELU, nn.Softplus)
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "norm",
+               "logsumexp", "argmax", "argmin", "any", "all", "cumsum", "cumprod", "softmax",
+               "log_softmax", "_softmax", "_log_softmax", "topk", "sort", "argsort", "median",
+               "var_mean", "kthvalue", "linalg_vector_norm", "count_nonzero"}
+_NORMS = {"layer_norm", "rms_norm", "native_layer_norm", "group_norm", "normalize"}
+_SLICES = {"narrow", "slice", "select", "index_select", "gather", "take_along_dim"}
+_P_FIRST = {"norm", "linalg_vector_norm"}  # (x, p, dim)
+_IGNORED = {"size", "dim", "sym_size", "_assert_tensor_metadata", "getattr"}
+_LINEAR_REDUCTIONS = {"sum", "mean"}  # exact as the group's sum of per-rank partial results
+
+
+@dataclass
+class Findings:
+    """What the rewrite must add for the layer to be exact (see the module docstring)."""
+
+    reduced: dict[fx.Node, str] = field(default_factory=dict)  # sum / mean over the sharded dim
+    cut_params: dict[str, int] = field(default_factory=dict)   # parameter path -> dim to shard
+    # (node, whole constant operand) -> (its dim along the sharded one, heads in that dim):
+    # each rank reads its heads' part
+    sliced: dict[tuple[fx.Node, fx.Node], tuple[int, int]] = field(default_factory=dict)
+
+
+def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    """'add', 'softmax', 'Linear', ...: the op's bare name in any capture form."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return str(node.target).removesuffix("_")
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target)).removesuffix("_")
+
+
+def _val(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+class _Flow:
+    """The walk over one layer: sharded dimension of each value (full-shape index)."""
+
+    def __init__(self, gm, layer: str, nodes: list[fx.Node], tp: int, whole_heads: set):
+        self.gm, self.layer, self.tp = gm, layer, tp
+        self.nodes = nodes
+        self.inside = set(nodes)
+        self.dim: dict[fx.Node, int] = {}
+        self.fused_splits: set[fx.Node] = set()
+        # Outputs of k/v projections kept whole, of which each rank selects whole heads.
+        self.whole_heads = set(whole_heads)
+        # Values whose part on tp rank r is block r of tp equal contiguous blocks of the sharded
+        # dimension (so the parts of all ranks are disjoint and in order).
+        self.blocks: set[fx.Node] = set()
+        # Sizes of the dimensions merged in front of the sharded one, where a view merged them.
+        self.outer: dict[fx.Node, int] = {}
+        self.found = Findings()
+
+    def fail(self, node: fx.Node, why: str) -> None:
+        raise ShardingError(f"layer {self.layer}: not tensor-parallel: {node.name} "
+                            f"({op_name(self.gm, node)}) {why}")
+
+    def run(self) -> Findings:
+        for node in self.nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            site = linear_site(self.gm, node)
+            if site is not None:
+                self._linear(node, site)
+            elif any(a in self.dim for a in node.all_input_nodes):
+                self._other(node)
+        for node, _ in self.dim.items():
+            outside = [u for u in node.users if u.op == "output" or u not in self.inside]
+            if outside:
+                self.fail(node, f"is sharded over tp={self.tp} and leaves the layer (read by "
+                                f"{outside[0].name}) without reaching a row-parallel linear")
+        return self.found
+
+    def _linear(self, node: fx.Node, site) -> None:
+        x = site.x
+        if x not in self.dim:  # column-parallel: output features sharded
+            out = _val(node)
+            if out is not None:
+                self.dim[node] = out.dim() - 1
+                cut = chunk_user(node)
+                if cut:
+                    self.fused_splits.add(cut[0])
+                elif node not in self.whole_heads:
+                    self.blocks.add(node)
+            return
+        if self.dim[x] != _val(x).dim() - 1:
+            self.fail(node, f"contracts over its last dimension, but its input {x.name} is "
+                            f"sharded on dimension {self.dim[x]}")
+        if self.outer.get(x, 1) > 1:
+            self.fail(node, f"contracts over features of {x.name} in which the sharded "
+                            f"dimension is merged after others (not a block of the weight)")
+
+    def _other(self, node: fx.Node) -> None:
+        name = op_name(self.gm, node)
+        src = next(a for a in node.all_input_nodes if a in self.dim)
+        d, out = self.dim[src], _val(node)
+        if name in _IGNORED:
+            return
+        if node.target is operator.getitem:
+            return self._getitem(node, src, d)
+        module = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, _ELEMENTWISE_MODULES) or (module is None and name in _ELEMENTWISE):
+            return self._elementwise(node, out)
+        if module is not None and isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return self._check_norm(node, src, d, len(module.normalized_shape))
+        rules = {**dict.fromkeys(_VIEWS, self._view), **dict.fromkeys(_REDUCTIONS, self._reduce),
+                 **dict.fromkeys(_NORMS, self._norm), **dict.fromkeys(_SLICES, self._slice),
+                 "transpose": self._transpose, "swapaxes": self._transpose, "t": self._transpose,
+                 "permute": self._permute, "expand": self._expand,
+                 "repeat_interleave": self._keep, "chunk": self._split, "split": self._split,
+                 "split_with_sizes": self._split,
+                 "cat": self._cat, "stack": self._stack,
+                 "scaled_dot_product_attention": self._attention,
+                 "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul,
+                 "baddbmm": self._baddbmm}
+        rule = rules.get(name)
+        if rule is None:
+            self.fail(node, f"reads a value sharded over tp={self.tp} (dimension {d} of "
+                            f"{src.name}) and is not known to work shard by shard")
+        rule(node, src, d)
+        if node in self.dim and node not in self.outer and self.outer.get(src, 1) > 1:
+            self.outer[node] = self.outer[src]
+        # ops on the other dimensions keep each rank's part a block of the sharded one
+        if node in self.dim and rule != self._view and all(
+                a in self.blocks for a in node.all_input_nodes if a in self.dim):
+            self.blocks.add(node)
+
+    # -- rules: each sets self.dim[node] or fails ---------------------------------------------
+    def _elementwise(self, node: fx.Node, out) -> None:
+        if out is None:
+            return
+        dims = set()
+        for a in node.all_input_nodes:
+            v = _val(a)
+            if v is None:
+                continue
+            if a in self.dim:
+                dims.add(self.dim[a] + out.dim() - v.dim())
+        (d,) = dims if len(dims) == 1 else (None,)
+        if d is None:
+            self.fail(node, "combines values sharded on different dimensions")
+        sharded = [a for a in node.all_input_nodes if a in self.dim]
+        in_blocks = all(a in self.blocks for a in sharded)
+        for a in node.all_input_nodes:
+            v = _val(a)
+            aligned = d - (out.dim() - v.dim()) if v is not None else -1
+            if a not in self.dim and v is not None and 0 <= aligned and v.shape[aligned] > 1:
+                if in_blocks and self._param_of_full_size(a, v, aligned, out.shape[d]) and \
+                        all(self.outer.get(x, 1) == 1 for x in sharded):
+                    self.found.cut_params[str(a.target)] = aligned
+                    continue
+                if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
+                    continue
+                self.fail(node, f"combines a sharded value with {a.name}, which is whole along "
+                                f"the sharded dimension")
+        self.dim[node] = d
+        if in_blocks:
+            self.blocks.add(node)
+
+    def _slices(self, node, a: fx.Node, v: torch.Tensor, dim: int, size: int, sharded) -> bool:
+        """A whole value computed from no input and no trained parameter (an ALiBi bias built
+        before the blocks), as long along `dim` as the sharded dimension it meets: each rank can
+        take its part of it (no gradient to sum)."""
+        outers = {self.outer.get(x, 1) for x in sharded}
+        if v.shape[dim] != size or len(outers) != 1 or not self._constant(a):
+            return False
+        heads = size // outers.pop()
+        if heads % self.tp:
+            self.fail(node, f"meets {a.name}, whole along {heads} heads, which tp={self.tp} "
+                            f"does not divide")
+        self.found.sliced[(node, a)] = (dim, heads)
+        return True
+
+    def _constant(self, value: fx.Node, limit: int = 256) -> bool:
+        """Whether `value` and what it is computed from, as far as the graph shows, are marked
+        constant by the capture (a placeholder of a layer cut out of the graph keeps its mark)
+        and read no trained parameter."""
+        seen, stack = set(), [value]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if len(seen) > limit:
+                return False
+            if node.op == "get_attr":
+                prefix, _, name = str(node.target).rpartition(".")
+                param = getattr(self.gm.get_submodule(prefix) if prefix else self.gm, name, None)
+                if isinstance(param, nn.Parameter) and param.requires_grad:
+                    return False
+                continue
+            if not node.meta.get(CONSTANT):
+                return False
+            stack.extend(node.all_input_nodes)
+        return True
+
+    def _param_of_full_size(self, a: fx.Node, v: torch.Tensor, dim: int, size: int) -> bool:
+        """A trained parameter read as is, as long along `dim` as the sharded dimension: it can
+        be cut like the value it meets (a norm's weight over all heads' features)."""
+        if a.op != "get_attr" or v.shape[dim] != size:
+            return False
+        prefix, _, name = str(a.target).rpartition(".")
+        param = getattr(self.gm.get_submodule(prefix) if prefix else self.gm, name, None)
+        cut = self.found.cut_params.get(str(a.target), dim)
+        return isinstance(param, nn.Parameter) and param.requires_grad and cut == dim
+
+    def _keep(self, node, src, d) -> None:
+        self.dim[node] = d
+
+    def _getitem(self, node, src, d) -> None:
+        index = node.args[1]
+        if _val(node) is None:
+            return
+        if _val(src) is None:  # a part of a chunk / split result
+            self.dim[node] = d
+            if src in self.fused_splits:  # each part of a fused projection is cut in blocks
+                self.blocks.add(node)
+            if src in self.whole_heads:   # of a projection kept whole: heads selected per part
+                self.whole_heads.add(node)
+            return
+        index = index if isinstance(index, tuple) else (index,)
+        self.dim[node] = self._index_dim(node, index, d, _val(src).dim())
+        if src in self.blocks:
+            self.blocks.add(node)
+
+    def _index_dim(self, node, index: tuple, d: int, ndim: int) -> int:
+        """Output dimension of input dimension d under basic indexing (ints, slices, None, ...)."""
+        out_dim, in_dim = 0, 0
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            fill = ndim - sum(1 for i in index if i is not None and i is not Ellipsis)
+            index = index[:at] + (slice(None),) * fill + index[at + 1:]
+        for item in index:
+            if item is None:
+                out_dim += 1
+                continue
+            if in_dim == d:
+                if item != slice(None):
+                    self.fail(node, "indexes the sharded dimension")
+                return out_dim
+            in_dim += 1
+            out_dim += not isinstance(item, int)
+        return out_dim + (d - in_dim)
+
+    def _view(self, node, src, d) -> None:
+        full_in, full_out = tuple(_val(src).shape), tuple(_val(node).shape)
+        # The sharded dimension may hold dimensions merged in front of it (outer): it is then
+        # read as (outer, size) with the second one sharded.
+        outer = self.outer.get(src, 1)
+        size_d = full_in[d] // outer
+        before = math.prod(full_in[:d]) * outer
+        prefix = 1
+        # Splitting the sharded dimension into (heads, head_dim) puts it on the heads, also when
+        # there is one: multi-query k/v (kept whole, one head selected) or a head tp cuts. Other
+        # unit dimensions at its place are inserted ones (unsqueeze) and skipped.
+        dim = _arg(node, 1, "dim")
+        heads_first = src in self.whole_heads or (
+            op_name(self.gm, node) == "unflatten" and isinstance(dim, int)
+            and dim % len(full_in) == d)
+        if src in self.whole_heads:
+            self.whole_heads.add(node)
+        for j, size in enumerate(full_out):
+            if prefix == before and (size > 1 or heads_first):
+                carved = size_d // size if size < size_d else 1
+                cuts = size < size_d and (size_d // self.tp) % max(carved, 1)
+                if cuts and src not in self.whole_heads:
+                    self.fail(node, f"splits the sharded dimension ({size_d} over "
+                                    f"tp={self.tp}) into pieces of {carved}, cutting one")
+                self.dim[node] = j
+                self.outer[node] = 1
+                if src in self.blocks and src not in self.whole_heads:
+                    self.blocks.add(node)
+                return
+            if (prefix < before < prefix * size and before % prefix == 0
+                    and prefix * size == before * size_d and src not in self.whole_heads):
+                # merged, innermost, with dimensions before it (BLOOM's batch x heads): each
+                # rank holds its part of the sharded dimension in every one of them
+                self.dim[node], self.outer[node] = j, before // prefix
+                if src in self.blocks:
+                    self.blocks.add(node)
+                return
+            prefix *= size
+        self.fail(node, "merges the sharded dimension with the dimensions before it")
+
+    def _transpose(self, node, src, d) -> None:
+        ndim = _val(src).dim()
+        a, b = (node.args[1], node.args[2]) if len(node.args) > 2 else (0, 1)
+        a, b = a % ndim, b % ndim
+        self.dim[node] = b if d == a else a if d == b else d
+        if src in self.blocks:
+            self.blocks.add(node)
+
+    def _permute(self, node, src, d) -> None:
+        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        ndim = _val(src).dim()
+        self.dim[node] = [x % ndim for x in dims].index(d)
+
+    def _expand(self, node, src, d) -> None:
+        self.dim[node] = d + _val(node).dim() - _val(src).dim()
+
+    def _dims(self, node, ndim: int, index: int = 1) -> tuple[int, ...] | None:
+        dim = _arg(node, index, "dim")
+        if dim is None:
+            return None
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        return tuple(x % ndim for x in dims)
+
+    def _reduce(self, node, src, d) -> None:
+        ndim = _val(src).dim()
+        name = op_name(self.gm, node)
+        dims = self._dims(node, ndim, 2 if name in _P_FIRST else 1)
+        if dims is not None and d in dims and name in _LINEAR_REDUCTIONS:
+            if src not in self.blocks:
+                self.fail(node, f"sums over the sharded dimension {d} of {src.name}, whose parts "
+                                f"on the tp={self.tp} ranks are not known to be disjoint blocks "
+                                f"(kv heads each rank selects from a whole projection?)")
+            self.found.reduced[node] = name  # whole once the rewrite sums it over the group
+            return
+        if dims is None or d in dims:
+            self.fail(node, f"reduces or normalises over the sharded dimension {d} "
+                            f"(tp={self.tp} ranks would each see a part of it)")
+        out = _val(node) if _val(node) is not None else (node.meta.get("val") or [None])[0]
+        keep = out is not None and out.dim() == ndim
+        self.dim[node] = d if keep else d - sum(1 for x in dims if x < d)
+
+    def _norm(self, node, src, d) -> None:
+        if op_name(self.gm, node) == "normalize":
+            return self._reduce(node, src, d)
+        shape = _arg(node, 1, "normalized_shape")
+        self._check_norm(node, src, d, len(shape) if isinstance(shape, (tuple, list)) else 1)
+
+    def _check_norm(self, node, src, d, trailing: int) -> None:
+        if d >= _val(src).dim() - trailing:
+            self.fail(node, f"normalises over the sharded dimension {d} (tp={self.tp})")
+        self.dim[node] = d
+
+    def _slice(self, node, src, d) -> None:
+        ndim = _val(src).dim()
+        dim = _arg(node, 1, "dim", 0) % ndim
+        if dim == d:
+            self.fail(node, "slices or gathers along the sharded dimension")
+        removes = op_name(self.gm, node) == "select"
+        self.dim[node] = d - (removes and dim < d)
+
+    def _split(self, node, src, d) -> None:
+        dim = _arg(node, 2, "dim", 0) % _val(src).dim()
+        if dim == d and node not in self.fused_splits and not self._of_whole(src):
+            self.fail(node, "splits the sharded dimension (only the split of a fused "
+                            "projection right after its linear is cut per rank)")
+        if self._of_whole(src):
+            self.whole_heads.add(node)
+        self.dim[node] = d
+
+    def _of_whole(self, value: fx.Node) -> bool:
+        """`value` is a projection kept whole (or views of it), whose parts each rank reads its
+        heads of (passes.rewrite.tensor_parallel.FusedTake)."""
+        while value not in self.whole_heads and len(value.all_input_nodes) == 1 and \
+                op_name(self.gm, value) in ("unsqueeze", "view", "reshape"):
+            value = value.all_input_nodes[0]
+        return value in self.whole_heads
+
+    def _cat(self, node, src, d) -> None:
+        tensors = node.args[0]
+        dim = _arg(node, 1, "dim", 0) % _val(src).dim()
+        if dim == d or any(self.dim.get(t) != d for t in tensors):
+            self.fail(node, "concatenates along the sharded dimension or with whole values")
+        self.dim[node] = d
+
+    def _stack(self, node, src, d) -> None:
+        """Stacking values all sharded on d along a new dimension (interleaved rotary halves)."""
+        tensors = node.args[0]
+        new = _arg(node, 1, "dim", 0) % (_val(src).dim() + 1)
+        if any(self.dim.get(t) != d for t in tensors):
+            self.fail(node, "stacks sharded values with whole ones or ones sharded differently")
+        self.dim[node] = d + (new <= d)
+
+    def _attention(self, node, src, d) -> None:
+        q, k, v = node.args[:3]
+        heads = _val(q).dim() - 3
+        # A single kv head read whole by every rank (multi-query, its projection kept whole).
+        one_head = lambda t: t in self.whole_heads and _val(t).shape[heads] == 1  # noqa: E731
+        if any(self.dim.get(t) != heads and not one_head(t) for t in (q, k, v)):
+            self.fail(node, "is attention whose queries, keys and values are not all sharded "
+                            "by heads")
+        mask = _arg(node, 3, "attn_mask")
+        if isinstance(mask, fx.Node) and mask not in self.dim and _val(mask) is not None:
+            m = _val(mask)
+            aligned = heads - (_val(q).dim() - m.dim())
+            if aligned >= 0 and m.shape[aligned] > 1:
+                self.fail(node, f"adds a bias per head ({mask.name}) that is whole, not "
+                                f"sharded by heads")
+        self.dim[node] = heads
+
+    def _matmul(self, node, src, d) -> None:
+        self._product(node, *node.args[:2])
+
+    def _product(self, node, a, b) -> None:
+        """node = a @ b (with batch dimensions)."""
+        va, vb, out = _val(a), _val(b), _val(node)
+        if va is None or vb is None or va.dim() < 2 or vb.dim() < 2:
+            self.fail(node, "multiplies a sharded vector")
+        da, db = self.dim.get(a), self.dim.get(b)
+        if da == va.dim() - 1 or db == vb.dim() - 2:
+            self.fail(node, "contracts over the sharded dimension (a partial sum, never "
+                            "all-reduced)")
+        batch_a = None if da is None else (da + out.dim() - va.dim() if da < va.dim() - 2
+                                           else out.dim() - 2)
+        batch_b = None if db is None else (db + out.dim() - vb.dim() if db < vb.dim() - 2
+                                           else out.dim() - 1)
+        dims = {x for x in (batch_a, batch_b) if x is not None}
+        if len(dims) != 1 or (None in (batch_a, batch_b) and max(dims) < out.dim() - 2):
+            self.fail(node, "multiplies a sharded value by one sharded differently or whole "
+                            "along a batch dimension")
+        self.dim[node] = dims.pop()
+        sharded = [t for t in (a, b) if t in self.dim]
+        if len({self.outer.get(t, 1) for t in sharded}) > 1:
+            self.fail(node, "multiplies values whose sharded dimension holds different merged "
+                            "dimensions")
+        if all(t in self.blocks for t in sharded):
+            self.blocks.add(node)
+
+    def _baddbmm(self, node, src, d) -> None:
+        """bias + a @ b (BLOOM's ALiBi scores): the product as a matmul; the bias as an
+        elementwise operand of it (sliced when whole and constant)."""
+        bias, a, b = node.args[:3]
+        self._product(node, a, b)
+        if not isinstance(bias, fx.Node):
+            return
+        out, v = _val(node), _val(bias)
+        d = self.dim[node]
+        if bias in self.dim:
+            if self.dim[bias] + out.dim() - v.dim() != d:
+                self.fail(node, "adds a bias sharded on another dimension")
+            return
+        aligned = d - (out.dim() - v.dim())
+        if v is not None and aligned >= 0 and v.shape[aligned] > 1:
+            sharded = [t for t in (a, b) if t in self.dim]
+            if not (node in self.blocks and self._slices(node, bias, v, aligned, out.shape[d],
+                                                          sharded)):
+                self.fail(node, f"adds {bias.name}, whole along the sharded dimension (a bias "
+                                f"per head that is not sharded by heads)")
+
+
+def check_layer(gm: fx.GraphModule, layer: str, nodes: list[fx.Node], tp: int,
+                whole_heads: set[fx.Node] = frozenset()) -> Findings:
+    """Raise ShardingError unless the column/row-parallel rewrite of `nodes` (one layer, in
+    graph order, with full shapes in node.meta["val"]) computes exactly what the layer does,
+    given the sums and parameter cuts it returns (Findings) are added.
+    `whole_heads`: linears kept whole on every rank, of whose output each selects whole heads
+    (grouped-query k/v projections whose heads tp does not divide)."""
+    if tp > 1:
+        return _Flow(gm, layer, nodes, tp, whole_heads).run()
+    return Findings()

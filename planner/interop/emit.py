@@ -1,0 +1,471 @@
+"""`fxpar plan --emit torchtitan|megatron`: a plan as the other framework's configuration.
+
+Names checked against (see tests/unit/test_emit.py for the versions):
+
+* torchtitan: the TOML fields of torchtitan/config/job_config.py (`[parallelism]`,
+  `[activation_checkpoint]`, `[training]`), whose pipeline stages are named by
+  `pipeline_parallel_split_points`; schedule class names as
+  torch.distributed.pipelining.schedules.get_schedule_class knows them; a schedule with no class
+  (fxpar's zb-h1) goes as a per-rank CSV of compute actions (`<stage><F|I|W|B><micro-batch>`, one
+  row per pipeline rank, the format `_PipelineScheduleRuntime._load_csv` reads), which torchtitan
+  loads from `pipeline_parallel_schedule_csv`.
+* Megatron-LM: the flags of megatron/training/arguments.py; uneven stages as
+  `--pipeline-model-parallel-layout` ("Et*5|t*6|...|t*5L": E the embedding, t a transformer layer,
+  L the loss with the output layer, stages split by "|").
+
+What the target cannot express (a schedule, a per-layer mix of strategies, replicated ends at
+tp > 1, ...) is said in a comment line, and the nearest configuration it can express is emitted
+instead, priced by fxpar's cost model beside the plan (planner.interop.configuration: the same mesh and stage
+layout, only what the target cannot express changed; among several candidates the fastest that
+fits).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shlex
+from dataclasses import dataclass, field, replace
+
+from cost_model.layers.strategy import Strategy
+from planner.search.plan import Plan
+from planner.interop.configuration import Configuration, Priced, Pricer, compare
+
+TARGETS = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}
+# fxpar schedule -> torch.distributed.pipelining class name (get_schedule_class's keys)
+TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved-1f1b": "Interleaved1F1B"}
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+# --------------------------------------------------------------------------------------------
+# What a model is, for the flags that size it
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    arch: str            # "gpt" (LayerNorm, GELU, learned positions) or "llama"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    tie: bool
+    global_batch: int = 16
+    dtype_bytes: int = 2  # what fxpar prices: presets train in bf16, a module in its own dtype
+
+
+def facts_of_config(config) -> ModelFacts:
+    return ModelFacts(config.name, config.arch, config.layers, config.hidden, config.heads,
+                      config.n_kv_heads, config.ffn_hidden, config.vocab, config.seq, config.tie,
+                      config.global_batch)
+
+
+def facts_of_hf(model, seq: int, global_batch: int = 16) -> ModelFacts:
+    """From a planner.models.hf model's transformers config (GPT-2 or Llama field names)."""
+    c = model.model.config
+    get = lambda *names, default=None: next((getattr(c, n) for n in names  # noqa: E731
+                                             if getattr(c, n, None) is not None), default)
+    hidden = get("hidden_size", "n_embd")
+    heads = get("num_attention_heads", "n_head")
+    gpt = getattr(c, "model_type", "") == "gpt2"
+    return ModelFacts(type(model.model).__name__, "gpt" if gpt else "llama",
+                      get("num_hidden_layers", "n_layer"), hidden, heads,
+                      get("num_key_value_heads", default=heads),
+                      get("intermediate_size", "n_inner", default=4 * hidden), get("vocab_size"),
+                      seq, bool(get("tie_word_embeddings", default=gpt)), global_batch,
+                      next(model.parameters()).element_size())
+
+
+def model_of_args(args, seq: int | None = None, global_batch: int | None = None):
+    """(model, example inputs or None, ModelFacts) as `fxpar plan` builds them from its flags:
+    `args.build_config` and `args.build_hf` are the command line's own builders (planner.cli
+    hands them over, so that nothing here imports it)."""
+    if seq is not None or global_batch is not None:
+        args = _with(args, seq=seq or args.seq, global_batch=global_batch or args.global_batch)
+    if args.hf or args.hf_config:
+        model, inputs = args.build_hf(args)
+        return model, inputs, facts_of_hf(model, inputs[0].shape[1], inputs[0].shape[0])
+    config = args.build_config(args)
+    return config, None, facts_of_config(config)
+
+
+def _with(args, **changes):
+    import argparse
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def pricer_of_args(args, seq: int | None = None, global_batch: int | None = None,
+                   zero1: bool | None = None) -> tuple[Pricer, ModelFacts]:
+    model, inputs, facts = model_of_args(args, seq, global_batch)
+    pricer = Pricer(model, args.gpus, inputs, cluster=args.cluster,
+                    global_batch=global_batch or args.global_batch, memory_limit=args.memory_limit,
+                    zero1=args.zero1 if zero1 is None else zero1)
+    return pricer, facts
+
+
+# --------------------------------------------------------------------------------------------
+# Recomputation patterns the frameworks can state
+# --------------------------------------------------------------------------------------------
+def recompute_of(stages) -> list[list[str]]:
+    return [[Strategy.parse(s).recompute for s in stage] for stage in stages]
+
+
+def pattern_recompute(lengths: list[int], pattern: tuple, ranks: int) -> list[list[str]]:
+    """Per-block recomputation of a pattern: ("uniform", r) every block r; ("block", k) the first
+    k blocks of every stage full (Megatron's --recompute-method block); ("every", n) every n-th
+    block a rank holds full, counted across its stages in order (torchtitan's selective
+    activation checkpointing with an integer option)."""
+    kind, value = pattern
+    if kind == "uniform":
+        return [[value] * n for n in lengths]
+    if kind == "block":
+        return [["full"] * min(value, n) + ["none"] * max(n - value, 0) for n in lengths]
+    out = [[] for _ in lengths]
+    for rank in range(ranks):
+        count = 0
+        for s in range(rank, len(lengths), ranks):
+            for _ in range(lengths[s]):
+                count += 1
+                out[s].append("full" if count % value == 0 else "none")
+    return out
+
+
+def with_flags(stages, tp: bool, sp, recompute: list[list[str]]):
+    """Block strategies with tensor parallelism `tp`, sequence parallelism `sp` (True, False or
+    None: each block keeps its own) and the given recomputation."""
+    out = []
+    for stage, rec in zip(stages, recompute):
+        row = []
+        for s, r in zip(stage, rec):
+            own = Strategy.parse(s)
+            keep_sp = own.sp if sp is None else sp
+            row.append(str(Strategy(tp, keep_sp and tp, r)))
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _mix(stages) -> str:
+    """'tp x 70, tp+full x 10' over all blocks."""
+    counts: dict[str, int] = {}
+    for stage in stages:
+        for s in stage:
+            counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{s} x{n}" for s, n in counts.items())
+
+
+# --------------------------------------------------------------------------------------------
+# The nearest configuration a target expresses
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Expressed:
+    config: Configuration
+    notes: list[str] = field(default_factory=list)     # what the target cannot express
+    pattern: tuple = ("uniform", "none")               # the recomputation as the target states it
+    priced: Priced | None = None                       # None: the plan itself (exact)
+
+    @property
+    def exact(self) -> bool:
+        return self.priced is None
+
+
+def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
+    """The configuration of `plan` that `target` can express; `pricer_factory()` gives the
+    Pricer when something has to be priced."""
+    label = TARGETS[target]
+    if plan.ep > 1:  # the nearest configuration would be priced without it: refuse, not mislead
+        raise ValueError(f"--emit {target} does not express expert parallelism yet (the plan has "
+                         f"ep={plan.ep}); plan with --fix ep=1 to emit, or set {label}'s expert "
+                         f"parallel size to {plan.ep} by hand")
+    own = Configuration.of(plan)
+    config, notes = own, []
+    if plan.pp > 1 or plan.virtual_stages > 1:
+        schedules = MEGATRON_SCHEDULES if target == "megatron" else (
+            *TORCHTITAN_SCHEDULES, "zb-h1")
+        if plan.schedule not in schedules:
+            config = replace(config, schedule="1f1b", v=1)
+            notes.append(f"{label} has no {plan.schedule} schedule; nearest: 1f1b")
+    elif plan.schedule != "1f1b":
+        config = replace(config, schedule="1f1b")  # without a pipeline every schedule is one
+    if plan.tp > 1 and config.ends != "vocab-tp":
+        config = replace(config, ends="vocab-tp")
+        notes.append(f"fxpar keeps the embedding and head replicated at tp={plan.tp}; {label} "
+                     f"always splits them over the vocabulary")
+    if target == "torchtitan":
+        config, split_notes = _torchtitan_split(config)
+        notes += split_notes
+    stages, tp = config.stages, plan.tp > 1
+    lengths = [len(st) for st in stages]
+    strategies = [Strategy.parse(s) for st in stages for s in st]
+    sps = {s.sp for s in strategies}
+    if target == "torchtitan":
+        sp_options = [tp]
+        if tp and sps != {True}:
+            notes.append("torchtitan's tensor parallelism is always sequence-parallel (norms "
+                         "and dropout split over the sequence); nearest: tp+sp")
+    else:
+        sp_options = [sps.pop()] if len(sps) == 1 else [True, False]
+        if len(sp_options) > 1:
+            notes.append(f"Megatron-LM's --sequence-parallel is for every layer; fxpar mixes "
+                         f"{_mix(stages)}")
+    if tp and not all(s.tp for s in strategies):
+        notes.append(f"{label} splits every layer over tp={plan.tp}; fxpar mixes {_mix(stages)}")
+    own_pattern = _pattern(target, recompute_of(stages), lengths, plan.pp)
+    patterns = [own_pattern] if own_pattern else _patterns(target, lengths, plan.pp)
+    if own_pattern is None:
+        notes.append(f"{label} cannot state fxpar's per-layer recomputation ({_mix(stages)})")
+    candidates = [(with_flags(stages, tp, sp, pattern_recompute(lengths, p, plan.pp)), p)
+                  for sp in sp_options for p in patterns]
+    first, pattern = candidates[0]
+    config = replace(config, stages=first)
+    if config == own:
+        return Expressed(own, notes, pattern)
+    pricer = pricer_factory()
+    best = None
+    for stages_, p in candidates:
+        priced = pricer.price(replace(config, stages=stages_))
+        key = (not priced.fits, priced.iteration_s if priced.fits
+               else priced.plan.predicted.peak_memory_bytes)
+        if best is None or key < best[0]:
+            best = (key, priced, stages_, p)
+    _, priced, stages_, pattern = best
+    if len(candidates) > 1:
+        notes.append(f"nearest: {_mix(stages_)}, the fastest of the {len(candidates)} that "
+                     f"{label} can state" + ("" if priced.fits else " (none fits: the smallest)"))
+    return Expressed(replace(config, stages=stages_), notes, pattern, priced)
+
+
+def _pattern(target: str, recompute: list[list[str]], lengths: list[int], ranks: int):
+    """The target's statement of this recomputation, or None."""
+    kinds = {r for row in recompute for r in row}
+    if len(kinds) <= 1:
+        return ("uniform", kinds.pop() if kinds else "none")
+    for p in _patterns(target, lengths, ranks):
+        if p[0] != "uniform" and pattern_recompute(lengths, p, ranks) == recompute:
+            return p
+    return None
+
+
+def _patterns(target: str, lengths: list[int], ranks: int) -> list[tuple]:
+    uniform = [("uniform", r) for r in ("none", "selective", "full")]
+    if target == "megatron":
+        return uniform + [("block", k) for k in range(1, max(lengths, default=1))]
+    per_rank = max(sum(lengths[s] for s in range(r, len(lengths), ranks)) for r in range(ranks))
+    return uniform + [("every", n) for n in range(2, max(per_rank, 2) + 1)]
+
+
+def _torchtitan_split(config: Configuration) -> tuple[Configuration, list[str]]:
+    """Split points name the first layer of each stage after the first: a stage past the first
+    without a transformer layer cannot be named; nearest: the blocks spread evenly."""
+    if all(config.stages[1:]) or len(config.stages) == 1:
+        return config, []
+    n, count = sum(map(len, config.stages)), len(config.stages)
+    spread, blocks = [], [s for st in config.stages for s in st]
+    for s in range(count):
+        take = n // count + (1 if s < n % count else 0)
+        spread.append(tuple(blocks[:take]))
+        blocks = blocks[take:]
+    return replace(config, stages=tuple(spread)), [
+        "a torchtitan split point names a stage's first transformer layer; fxpar leaves a stage "
+        "without one; nearest: the layers spread evenly"]
+
+
+# --------------------------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------------------------
+def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
+    lines = [f"# {label} configuration for fxpar's plan: {plan.model} on {plan.gpus} GPUs "
+             f"({plan.cluster}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}, "
+             f"{plan.schedule}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+             + f", {plan.num_microbatches} micro-batch"
+             f"{'es' if plan.num_microbatches > 1 else ''} of {plan.micro_batch}"]
+    lines += [f"# {n}" if n.startswith("nearest") else f"# not expressible: {n}"
+              for n in expressed.notes]
+    if expressed.exact:
+        p = plan.predicted
+        lines.append(f"# fxpar plan: {p.iteration_s:.4g} s/iteration; {label} configuration: "
+                     f"the same (expressed exactly)")
+    else:
+        lines.append("# " + compare(plan, expressed.priced, f"nearest {label} configuration"))
+    return lines
+
+
+def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
+             zero1: bool = False) -> str:
+    """Megatron-LM command-line flags, one per line, continued with backslashes."""
+    config = expressed.config
+    lines = _head(plan, "Megatron-LM", expressed)
+    lines.append(f"# data parallel: {config.dp} (Megatron-LM derives it from the world size "
+                 f"{plan.gpus} / (tp x pp x cp))")
+    flags: list[str] = []
+    if facts is not None:
+        flags += _megatron_model(facts, plan)
+    flags += [f"--tensor-model-parallel-size {config.tp}",
+              f"--pipeline-model-parallel-size {config.pp}",
+              f"--context-parallel-size {config.cp}"]
+    lengths = [len(st) for st in config.stages]
+    stages = config.pp * config.v
+    even = len(set(lengths)) == 1
+    if stages > 1 and not even:
+        flags.append(f"--pipeline-model-parallel-layout {shlex.quote(_layout(lengths))}")
+    elif config.v > 1:
+        flags.append(f"--num-layers-per-virtual-pipeline-stage {lengths[0]}")
+    blocks = [Strategy.parse(s) for st in config.stages for s in st]
+    if config.tp > 1 and all(s.sp for s in blocks):
+        flags.append("--sequence-parallel")
+    kind, value = expressed.pattern
+    if kind == "uniform" and value == "selective":
+        flags.append("--recompute-granularity selective")
+    elif kind == "uniform" and value == "full":
+        flags += ["--recompute-granularity full", "--recompute-method uniform",
+                  "--recompute-num-layers 1"]
+    elif kind == "block":
+        flags += ["--recompute-granularity full", "--recompute-method block",
+                  f"--recompute-num-layers {value}"]
+    flags += [f"--micro-batch-size {config.micro_batch}",
+              f"--global-batch-size {plan.global_batch}"]
+    if zero1:
+        flags.append("--use-distributed-optimizer")
+    if facts is None or facts.dtype_bytes == 2:
+        flags.append("--bf16")
+    return "\n".join(lines + [f + " \\" for f in flags[:-1]] + flags[-1:])
+
+
+def _megatron_model(facts: ModelFacts, plan: Plan) -> list[str]:
+    flags = [f"--num-layers {facts.layers}", f"--hidden-size {facts.hidden}",
+             f"--ffn-hidden-size {facts.ffn}", f"--num-attention-heads {facts.heads}"]
+    if facts.kv_heads != facts.heads:
+        flags += ["--group-query-attention", f"--num-query-groups {facts.kv_heads}"]
+    flags += [f"--seq-length {plan.seq}", f"--max-position-embeddings {plan.seq}",
+              f"--vocab-size {facts.vocab}"]
+    if facts.arch == "llama":
+        flags += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope",
+                  "--disable-bias-linear"]
+    if not facts.tie:
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags
+
+
+def _layout(lengths: list[int]) -> str:
+    """Megatron's layout string, runs of equal middle stages folded: 'Et*5|(t*6|)*14t*5L'."""
+    def stage(n: int) -> str:
+        return "t" if n == 1 else f"t*{n}" if n else ""
+    first, last, middle = lengths[0], lengths[-1], lengths[1:-1]
+    parts, i = [], 0
+    while i < len(middle):
+        j = i
+        while j < len(middle) and middle[j] == middle[i]:
+            j += 1
+        run = j - i
+        parts.append(f"({stage(middle[i])}|)*{run}" if run > 1 else stage(middle[i]) + "|")
+        i = j
+    return f"E{stage(first)}|" + "".join(parts) + f"{stage(last)}L"
+
+
+def torchtitan(plan: Plan, expressed: Expressed, csv_path: str | None = None,
+               zero1: bool = False) -> tuple[str, str | None]:
+    """The TOML fragment and, for a schedule without a class, the CSV text (written to
+    `csv_path` by the caller)."""
+    config = expressed.config
+    lines = _head(plan, "torchtitan", expressed)
+    if zero1:
+        lines.append("# not expressible: ZeRO-1 (torchtitan shards with FSDP, which also shards "
+                     "weights and gradients); data_parallel_shard_degree below; priced as "
+                     "fxpar's ZeRO-1")
+        shard, replicate = config.dp, 1
+    else:
+        shard, replicate = 1, config.dp
+        if config.cp > 1:
+            lines.append(f"# note: with context_parallel_degree > 1 torchtitan shards the weights "
+                         f"(FSDP) over the {config.cp} cp ranks; fxpar priced them replicated")
+        elif config.dp > 1 and (config.tp > 1 or config.pp > 1):
+            lines.append("# note: torchtitan releases whose DDP does not compose with tp/pp "
+                         "(\"DDP has not supported > 1D parallelism\") need "
+                         "data_parallel_shard_degree (FSDP) instead")
+    body = ["[parallelism]",
+            f"data_parallel_replicate_degree = {replicate}",
+            f"data_parallel_shard_degree = {shard}",
+            f"tensor_parallel_degree = {config.tp}",
+            f"pipeline_parallel_degree = {config.pp}",
+            f"context_parallel_degree = {config.cp}"]
+    if config.tp > 1:
+        body.append("disable_loss_parallel = false  # the head's logits stay split into the loss")
+    table = None
+    if config.pp > 1:
+        if config.schedule in TORCHTITAN_SCHEDULES:
+            body.append(f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[config.schedule]}"')
+        else:
+            table = schedule_csv(config.schedule, config.pp, plan.num_microbatches, config.v)
+            single = "PipelineScheduleSingle" if config.v == 1 else "PipelineScheduleMulti"
+            lines.append(f"# pipeline_parallel_schedule_csv: fxpar's {config.schedule} as "
+                         f"torch.distributed.pipelining compute actions (<stage><F|I|W|B>"
+                         f"<micro-batch>, one row per pipeline rank), written to "
+                         f"{os.path.abspath(csv_path) if csv_path else '(not written)'}")
+            body += [f'pipeline_parallel_schedule = "{single}"',
+                     f'pipeline_parallel_schedule_csv = "{csv_path or ""}"']
+        body.append(f"pipeline_parallel_microbatch_size = {config.micro_batch}")
+        points, first = [], 0
+        for stage in config.stages[:-1]:
+            first += len(stage)
+            points.append(f'"layers.{first}"')
+        body.append(f"pipeline_parallel_split_points = [{', '.join(points)}]")
+    kind, value = expressed.pattern
+    body += ["", "[activation_checkpoint]"]
+    if kind == "every":
+        body += ['mode = "selective"', f'selective_ac_option = "{value}"  # one layer in '
+                 f'{value} of each rank fully recomputed']
+    elif value == "selective":
+        lines.append("# note: torchtitan's selective (op) recomputes element-wise work and keeps "
+                     "matmul and attention outputs; fxpar priced its own selective (the "
+                     "attention core recomputed)")
+        body += ['mode = "selective"', 'selective_ac_option = "op"']
+    else:
+        body.append(f'mode = "{value}"')
+    body += ["", "[training]",
+             f"local_batch_size = {plan.global_batch // config.dp}",
+             f"global_batch_size = {plan.global_batch}",
+             f"seq_len = {plan.seq}"]
+    return "\n".join(lines + body), table
+
+
+def schedule_csv(name: str, pp: int, m: int, v: int = 1) -> str:
+    """fxpar's schedule as the compute-only CSV torch.distributed.pipelining reads: one row per
+    rank, its F, B, I and W actions in order. fxpar's action text is the same (stage, kind,
+    micro-batch: '2F0' is stage 2's forward of micro-batch 0), so only the communication
+    actions are dropped: torch inserts its own."""
+    from runtime.pipeline.generators import make_schedule
+    schedule = make_schedule(name, pp, m, v)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for actions in schedule.actions:
+        writer.writerow([str(a) for a in actions if a.is_compute])
+    return out.getvalue()
+
+
+def default_csv_path(plan: Plan) -> str:
+    return f"fxpar-{plan.schedule}-pp{plan.pp}-m{plan.num_microbatches}.csv"
+
+
+def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = None,
+         zero1: bool = False, csv_path: str | None = None) -> tuple[str, str | None]:
+    """(text, CSV text or None) of `plan` for `target` ("torchtitan" or "megatron")."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+    expressed = nearest(target, plan, pricer_factory)
+    if target == "megatron":
+        return megatron(plan, expressed, facts, zero1), None
+    return torchtitan(plan, expressed, csv_path, zero1)
+
+
+def cmd_emit(args) -> int:
+    """`fxpar plan --emit TARGET`: plan, then print the target's configuration."""
+    pricer, facts = pricer_of_args(args)
+    plan = pricer.best(fix=args.fix)[0]
+    csv_path = args.emit_csv or default_csv_path(plan)
+    text, table = emit(args.emit, plan, lambda: pricer, facts, args.zero1, csv_path)
+    if table is not None:
+        with open(csv_path, "w", encoding="utf-8") as f:
+            f.write(table)
+    print(text)
+    return 0

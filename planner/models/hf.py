@@ -1,0 +1,263 @@
+"""Hugging Face transformers models (the optional `hf` extra), built from a config, no download.
+
+`HFCausalLM` wraps a `*ForCausalLM` so that, like fxpar's reference models, it takes
+`(tokens, targets)` (targets: the next token of each position) and returns the loss; it is
+captured with `torch.export` (symbolic tracing cannot follow transformers' control flow) with the
+KV cache off. `small_config` / `build_hf` make any decoder-only `model_type` at small sizes
+(`architectures()` lists them); planner.models.hf_families lists the families the tests cover.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from planner.models import hf_attention
+
+# Small sizes that train on CPU ranks, by transformers' standard config names (each config's
+# `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
+SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=256,
+             max_position_embeddings=32)
+# Fields some configs have, shrunk with the sizes above when the config's constructor takes them
+# (values from the sizes); an override wins.
+_DERIVED = {
+    "intermediate_size": lambda s: 2 * s["hidden_size"],
+    "ffn_dim": lambda s: 2 * s["hidden_size"],
+    "head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
+    "num_key_value_heads": lambda s: max(1, s["num_attention_heads"] // 2),
+    "rotary_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
+    # multi-head latent attention (DeepSeek): head parts and compressed ranks at the small sizes
+    "qk_rope_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
+    "qk_nope_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
+    "v_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
+    "kv_lora_rank": lambda s: s["hidden_size"] // 4,
+    "q_lora_rank": lambda s: s["hidden_size"] // 2,
+    # many small experts (DeepSeek's 256 in 8 groups, top 8) shrunk to 8 in 2 groups, top 2
+    "moe_intermediate_size": lambda s: s["hidden_size"],
+    "n_routed_experts": lambda s: 8,
+    "n_group": lambda s: 2,
+    "topk_group": lambda s: 1,
+    "first_k_dense_replace": lambda s: 1,   # dense first blocks, then MoE, within 2 layers
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise RuntimeError("Hugging Face models need the optional extra: "
+                           "pip install 'fxpar[hf]'") from err
+    return transformers
+
+
+class HFCausalLM(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    @property
+    def fxpar_name(self) -> str:
+        return type(self.model).__name__
+
+    def forward(self, tokens, targets):
+        """The mean cross-entropy of every position against `targets`, the token that follows
+        it (as fxpar's own models take them). transformers' `labels=` would shift the labels
+        inside the graph, pairing each position with its neighbour, which under context
+        parallelism may live on another rank."""
+        with hf_attention.plain_positions():
+            logits = self.model(input_ids=tokens, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def architectures() -> list[str]:
+    """Every decoder-only model_type of the installed transformers: it has a causal language
+    model, and no masked or sequence-to-sequence one (BERT and BART also have causal LM heads)."""
+    tf = _transformers()
+    other = (tf.MODEL_FOR_MASKED_LM_MAPPING, tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING)
+    return sorted(t for t, cls in tf.CONFIG_MAPPING.items()
+                  if cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING
+                  and not any(cls in mapping for mapping in other))
+
+
+def small_config(arch: str, **overrides):
+    """`arch`'s config at the small sizes above; dropout off (as an override, any rate); token
+    ids outside the small vocabulary moved to 0."""
+    tf = _transformers()
+    known = architectures()
+    if arch not in known:
+        close = difflib.get_close_matches(arch, known, n=3)
+        raise ValueError(f"unknown Hugging Face architecture {arch!r}: transformers "
+                         f"{tf.__version__} has no decoder-only causal LM of that model_type"
+                         + (f"; did you mean {', '.join(close)}?" if close else "")
+                         + " (or give --hf-config FILE.json)")
+    cls = tf.CONFIG_MAPPING[arch]
+    own = {**dict(getattr(cls, "attribute_map", {}) or {})}
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    sizes = {**SMALL, **{k: v for k, v in overrides.items() if k in SMALL}}
+    kwargs = {own.get(k, k): v for k, v in sizes.items()}
+    for name, rule in _DERIVED.items():
+        if name in accepted:
+            kwargs[name] = rule(sizes)
+    if "kv_lora_rank" in accepted:  # latent attention expands its keys/values to every head
+        kwargs[own.get("num_key_value_heads", "num_key_value_heads")] = sizes["num_attention_heads"]
+    if "n_routed_experts" in accepted:
+        kwargs["num_experts_per_tok"] = 2
+    defaults = cls()
+    for name, value in vars(defaults).items():
+        if name in accepted and _is_dropout(name, value):
+            kwargs[name] = 0.0
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(defaults, name, None)
+        if isinstance(value, int) and value >= sizes["vocab_size"]:
+            kwargs[name] = 0
+    kwargs["use_cache"] = False  # training: a KV cache would only be built and thrown away
+    kwargs.update({own.get(k, k): v for k, v in overrides.items()})
+    return tf.AutoConfig.for_model(arch, **kwargs)
+
+
+def _is_dropout(name: str, value) -> bool:
+    return (isinstance(value, float) and not isinstance(value, bool)
+            and ("dropout" in name or "pdrop" in name) and value > 0)
+
+
+def from_config(config) -> HFCausalLM:
+    """The causal LM of `config`, with PyTorch's fused attention where the architecture has it
+    (planner.models.hf_attention: it stays is_causal when captured), its eager attention where it does
+    not (Gemma-2's soft-capped scores, ALiBi in BLOOM and MPT)."""
+    tf = _transformers()
+    model_cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    fused = getattr(model_cls, "_supports_sdpa", False)
+    # Architectures that look attention up in transformers' AttentionInterface take ours.
+    interface = getattr(model_cls, "_supports_attention_backend", False)
+    attention = (hf_attention.register() if fused and interface else "sdpa" if fused
+                 else "eager")
+    return HFCausalLM(tf.AutoModelForCausalLM.from_config(config, attn_implementation=attention))
+
+
+def build_hf(arch: str, **overrides) -> HFCausalLM:
+    """A randomly initialised model of any transformers decoder-only architecture (its
+    model_type: gpt2, llama, gemma2, ...) at small default sizes."""
+    return from_config(small_config(arch, **overrides))
+
+
+def extra_batch(names, shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Example model inputs beside the tokens, in the order of `names`: an attention mask that
+    pads the first few tokens of some samples (left padding), position ids that restart
+    part-way (two sequences packed into each sample)."""
+    batch, seq = shape
+    made = []
+    for name in names:
+        if name == "attention_mask":
+            mask = torch.ones(shape, dtype=torch.long)
+            pads = torch.randint(0, seq // 4, (batch,), generator=gen)
+            for row, pad in enumerate(pads.tolist()):
+                mask[row, :pad] = 0
+            made.append(mask)
+        elif name == "position_ids":
+            cut = seq // 2 + int(torch.randint(-seq // 4, seq // 4, (), generator=gen))
+            row = torch.cat([torch.arange(cut), torch.arange(seq - cut)])
+            made.append(row.expand(batch, seq).contiguous())
+        else:
+            raise ValueError(f"no example of model input {name!r}; known: attention_mask, "
+                             f"position_ids")
+    return tuple(made)
+
+
+def build_hf_from_file(path: str) -> HFCausalLM:
+    """A model from a config.json (its "model_type" picks the architecture). Whatever is wrong
+    with the file is a ValueError of one short line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"cannot read Hugging Face config {path}: "
+                         f"{(err.strerror or str(err)).lower()}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not JSON: not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a Hugging Face config: expected a JSON object, got "
+                         f"{type(data).__name__}")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f'{path} has no "model_type" (e.g. "gpt2", "llama"), which picks the '
+                         f'architecture')
+    tf = _transformers()
+    if model_type not in tf.CONFIG_MAPPING:
+        close = difflib.get_close_matches(model_type, list(tf.CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(f"{path}: transformers {tf.__version__} knows no model_type "
+                         f"{model_type!r}" + (f"; did you mean {', '.join(close)}?" if close else
+                                              " (e.g. gpt2, llama, mistral, qwen2)"))
+    try:
+        config = tf.AutoConfig.for_model(**data)
+    except Exception as err:  # noqa: BLE001 - transformers raises assorted types for bad fields
+        raise ValueError(f"{path}: transformers rejects the config: {_one_line(err)}") from None
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{path}: model_type {model_type!r} has no causal language model in "
+                         f"transformers (AutoModelForCausalLM); fxpar plans models that take "
+                         f"tokens and return the loss")
+    try:
+        return from_config(config)
+    except Exception as err:  # noqa: BLE001 - as above, while building the modules
+        raise ValueError(f"{path}: transformers cannot build the model: {_one_line(err)}") \
+            from None
+
+
+def _one_line(err: Exception, limit: int = 300) -> str:
+    """The error's text as one line, cut at `limit` characters (transformers lists hundreds of
+    model types in some of its messages)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def sequence_length(model: HFCausalLM) -> int:
+    config = model.model.config
+    length = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings",
+                                                             None)
+    if not length:
+        raise ValueError("the config has neither n_positions nor max_position_embeddings: give "
+                         "the sequence length (--seq)")
+    return int(length)
+
+
+def vocab_size(model: HFCausalLM) -> int:
+    return int(model.model.config.vocab_size)
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """A Hugging Face architecture at small sizes (see build_hf), with its random batch."""
+
+    arch: str
+    global_batch: int = 16
+    overrides: tuple[tuple[str, object], ...] = ()
+    seq: int | None = None      # None: the config's maximum positions
+    # Inputs given to the model itself beside the tokens ("attention_mask", "position_ids"):
+    # the transformers model is then trained as it is, its logits (a ModelOutput) through
+    # loss_fn=planner.models.loss.causal_lm_loss, with train_step(tokens, *extra, targets).
+    extra_inputs: tuple[str, ...] = ()
+    # With an attention mask: targets at padded positions are -100, cross-entropy's ignore_index,
+    # as fine-tuning data marks them (the samples then count different numbers of tokens).
+    ignore_padding: bool = False
+
+    def build(self):
+        model = build_hf(self.arch, **dict(self.overrides))
+        gen = torch.Generator().manual_seed(0)
+        shape = (self.global_batch, self.seq or sequence_length(model))
+        batch = tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
+        if not self.extra_inputs:
+            return model, batch
+        from planner.models.loss import causal_lm_loss, with_loss
+        extra = extra_batch(self.extra_inputs, shape, gen)
+        targets = batch[1]
+        if self.ignore_padding:
+            mask = extra[self.extra_inputs.index("attention_mask")]
+            targets = targets.masked_fill(mask == 0, -100)
+        return with_loss(model.model, causal_lm_loss), (batch[0], *extra, targets)

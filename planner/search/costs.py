@@ -1,0 +1,273 @@
+"""A captured model's layer profiles, priced on demand for the search: the bridge between the
+cost model (per layer, per strategy) and the ILP's plain numbers."""
+from __future__ import annotations
+
+from functools import cached_property, lru_cache
+
+import torch
+
+from cost_model.hardware.cluster import Cluster
+from cost_model.layers.layer_cost import LayerCost, LayerProfile, price, profile_layer
+from cost_model.layers.memory import TrainingMemory
+from cost_model.layers.sharding import Sharding
+from cost_model.layers.strategy import Strategy
+from passes.capture.block_runs import block_kinds, block_runs, describe
+from passes.capture.trace import Captured
+from passes.rewrite.cp_trial import trial_error
+from passes.rewrite.context_parallel import why_not
+from passes.rewrite.sharding import get_param
+from passes.rewrite.tensor_parallel import ShardingError
+from planner.search import ilp
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the request; the message says what would."""
+
+
+def _captured_runs(captured: Captured, kinds, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    if len(kinds) == 1:
+        return ((0, num_blocks),)
+    if num_blocks != len(captured.blocks):
+        raise PlanningError(f"{num_blocks} blocks asked of a model captured with "
+                            f"{len(captured.blocks)} blocks of {len(kinds)} kinds "
+                            f"({describe(captured.blocks)}); capture every block or pass runs=")
+    return tuple((r.kind, r.count) for r in block_runs(captured.blocks))
+
+
+def _check_runs(runs, kinds, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    runs = tuple((int(k), int(n)) for k, n in runs)
+    if any(not 0 <= k < len(kinds) or n < 1 for k, n in runs) or \
+            sum(n for _, n in runs) != num_blocks:
+        raise PlanningError(f"runs={runs} must be (kind, count) pairs with kinds in "
+                            f"0..{len(kinds) - 1} (the captured kinds) and counts >= 1 summing "
+                            f"to the {num_blocks} blocks")
+    return runs
+
+
+class ModelCosts:
+    """Layer profiles of one captured model whose repeated block occurs `num_blocks` times, or,
+    when its blocks are not all alike, of each kind of block (passes.capture.block_runs): `runs` lists
+    (kind, count) in model order, and every per-block method takes the kind (default 0). A
+    model captured with fewer blocks than it has (a preset: one block per kind keeps planning
+    fast) states its runs: `runs=((0, 3), (1, 58))` is 3 blocks of the first captured kind then
+    58 of the second (kinds numbered in order of first appearance among the captured blocks).
+
+    Memory of parameters follows `training` (cost_model.layers.memory); by default the training precision
+    decides: a 16-bit model is trained with mixed-precision Adam (16-bit weights and gradients,
+    fp32 master weights and two fp32 moments: 2 + 2 + 12 bytes per parameter); an fp32 model with
+    plain Adam (4 + 4 + 8). With ZeRO-1 the optimizer part shrinks with the data-parallel size, so
+    the memory methods take `dp`.
+    """
+
+    def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int,
+                 training: TrainingMemory | None = None,
+                 runs: tuple[tuple[int, int], ...] | None = None):
+        if not captured.blocks:
+            raise PlanningError("found no repeated blocks (an nn.ModuleList of blocks) to "
+                                "distribute; hold the model's layers in one nn.ModuleList")
+        self.kinds = block_kinds(captured.blocks)
+        self.runs = _check_runs(runs, self.kinds, num_blocks) if runs is not None else \
+            _captured_runs(captured, self.kinds, num_blocks)
+        self.captured = captured
+        self.num_blocks = num_blocks
+        self.dtype_bytes = dtype_bytes
+        self.training = training or TrainingMemory.for_dtype(dtype_bytes)
+        self.block = captured.blocks[0]
+        self.block_prefix = self.block.name.rsplit(".", 1)[0]
+        self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
+                     if l.kind != "block"}
+        # (kind, tp) -> the block of that kind rewritten for tp; kind 0 also under the key tp
+        self._kind_profiles: dict[tuple[int, int], LayerProfile] = {
+            (k, 1): profile_layer(captured, layer) for k, layer in enumerate(self.kinds)}
+        self._profiles: dict[int, LayerProfile] = {1: self._kind_profiles[0, 1]}
+        self.tp_errors: dict[int, str] = {}
+        # The search asks for the same prices once per mesh and schedule. Per-instance caches:
+        # they go with the ModelCosts instead of keeping every instance alive.
+        self._price = lru_cache(maxsize=None)(self._price_uncached)
+        # Expert parallelism (planner.search.experts): the EP size the search is at and the hook
+        # that prices a MoE block for it (None: as captured, ep = 1).
+        self.ep, self.ep_pricing = 1, None
+        self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
+        self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
+        self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
+
+    @property
+    def block_sequence(self) -> tuple[int, ...]:
+        """The kind of every block, in model order."""
+        return tuple(kind for kind, n in self.runs for _ in range(n))
+
+    def has(self, kind: str) -> bool:
+        return kind in self.ends
+
+    def block_profile(self, tp: int, kind: int | None = None) -> LayerProfile | None:
+        """The block of `kind` rewritten for tensor-parallel size tp, or None when it does not
+        divide. Without a kind: kind 0's, and None unless every kind divides (a mesh's tp
+        applies to all blocks that use it)."""
+        if tp not in self._profiles and tp not in self.tp_errors:
+            for k, layer in enumerate(self.kinds):
+                try:
+                    self._kind_profiles[k, tp] = profile_layer(self.captured, layer, tp)
+                except ShardingError as err:
+                    where = f"{layer.name}: " if len(self.kinds) > 1 else ""
+                    self.tp_errors[tp] = (f"{where}{err}; fxpar leaves tp={tp} out for this "
+                                          f"model: plan with another tp, or change that op")
+                    break
+            else:
+                self._profiles[tp] = self._kind_profiles[0, tp]
+        if kind is None or tp not in self._profiles:
+            return self._profiles.get(tp)
+        return self._kind_profiles[kind, tp]
+
+    def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
+                    tp: int, cp: int = 1, kind: int = 0) -> LayerCost:
+        cost = self._price(strategy, micro_batch, cluster, tp, cp, kind)
+        if self.ep_pricing is not None:
+            cost = self.ep_pricing(cost, micro_batch, cluster, tp if strategy.tp else 1, kind,
+                                   cp)
+        return cost
+
+    def _price_uncached(self, strategy, micro_batch, cluster, tp, cp, kind=0) -> LayerCost:
+        return price(self.block_profile(tp if strategy.tp else 1, kind), strategy, micro_batch,
+                     cluster, tp, cp)
+
+    def supports_cp(self, cp: int, seq: int) -> bool:
+        """Context parallel needs attention the rewrite turns into a ring (`cp_error` says why
+        not) and a sequence that splits into 2·cp zig-zag chunks."""
+        return cp == 1 or (self.cp_error is None and seq % (2 * cp) == 0)
+
+    def supports_sp(self, tp: int, cp: int, seq: int) -> bool:
+        """Sequence parallel needs the block's sequence-parallel rewrite to apply at tp (its
+        profile then holds the collectives) and each rank's seq/cp positions to split over the
+        tp ranks (passes.rewrite.sequence_parallel refuses the rest)."""
+        if tp == 1 or self.block_profile(tp) is None:
+            return False
+        return (all(self.block_profile(tp, k).sp_collectives is not None
+                    for k in range(len(self.kinds)))
+                and seq % cp == 0 and (seq // cp) % tp == 0)
+
+    @cached_property
+    def cp_error(self) -> str | None:
+        """Why passes.rewrite.context_parallel cannot rewrite this model, or None when it can."""
+        why = why_not(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
+        if why:  # the rewrite's own reason first: it names the node and the construct
+            return why
+        for k, layer in enumerate(self.kinds):
+            if self._kind_profiles[k, 1].kv_bytes <= 0:
+                where = f" in {layer.name}" if len(self.kinds) > 1 else ""
+                return f"no attention keys/values{where} to pass around a ring"
+        return trial_error(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
+
+    def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1,
+                  tp: int = 1):
+        """LayerCosts of embed and head (None for a missing one when padded): vocabulary-parallel
+        over tp ranks when `vocab_parallel` chooses it, else replicated."""
+        costs = (self._vocab_ends(micro_batch, cluster, cp, tp)
+                 if self.vocab_parallel(tp, micro_batch, cluster, cp)
+                 else self._ends_priced(micro_batch, cluster, cp))
+        return list(costs) if padded else [c for c in costs if c is not None]
+
+    def _end_costs_uncached(self, micro_batch, cluster, cp) -> tuple:
+        return tuple(price(self.ends[k], Strategy(), micro_batch, cluster, 1, cp)
+                     if k in self.ends else None for k in ("embed", "head"))
+
+    def vocab_parallel(self, tp: int, micro_batch: int | None = None,
+                       cluster: Cluster | None = None, cp: int = 1) -> bool:
+        """Whether embed and head run vocabulary-parallel at tp: when the rewrite applies and,
+        priced for the micro-batch on the cluster, the two together are no slower. They never
+        need more memory (weights, gradients, optimizer states and logits shrink by tp; the
+        embedding keeps a one-byte mask per token more), but on tiny layers over slow links the
+        added all-reduces cost more than the vocabulary work saved. Without a micro-batch and a
+        cluster to price them the ends stay replicated."""
+        if tp == 1 or cluster is None or micro_batch is None:
+            return False
+        if any(self._end_profile(k, tp) is None for k in self.ends):
+            return False
+        def total(costs):
+            return sum(c.fwd_s + c.bwd_s for c in costs if c is not None)
+        return total(self._vocab_ends(micro_batch, cluster, cp, tp)) <= total(
+            self._ends_priced(micro_batch, cluster, cp))
+
+    def _end_profile_uncached(self, kind: str, tp: int) -> LayerProfile | None:
+        """The end layer rewritten vocabulary-parallel (padded) for tp, or None if it cannot be."""
+        layer = next(l for l in self.captured.layers if l.kind == kind)
+        try:
+            return profile_layer(self.captured, layer, tp)
+        except ShardingError:
+            return None
+
+    def _vocab_ends_uncached(self, micro_batch: int, cluster: Cluster, cp: int, tp: int) -> tuple:
+        return tuple(price(self._end_profile(k, tp), Strategy(tp=True), micro_batch, cluster, tp,
+                           cp) if k in self.ends else None for k in ("embed", "head"))
+
+    def static_per_param(self, dp=1) -> tuple[float, float]:
+        """(weight + gradient bytes, optimizer bytes) per parameter on one rank of a dp group;
+        `dp` may be a cost_model.layers.sharding.Sharding (the ZeRO level's shares)."""
+        t = self.training
+        if isinstance(dp, Sharding):
+            fw, fg, fo = dp.fractions()
+            if t.zero1 and dp.level == 0:  # the --zero1 pricing of a fixed configuration
+                fo = 1 / dp.n
+            return t.weight_bytes * fw + t.grad_bytes * fg, t.optimizer_bytes() * fo
+        return t.weight_bytes + t.grad_bytes, t.optimizer_bytes(dp)
+
+    def split_static(self, static_bytes: float, dp: int = 1) -> tuple[float, float]:
+        weights, opt = self.static_per_param(dp)
+        return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
+
+    def block_option(self, cost: LayerCost, dp: int = 1) -> ilp.BlockOption:
+        static = cost.params * sum(self.static_per_param(dp))
+        if self.ep_pricing is not None:  # expert weights stay whole under ZeRO (runtime.training.trainer)
+            kind = next(k for k, layer in enumerate(self.kinds) if layer.name == cost.layer)
+            whole = self.ep_pricing.expert_params(kind)
+            static += whole * (sum(self.static_per_param(1)) - sum(self.static_per_param(dp)))
+        return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s, static,
+                               cost.act_bytes, cost.params * self.training.grad_bytes)
+
+    def end_layer(self, cost: LayerCost | None, dp: int = 1) -> ilp.EndLayer:
+        if cost is None:
+            return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
+        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * sum(self.static_per_param(dp)),
+                            cost.act_bytes, cost.params * self.training.grad_bytes)
+
+    @cached_property
+    def tied_end_params(self) -> int:
+        """Parameters the embedding and the head share (a tied head): on different stages both
+        hold them, and their gradients are summed across the two (runtime.training.tied)."""
+        def params(kind: str) -> dict[int, int]:
+            layer = next((l for l in self.captured.layers if l.kind == kind), None)
+            found, gm = {}, self.captured.gm
+            nodes = {n.name: n for n in gm.graph.nodes}
+            for name in (layer.nodes if layer else ()):
+                node = nodes[name]
+                if node.op == "get_attr":
+                    value = get_param(gm, str(node.target))
+                    if isinstance(value, torch.nn.Parameter):
+                        found[id(value)] = value.numel()
+                elif node.op == "call_module":
+                    found.update({id(p): p.numel() for p in
+                                  gm.get_submodule(node.target).parameters()})
+            return found
+        embed, head = params("embed"), params("head")
+        return sum(n for key, n in embed.items() if key in head)
+
+    def boundary_bytes(self, micro_batch: int) -> float:
+        """Bytes a stage boundary carries: the largest block output of any kind."""
+        return max(p.output_bytes * micro_batch / p.batch
+                   for (_, tp), p in self._kind_profiles.items() if tp == 1)
+
+    def flops_per_sample(self) -> float:
+        """Model FLOPs (forward + backward, no recompute) of one sample."""
+        profiles = [self._kind_profiles[k, 1] for k, n in self.runs for _ in range(n)]
+        profiles += list(self.ends.values())
+        return sum(sum(op.fwd_flops + op.bwd_flops for op in p.ops) / p.batch for p in profiles)
+
+    def notes(self) -> tuple[str, ...]:
+        notes = []
+        if self.tp_errors and not any(t > 1 for t in self._profiles):
+            first = min(self.tp_errors)
+            notes.append(f"planned without tensor parallelism: no tp size above 1 can shard "
+                         f"the model ({self.tp_errors[first]})")
+        if len(self.kinds) > 1:
+            notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
+                         f"contiguous stages: {describe(self.captured.blocks)}")
+        return tuple(notes)

@@ -1,0 +1,152 @@
+"""Expert parallelism as a search axis: for each EP size the model's experts divide, the
+ordinary search (planner.search.meshes) runs with every MoE block priced for that ep; the fastest
+plans over all sizes win.
+
+What ep changes in a MoE block's per-micro-batch price (cost_model.ops.moe.ExpertPricing):
+
+  time         + the all-to-all of dispatch and combine, forward and backward: four exchanges of
+                 the rank's T k h d bytes over an EP group of ep ranks at stride tp (the EP group
+                 is consecutive dp x cp ranks; crosses nodes when (ep - 1) tp >= GPUs per node)
+               + (imbalance - 1) x the experts' compute: the most loaded rank sets the pace
+  memory       - expert weights: a rank holds E/ep experts (their gradients and optimizer states
+                 too), whole under every ZeRO level (the runtime keeps them out of the sharded
+                 buckets: ModelCosts.block_option adds back what the level's shares took off);
+                 the activations of the routed slots grow by the imbalance factor
+  dp traffic   expert gradients are summed over dp x cp / ep ranks; the search prices the
+               rank's (smaller) gradient bytes over the whole dp group, an upper bound
+
+The EP sizes tried divide every MoE layer's expert count and are at most the GPUs; a mesh whose
+dp x cp ep does not divide is refused with the reason (planner.search.meshes.mesh_refusal). Under
+context parallelism a rank routes its seq / cp tokens of each sequence, and a balance loss's
+statistics are all-reduced over the cp group (priced with the block: cost_model.layers.layer_cost.price),
+so cp is searched for MoE models like any other.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from cost_model.hardware.cluster import Cluster
+from cost_model.hardware.comm import collective_time
+from cost_model.layers.layer_cost import LayerCost
+from cost_model.ops.moe import MoEFacts, facts, pricing
+from passes.rewrite.expert_parallel import moe_nodes
+
+
+def moe_facts(costs) -> dict[int, list[MoEFacts]]:
+    """kind -> the MoEFacts of its moe_ffn nodes (at the captured batch); empty for a dense
+    model."""
+    gm = costs.captured.gm
+    nodes = {n.name: n for n in moe_nodes(gm)}
+    found = {}
+    for kind, layer in enumerate(costs.kinds):
+        mine = [facts(nodes[name]) for name in layer.nodes if name in nodes]
+        if mine:
+            found[kind] = mine
+    return found
+
+
+def ep_sizes(costs, gpus: int, fixed: int | None = None) -> list[int]:
+    """EP sizes to try: divisors of the gcd of the expert counts, at most the GPUs; [1] for a
+    dense model. A fixed ep must divide the experts: the error names the legal sizes."""
+    found = moe_facts(costs)
+    if not found:
+        if fixed not in (None, 1):
+            raise ValueError(f"ep={fixed}: the model has no mixture-of-experts layer (legal ep: 1)")
+        return [1]
+    experts = math.gcd(*(f.experts for fs in found.values() for f in fs))
+    legal = [d for d in range(1, min(experts, gpus) + 1) if experts % d == 0]
+    if fixed is not None:
+        if fixed not in legal:
+            raise ValueError(f"ep={fixed} does not divide the {experts} experts over at most "
+                             f"{gpus} GPUs; legal ep: {', '.join(map(str, legal))}")
+        return [fixed]
+    return legal
+
+
+@dataclasses.dataclass(frozen=True)
+class EPPricing:
+    """The hook ModelCosts.price_block calls: a MoE kind's LayerCost at this ep."""
+
+    ep: int
+    by_kind: dict
+    captured_batch: int
+    imbalance: float | None = None
+
+    def expert_params(self, kind: int) -> float:
+        """Expert weights one rank holds in a block of `kind` (3 E h f / ep per MoE layer)."""
+        return sum(f.expert_param_bytes / f.dtype_bytes / self.ep
+                   for f in self.by_kind.get(kind, ()))
+
+    def __call__(self, cost: LayerCost, micro_batch: int, cluster: Cluster, tp: int,
+                 kind: int, cp: int = 1) -> LayerCost:
+        layers = self.by_kind.get(kind)
+        if not layers or self.ep == 1 and self.imbalance in (None, 1.0):
+            return cost
+        scale = micro_batch / self.captured_batch / cp   # a rank routes its 1/cp of the tokens
+        for f in layers:
+            cost = _with_ep(cost, dataclasses.replace(f, tokens=int(f.tokens * scale)), self.ep,
+                            tp, cluster, self.imbalance)
+        return cost
+
+
+def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
+             imbalance: float | None) -> LayerCost:
+    p = pricing(f, ep, imbalance=imbalance)
+    buffer = f.tokens * f.top_k * f.hidden * f.dtype_bytes
+    a2a = collective_time(cluster, "all_to_all", buffer, ep, stride=tp) if ep > 1 else 0.0
+    flop_s = cluster.peak_flops * cluster.matmul_eff
+    extra = p.extra_expert_flops / flop_s
+    expert_params = p.param_bytes_saved / f.dtype_bytes / 1.0
+    return dataclasses.replace(
+        cost, fwd_s=cost.fwd_s + 2 * a2a + extra, bwd_s=cost.bwd_s + 2 * a2a + 2 * extra,
+        comm_s=cost.comm_s + 4 * a2a,
+        act_bytes=cost.act_bytes + p.extra_activation_bytes,
+        params=int(cost.params - expert_params),
+        comm_bytes=cost.comm_bytes + (("all_to_all", p.comm_bytes),) if ep > 1 else
+        cost.comm_bytes)
+
+
+def search_experts(costs, req, search, imbalance: float | None = None) -> list:
+    """`search(costs, req)` for every EP size, each plan marked with its ep; the req.top_k
+    fastest. Dense models: one plain search."""
+    fixed = req.fix.get("ep")
+    sizes = ep_sizes(costs, req.gpus, fixed)
+    if sizes == [1] and imbalance is None:
+        return search(costs, dataclasses.replace(req, fix=_without_ep(req.fix)))
+    by_kind = moe_facts(costs)
+    plain = dataclasses.replace(req, fix=_without_ep(req.fix))
+    plans = []
+    try:
+        # Most promising size first (least lower bound); a size whose bound cannot beat the
+        # k-th plan found is skipped, and each search stops at that plan's time.
+        for bound, ep in sorted((_bound(costs, plain, ep, by_kind, imbalance), ep)
+                                for ep in sizes):
+            kth = plans[req.top_k - 1].predicted.iteration_s if len(plans) >= req.top_k \
+                else math.inf
+            if bound >= kth:
+                continue
+            _at(costs, ep, by_kind, imbalance)
+            found = search(costs, dataclasses.replace(plain, cutoff_s=kth))
+            plans = sorted(plans + [dataclasses.replace(p, ep=ep) for p in found],
+                           key=lambda p: (p.predicted.iteration_s, p.ep))
+    finally:
+        costs.ep, costs.ep_pricing = 1, None
+    return plans[: req.top_k]
+
+
+def _at(costs, ep: int, by_kind, imbalance) -> None:
+    costs.ep = ep
+    costs.ep_pricing = EPPricing(ep, by_kind, costs.captured.batch, imbalance)
+
+
+def _bound(costs, req, ep: int, by_kind, imbalance) -> float:
+    """The least lower bound of any configuration at this ep (planner.search.meshes.candidates)."""
+    from planner.search.meshes import candidates
+    _at(costs, ep, by_kind, imbalance)
+    found = candidates(costs, req)
+    return found[0].lower_bound if found else math.inf
+
+
+def _without_ep(fix: dict) -> dict:
+    return {k: v for k, v in fix.items() if k != "ep"}

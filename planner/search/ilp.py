@@ -1,0 +1,555 @@
+r"""The inner ILP: for a fixed mesh, micro-batching and pipeline schedule, how many blocks of each
+strategy every pipeline stage holds.
+
+The model is a chain  embed, block × N, head. Where its blocks are identical, instead of placing
+each block we count blocks per (stage, strategy) (per (stage, run, strategy) when they form runs
+of different kinds, below) — orders of magnitude fewer variables than a
+per-layer placement, and exact: identical blocks inside a contiguous stage are interchangeable
+(a stage's blocks are ordered by strategy, so a stage mixing k strategies reshards k − 1 times;
+the per-strategy costs include their collectives, and resharding between tp layouts costs nothing
+extra because every block boundary is replicated). Embed is pinned to stage 0 and head to the last
+stage; the schedule places stage s on rank r(s) = s mod p (v stages per rank when interleaved).
+
+Data (per micro-batch, from cost_model.layers.layer_cost):  t_k time fwd+bwd of one block under strategy
+k, w_k its static bytes (weights, gradients, optimizer states), a_k its activation bytes, g_k its
+gradient bytes, o_k its optimizer step (seconds per step); E, H the embed/head terms on the
+first/last stage; c the p2p time of a stage boundary; q the runtime's own seconds per stage and
+micro-batch (its per-action overheads, cluster.action_*: 0 in the presets); φ_r the activation sets rank r keeps alive at its peak, per stage it holds (the
+schedule's in-flight count ÷ v: p − r for 1F1B, m for GPipe); M the memory limit.
+
+Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-parallel sync);
+            y[s,j] ∈ {0,1} for heterogeneous models only (below).
+
+  minimise    α·Σ_s T_s + β·ρ + σ                                        `_objective`
+  T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1]) + q   `_stage_time`
+  ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
+  ρ         ≥ ρ*  (the least ρ at which whole blocks fit, below)         `busiest_rank_floor`
+  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H) + τ_r
+                + Σ_{s on r} (Σ_k n[s,k]·o_k + o of E, H)       ∀ r   `_add_sync`
+  Σ_s Σ_{k ∈ K_j} n[s,k] = N_j                     ∀ run j              `_add_cover`
+  Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
+  Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
+  Σ_{s on r} Σ_k n[s,k]·(w_k + φ_r·a_k) + E, H terms ≤ M   ∀ r           `_add_memory`
+
+Heterogeneous blocks (`BlockRun`). The model is an ordered sequence of runs j = 0..R−1 of N_j
+identical blocks; blocks of one kind are alike, each kind has its own options, and option k
+belongs to exactly one run (K_j: run j's options — a kind occurring in several runs lists its
+options once per run). A stage covers a contiguous range of blocks, so it holds a suffix of one
+run, whole runs, then a prefix of another. With X[s,j] = Σ_{s' < s} Σ_{k ∈ K_j} n[s',k], the run-j
+blocks before stage s, contiguity says: at each inner boundary s = 1..S−1 the blocks before it are
+the runs before some run j*, whole, and a part of run j*. The binaries y[s,j] = [j* = j] say so:
+
+  Σ_j y[s,j] = 1                                   ∀ 0 < s < S              `_add_order`
+  X[s,j] ≤ N_j · Σ_{j' ≥ j} y[s,j']                 (no run-j block before the boundary if j > j*)
+  X[s,j] ≥ N_j · Σ_{j' > j} y[s,j']                 (all of run j before it if j < j*)
+
+X is non-decreasing in s because n ≥ 0, so the prefixes nest and every stage is the contiguous
+range between two of them: stage s holds Σ_{k ∈ K_j} n[s,k] = X[s+1,j] − X[s,j] blocks of run j,
+in run order (within a run, ordered by strategy, as above). With one run (identical blocks) the
+rows are void and none are added: the problem is the one above with R(S − 1) binaries fewer.
+The middle-stage symmetry breaking (`_add_cover`) is dropped when R > 1: stages that hold
+different kinds are no longer interchangeable. The times, memory and gradient terms are sums over
+options, whatever their run, so every other row is unchanged; min_k t_k in ρ* is over all kinds.
+
+(α, β) come from the schedule: 1F1B and GPipe (1, m − 1) — one micro-batch flows through every
+stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
+(0, m + (p − 1)/3), whose deferred weight-gradient work fills two thirds of the bubble. The data-
+parallel all-reduce time is affine in bytes (a: latency terms, b: exposed seconds per byte), so σ is
+linear; the optimizer step that follows it is linear in the blocks too, so σ bounds the slowest
+rank's sync and step together. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
+(a tied head) over their two ranks, on those ranks when they differ (runtime.training.tied), else 0.
+
+Sharded data parallel (ZeRO level z over shard groups of n ranks, planner.search.zero) adds no variable
+either: w_k becomes the bytes one rank holds of option k's weights, gradients and optimizer states
+under z (cost_model.layers.sharding: w·f_w + g·f_g + K·f_o with f = 1/n for what z shards), M shrinks by
+the whole-layer buffers levels 2-3 hold for a moment, and (a, b) are the level's collectives per
+step (reduce-scatters once or per micro-batch, all-gathers after the step or before every use,
+the replicate all-reduce of hybrid sharding), still affine in the rank's gradient bytes.
+
+Expert parallelism (planner.search.experts) adds no variable: the problem is solved once per EP
+size, with each MoE kind's options priced at that ep — t_k gains the four all-to-alls and the
+imbalance's extra expert compute, the static bytes hold 1/ep of the expert weights (whole under
+every ZeRO level), g_k the rank's gradients — and the fastest solution over the sizes wins.
+
+The ρ floor is a valid inequality, not a restriction: rank r spends F_r (its ends and p2p) plus
+at least min_k t_k per block it holds, so within ρ it holds at most ⌊(ρ − F_r)/min_k t_k⌋ blocks,
+and together the ranks must hold all N. The LP relaxation would otherwise spread fractional
+blocks (1.5 per rank for 96 blocks on 64 ranks, or 2.7 on a first rank that also runs the
+embedding) and bound far below any integer plan; with the floor the relaxation — and so branch
+and bound — sees the rounding. `solve` also takes a cutoff (the plan to beat) as the row
+objective ≤ cutoff, so HiGHS drops every branch that cannot beat it and answers "cutoff" when
+none can: that is how the outer search skips a hopeless configuration, usually after one LP.
+
+With objective="memory" the same constraints (without the memory cap) minimise the peak
+memory instead, which is how an infeasible request learns the smallest memory that would fit.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import pulp
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    name: str            # strategy text
+    time_s: float        # fwd + bwd of one block, one micro-batch
+    static_bytes: float  # weights + grads + optimizer states
+    act_bytes: float     # per micro-batch in flight
+    grad_bytes: float    # gradient bytes all-reduced over dp
+    step_s: float = 0.0  # the optimizer step over its parameters, once per step
+
+
+@dataclass(frozen=True)
+class EndLayer:
+    time_s: float
+    static_bytes: float
+    act_bytes: float
+    grad_bytes: float
+    step_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """N consecutive identical blocks of one kind and that kind's options (see the docstring)."""
+    kind: str
+    count: int
+    options: tuple[BlockOption, ...]
+
+    def __post_init__(self):
+        if self.count < 1 or not self.options:
+            raise ValueError(f"run of {self.kind!r} blocks needs count >= 1 and an option, got "
+                             f"count {self.count} and {len(self.options)} options")
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    blocks: int                       # N; with runs, their total (set from them)
+    options: tuple[BlockOption, ...]  # with runs, every run's options in run order (set from them)
+    embed: EndLayer
+    head: EndLayer
+    ranks: int                 # p
+    stages: int                # S = p·v
+    sum_weight: float          # α
+    max_weight: float          # β
+    p2p_s: float
+    memory_limit: float
+    sync_alpha_s: float        # latency part of one data-parallel all-reduce (0 if dp == 1)
+    sync_s_per_byte: float     # bandwidth part, exposed share included
+    act_factor: tuple[float, ...]   # φ_r per rank
+    needs_tp: bool = False          # tp > 1: a mesh whose tp ranks all replicate is no plan
+    tie_s: float = 0.0              # τ: summing tied embed/head gradients across their ranks
+    runs: tuple[BlockRun, ...] = ()  # heterogeneous blocks, in model order; () = one run
+    stage_s: float = 0.0            # q: the runtime's own seconds per stage and micro-batch
+
+    def __post_init__(self):
+        if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
+            object.__setattr__(self, "blocks", sum(r.count for r in self.runs))
+            object.__setattr__(self, "options", tuple(o for r in self.runs for o in r.options))
+
+    def block_runs(self) -> tuple[BlockRun, ...]:
+        return self.runs or (BlockRun("block", self.blocks, self.options),)
+
+    def run_options(self) -> list[range]:
+        """K_j: the indices into `options` of each run's options."""
+        ranges, first = [], 0
+        for run in self.block_runs():
+            ranges.append(range(first, first + len(run.options)))
+            first += len(run.options)
+        return ranges
+
+    def tie_time(self, rank: int) -> float:
+        """τ_r: on the ranks of the first and the last stage, when they are two."""
+        ends = {self.rank_of(0), self.rank_of(self.stages - 1)}
+        return self.tie_s if len(ends) > 1 and rank in ends else 0.0
+
+    def tp_options(self) -> list[int]:
+        return [k for k, o in enumerate(self.options) if "tp" in o.name.split("+")]
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> range:
+        return range(rank, self.stages, self.ranks)
+
+
+def schedule_weights(name: str, p: int, m: int, v: int = 1) -> tuple[float, float]:
+    """(α, β) of the objective for a schedule; see the module docstring."""
+    if name in ("1f1b", "gpipe"):
+        return 1.0, float(m - 1)
+    if name == "interleaved-1f1b":
+        return 0.0, m + (p - 1) / v
+    if name == "zb-h1":
+        return 0.0, m + (p - 1) / 3
+    raise ValueError(f"unknown schedule {name!r}")
+
+
+@dataclass(frozen=True)
+class Solution:
+    counts: tuple[tuple[int, ...], ...]   # counts[s][k]
+    objective: float
+    status: str    # "optimal" | "feasible" (stopped with a gap) | "infeasible" | "cutoff" (none
+    #                beats the cutoff) | "unsolved" (stopped before any solution)
+    gap: float
+    seconds: float
+    bound: float = math.nan               # proven lower bound on the optimum (nan: none known)
+
+
+def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 30.0,
+          solver: str = "highs", relax: bool = False, gap: float = 1e-6,
+          cutoff: float = math.inf) -> Solution:
+    """Solve the ILP (or, with relax, its LP relaxation: a lower bound in milliseconds). With a
+    finite cutoff (objective "time" only) just solutions below it count: status "cutoff" says
+    there is none, whether or not the problem has a solution at all."""
+    start = time.perf_counter()
+    if problem.blocks < max(0, problem.stages - 2):
+        return Solution((), math.inf, "infeasible", 0.0, 0.0)
+    cutoff = cutoff if objective == "time" and not relax else math.inf
+    prob, n = _build(problem, objective, relax, cutoff)
+    unit = _byte_unit(problem) if objective == "memory" else _time_unit(problem)
+    status, gap, bound = _run(prob, solver, time_limit_s, gap)
+    bound *= unit
+    if status == "infeasible" and cutoff < math.inf:
+        status, bound = "cutoff", cutoff
+    if status not in ("optimal", "feasible"):
+        return Solution((), math.inf, status, 0.0, time.perf_counter() - start, bound)
+    value = pulp.value(prob.objective) * unit
+    if relax:
+        return Solution((), value, "relaxed", 0.0, time.perf_counter() - start, value)
+    counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
+                   for s in range(problem.stages))
+    bound = value if status == "optimal" else bound
+    return Solution(counts, value, status, gap, time.perf_counter() - start, bound)
+
+
+def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0) -> Solution:
+    """Among assignments as fast as `solution`, one with the least total stage time Σ_s T_s.
+
+    When the objective weighs only the slowest rank (interleaved, ZB-H1) every stage off the
+    critical rank may take any strategy that fits, and the solver returns an arbitrary mix (tp
+    here, tp+sp there). Fixing the objective at the optimum and minimising Σ_s T_s makes those
+    stages choose their fastest strategy too: the same predicted time, a plan that reads as
+    intended and wastes no compute. Returns `solution` itself if the second solve finds nothing."""
+    if solution.status not in ("optimal", "feasible"):
+        return solution
+    prob, n = _build(problem, "time", relax=False,
+                     cutoff=solution.objective * (1 + 1e-9) + 1e-12)
+    prob.setObjective(pulp.lpSum(_stage_time(problem, n, s) for s in range(problem.stages)))
+    status, _, _ = _run(prob, "highs", time_limit_s, 1e-6)
+    if status not in ("optimal", "feasible"):
+        return solution
+    counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
+                   for s in range(problem.stages))
+    value = breakdown(problem, counts).iteration_s
+    if value > solution.objective * (1 + 1e-9) + 1e-12:
+        return solution
+    return replace(solution, counts=counts, objective=value)
+
+
+def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = math.inf):
+    """The pulp model of the module docstring, and its n[s,k] variables."""
+    prob = pulp.LpProblem("stages", pulp.LpMinimize)
+    cat = "Continuous" if relax else "Integer"
+    n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, cat)
+         for s in range(problem.stages) for k in range(len(problem.options))}
+    times = [_stage_time(problem, n, s) for s in range(problem.stages)]
+    mems = [_rank_memory(problem, n, r) for r in range(problem.ranks)]
+    _add_cover(prob, problem, n)
+    _add_order(prob, problem, n, cat)
+    if objective == "time":
+        rho = _add_bottleneck(prob, problem, times)
+        sigma = _add_sync(prob, problem, n)
+        _add_memory(prob, problem, mems)
+        prob += _objective(problem, times, rho, sigma)
+        if cutoff < math.inf:
+            # A row, not HiGHS's objective_bound option, which 1.16 does not always honour.
+            prob += (_objective(problem, times, rho, sigma) <= cutoff / _time_unit(problem),
+                     "cutoff")
+    else:
+        peak = _var(prob, "peak")
+        for r, mem in enumerate(mems):
+            prob += peak >= mem, f"peak_{r}"
+        prob += peak
+    return prob, n
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Every term of the objective for one assignment, in plain numbers."""
+    stage_s: tuple[float, ...]    # T_s
+    rank_s: tuple[float, ...]     # Σ_{s on r} T_s
+    rank_bytes: tuple[float, ...]  # peak memory of each rank
+    sync_s: float                 # σ: the slowest rank's exposed all-reduce
+    iteration_s: float            # α·Σ_s T_s + β·ρ + σ; infinite when tp > 1 but no block uses tp
+
+    @property
+    def busiest(self) -> int:
+        return self.rank_s.index(max(self.rank_s))
+
+
+def breakdown(problem: StageProblem, counts) -> Breakdown:
+    """The objective's terms for a block assignment, computed in plain Python from the same terms
+    as the ILP: a brute-force enumeration over this checks the solver, and a plan's prediction
+    reads its parts from here."""
+    times = tuple(stage_time(problem, counts, s) for s in range(problem.stages))
+    rank_times, mems, syncs = [], [], []
+    for r in range(problem.ranks):
+        rank_times.append(sum(times[s] for s in problem.stages_of(r)))
+        mem, grads, steps = _rank_load(problem, counts, r)
+        mems.append(mem)
+        syncs.append(_sync_time(problem, grads) + problem.tie_time(r) + steps)
+    iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times) + max(syncs)
+    if problem.needs_tp and not any(counts[s][k] for s in range(problem.stages)
+                                    for k in problem.tp_options()):
+        iteration = float("inf")
+    return Breakdown(times, tuple(rank_times), tuple(mems), max(syncs), iteration)
+
+
+def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
+    """(iteration time, peak memory) of a block assignment."""
+    parts = breakdown(problem, counts)
+    return parts.iteration_s, max(parts.rank_bytes)
+
+
+def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float, float]:
+    """(peak memory, gradient bytes, optimizer seconds) of rank r."""
+    phi, mem, grads, steps, opts = problem.act_factor[r], 0.0, 0.0, 0.0, problem.options
+    for s in problem.stages_of(r):
+        ends = _ends(problem, s)
+        mem += sum(c * (o.static_bytes + phi * o.act_bytes) for c, o in zip(counts[s], opts))
+        mem += sum(e.static_bytes + phi * e.act_bytes for e in ends)
+        grads += sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
+        grads += sum(e.grad_bytes for e in ends)
+        steps += sum(c * o.step_s for c, o in zip(counts[s], opts))
+        steps += sum(e.step_s for e in ends)
+    return mem, grads, steps
+
+
+def stage_time(problem: StageProblem, counts, s: int) -> float:
+    """T_s for a concrete assignment (seconds per micro-batch, p2p included)."""
+    t = sum(c * o.time_s for c, o in zip(counts[s], problem.options))
+    return t + sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
+
+
+def _sync_time(problem: StageProblem, grad_bytes: float) -> float:
+    if problem.sync_alpha_s == 0 and problem.sync_s_per_byte == 0:
+        return 0.0
+    return problem.sync_alpha_s + problem.sync_s_per_byte * grad_bytes
+
+
+def _p2p(problem: StageProblem, s: int) -> float:
+    return problem.p2p_s * ((s > 0) + (s < problem.stages - 1))
+
+
+def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
+    """A non-negative variable (pulp >= 3.3 attaches variables to the problem)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, 0, upper, cat=cat)
+    return pulp.LpVariable(name, 0, upper, cat=cat)
+
+
+def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
+    return ([problem.embed] if s == 0 else []) + ([problem.head] if s == problem.stages - 1 else [])
+
+
+def _stage_time(problem: StageProblem, n, s: int):
+    """T_s in units of _time_unit."""
+    fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
+    unit = _time_unit(problem)
+    return (pulp.lpSum(n[s, k] * (o.time_s / unit) for k, o in enumerate(problem.options))
+            + fixed / unit)
+
+
+def _time_unit(problem: StageProblem) -> float:
+    """Times enter the model in units of the slowest block: in seconds, a 1 ms block sits at
+    the solver's feasibility tolerance (1e-7) times 1e4, and HiGHS was seen to let a rank run
+    0.5 µs past ρ — a 2e-5 error in the objective, enough to pick a worse plan."""
+    return max([o.time_s for o in problem.options] + [1e-30])
+
+
+def _byte_unit(problem: StageProblem) -> float:
+    """Bytes enter the model in units of the largest per-block amount: coefficients of 1e10
+    beside times of 1e-1 would make the solver's tolerances meaningless and its search slow."""
+    sizes = [o.static_bytes + o.act_bytes + o.grad_bytes for o in problem.options]
+    return max(sizes + [1e-30])
+
+
+def _rank_memory(problem: StageProblem, n, r: int):
+    """Peak memory of rank r, in units of _byte_unit."""
+    phi, unit = problem.act_factor[r], _byte_unit(problem)
+    terms = []
+    for s in problem.stages_of(r):
+        terms += [n[s, k] * ((o.static_bytes + phi * o.act_bytes) / unit)
+                  for k, o in enumerate(problem.options)]
+        terms += [(e.static_bytes + phi * e.act_bytes) / unit for e in _ends(problem, s)]
+    return pulp.lpSum(terms)
+
+
+def _add_cover(prob, problem: StageProblem, n) -> None:
+    for j, (run, ks) in enumerate(zip(problem.block_runs(), problem.run_options())):
+        prob += pulp.lpSum(n[s, k] for s in range(problem.stages) for k in ks) == run.count, \
+            f"all_blocks_placed_{j}"
+    if problem.needs_tp:
+        prob += pulp.lpSum(n[s, k] for s in range(problem.stages)
+                           for k in problem.tp_options()) >= 1, "some_block_uses_tp"
+    size = [pulp.lpSum(n[s, k] for k in range(len(problem.options)))
+            for s in range(problem.stages)]
+    for s in range(1, problem.stages - 1):
+        prob += size[s] >= 1, f"nonempty_{s}"
+    # Symmetry breaking: middle stages that are alike (one stage per rank, same activation
+    # factor) can be permuted without changing time or memory, so order them by size; without
+    # this the solver explores every permutation of equivalent stages.
+    for s in range(1, problem.stages - 2):
+        if len(problem.block_runs()) > 1:
+            break  # stages holding different kinds are not interchangeable
+        if problem.stages == problem.ranks and problem.act_factor[s] == problem.act_factor[s + 1]:
+            prob += size[s] >= size[s + 1], f"symmetry_{s}"
+
+
+def _add_order(prob, problem: StageProblem, n, cat: str = "Integer") -> None:
+    """Contiguity over runs (docstring: y[s,j] picks the run an inner boundary s falls in)."""
+    runs, ranges = problem.block_runs(), problem.run_options()
+    if len(runs) == 1:
+        return
+    for s in range(1, problem.stages):
+        y = [_var(prob, f"y_{s}_{j}", 1, cat) for j in range(len(runs))]
+        prob += pulp.lpSum(y) == 1, f"boundary_{s}"
+        for j, (run, ks) in enumerate(zip(runs, ranges)):
+            before = pulp.lpSum(n[q, k] for q in range(s) for k in ks)
+            prob += before <= run.count * pulp.lpSum(y[j:]), f"nothing_of_{j}_before_{s}"
+            prob += before >= run.count * pulp.lpSum(y[j + 1:]), f"all_of_{j}_before_{s}"
+
+
+def rank_floor(problem: StageProblem) -> float:
+    """A lower bound on the slowest rank's time, ρ (see the module docstring)."""
+    return busiest_rank_floor(problem.blocks, problem.ranks, problem.stages,
+                              min(o.time_s for o in problem.options), problem.embed.time_s,
+                              problem.head.time_s, problem.p2p_s, problem.stage_s)
+
+
+def busiest_rank_floor(blocks: int, ranks: int, stages: int, least_block_s: float,
+                       embed_s: float, head_s: float, p2p_s: float,
+                       stage_s: float = 0.0) -> float:
+    """The least ρ at which p ranks can hold all N blocks, on plain numbers (the outer search
+    bounds with it before any problem exists): rank r can hold ⌊(ρ − F_r)/t_min⌋ blocks, so
+
+        ρ* = min { ρ ≥ max_r F_r :  Σ_r ⌊(ρ − F_r)/t_min⌋ ≥ N }.
+
+    Every stage crosses a boundary twice but the first and last once, so a rank's fixed time is
+    F_r = 2c·v − c·[r = 0] − c·[r = p−1] + E·[r = 0] + H·[r = p−1] + q·v: three kinds of rank (first,
+    last, middle), and ρ* is F_r + j·t_min for one of them, found by bisection on j."""
+    v = stages // ranks
+    def fixed(r: int) -> float:
+        first, last = r == 0, r == ranks - 1
+        return (2 * p2p_s * v - p2p_s * (first + last) + embed_s * first + head_s * last
+                + stage_s * v)
+    kinds = [(fixed(0), 1)] + ([(fixed(ranks - 1), 1)] if ranks > 1 else [])
+    kinds += [(fixed(1), ranks - 2)] if ranks > 2 else []
+    start = max(f for f, _ in kinds)
+    if least_block_s <= 0:
+        return start
+    def holds(rho: float) -> int:  # the 1e-9 rounds capacity up: the bound stays a lower bound
+        return sum(n * math.floor((rho - f) / least_block_s + 1e-9) for f, n in kinds if rho >= f)
+    best = math.inf
+    for f, _ in kinds:
+        lo = max(0, math.ceil((start - f) / least_block_s - 1e-9))
+        hi = lo + blocks  # this kind alone holds N more blocks there
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(f + mid * least_block_s) >= blocks else (mid + 1, hi)
+        best = min(best, f + lo * least_block_s)
+    return max(start, best) * (1 - 1e-12)
+
+
+def _add_bottleneck(prob, problem: StageProblem, times):
+    rho = _var(prob, "rho")
+    rho.lowBound = rank_floor(problem) / _time_unit(problem)
+    for r in range(problem.ranks):
+        prob += rho >= pulp.lpSum(times[s] for s in problem.stages_of(r)), f"bottleneck_{r}"
+    return rho
+
+
+def _add_sync(prob, problem: StageProblem, n):
+    sigma = _var(prob, "sigma")
+    steps = any(o.step_s for o in (*problem.options, problem.embed, problem.head))
+    if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0 and problem.tie_s == 0 \
+            and not steps:
+        return sigma
+    for r in range(problem.ranks):
+        unit, seconds = _byte_unit(problem), _time_unit(problem)
+        grads, optimizer = [], []
+        for s in problem.stages_of(r):
+            grads += [n[s, k] * (o.grad_bytes / unit) for k, o in enumerate(problem.options)]
+            grads += [e.grad_bytes / unit for e in _ends(problem, s)]
+            optimizer += [n[s, k] * (o.step_s / seconds) for k, o in enumerate(problem.options)]
+            optimizer += [e.step_s / seconds for e in _ends(problem, s)]
+        per_unit = problem.sync_s_per_byte * unit / seconds
+        alpha = _sync_time(problem, 0.0) + problem.tie_time(r)
+        prob += sigma >= (alpha / seconds + per_unit * pulp.lpSum(grads)
+                          + pulp.lpSum(optimizer)), f"sync_{r}"
+    return sigma
+
+
+def _add_memory(prob, problem: StageProblem, mems) -> None:
+    for r, mem in enumerate(mems):
+        prob += mem <= problem.memory_limit / _byte_unit(problem), f"memory_{r}"
+
+
+def _objective(problem: StageProblem, times, rho, sigma):
+    return problem.sum_weight * pulp.lpSum(times) + problem.max_weight * rho + sigma
+
+
+def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
+         gap: float) -> tuple[str, float, float]:
+    """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it).
+    HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback. `gap`
+    is the relative optimality gap at which the search may stop. Returns (status, gap, proven
+    lower bound on the objective — nan when the solver cannot say)."""
+    if solver == "highs" and pulp.HiGHS().available():
+        backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
+    else:
+        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap)
+    with _quiet():
+        prob.solve(backend)
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return "optimal", 0.0, math.nan
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "feasible", _info(prob, backend, "mip_gap"), _dual_bound(prob, backend)
+    if prob.status == pulp.LpStatusNotSolved:  # stopped (time limit) before any solution
+        return "unsolved", math.nan, _dual_bound(prob, backend)
+    return "infeasible", 0.0, math.inf
+
+
+def _info(prob, backend, name: str) -> float:
+    model = getattr(backend, "solverModel", None) or getattr(prob, "solverModel", None)
+    try:
+        return float(getattr(model.getInfo(), name))
+    except Exception:  # noqa: BLE001 - a solver without the query reports an unknown value
+        return math.nan
+
+
+def _dual_bound(prob, backend) -> float:
+    """HiGHS's proven lower bound, plus the constant term pulp keeps out of the solver."""
+    bound = _info(prob, backend, "mip_dual_bound")
+    if not math.isfinite(bound):
+        return math.nan
+    return bound + (prob.objective.constant if prob.objective is not None else 0.0)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """HiGHS prints a banner from C++ even with output off: silence fd 1 around the solve."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

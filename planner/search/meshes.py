@@ -1,0 +1,547 @@
+"""The outer search: every mesh (dp, tp, cp, pp), micro-batching and schedule, each solved by the
+stage ILP (planner.search.ilp).
+
+Configurations are visited best first by a lower bound on their iteration time: first
+`_lower_bound` (the cheapest strategy everywhere, stages balanced as well as whole blocks allow),
+then, once a configuration comes up, its LP relaxation, which also sees memory. The search stops
+once the least bound left cannot beat the k-th best plan found, and each ILP it does solve gets
+that plan's time as a cutoff, so HiGHS abandons a configuration as soon as it cannot win. All of
+it is exact: whatever is skipped is provably no faster than the k-th best. Only a time limit can
+leave a configuration open; the plans then report the gap to its proven bound. Strategies that
+another strategy beats on time, memory and gradient bytes at once are pruned before the ILP sees
+them.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from cost_model.hardware.cluster import Cluster
+from cost_model.hardware.comm import collective_time
+from cost_model.layers.layer_cost import LayerCost
+from cost_model.layers.sharding import Sharding, transient_bytes as zero_transient
+from cost_model.layers.strategy import RECOMPUTE, Strategy, strategy_space
+from planner.search import ilp
+from planner.search.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
+from planner.search.plan import Plan
+from planner.search.solved import make_plan
+from planner.search import zero as zero_axis
+from runtime.pipeline.generators import SCHEDULES as RUNTIME_SCHEDULES
+from runtime.pipeline.generators import peak_inflight, schedule_error
+
+# (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+FIX_KEYS = ("dp", "tp", "pp", "cp", "mb", "v", "schedule", "strategy", "recompute", "zero",
+            "dp_shard", "ep")
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int
+    cluster: Cluster
+    global_batch: int
+    seq: int
+    memory_limit: float
+    model_name: str = "model"
+    fix: dict = field(default_factory=dict)
+    top_k: int = 5
+    time_limit_s: float = 1.0      # per ILP: a stopped search reports its plan with the gap
+    schedules: tuple[tuple[str, int], ...] = SCHEDULES
+    cutoff_s: float = math.inf     # plans no faster than this are not wanted (expert_search)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    microbatches: int
+    schedule: str
+    v: int
+    lower_bound: float
+    cp: int = 1
+    zero: int = 0          # sharded data parallel level (planner.search.zero)
+    dp_shard: int = 0      # ranks per shard group; 0: dp (no hybrid sharding)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+FIX_NUMBERS = ("dp", "tp", "pp", "cp", "mb", "v", "ep")
+MESH_KEYS = ("dp", "tp", "pp", "cp")
+
+
+def check_fix(fix: dict) -> None:
+    """Refuse fixed settings that no plan can have, naming the key and its legal values."""
+    zero_axis.check_zero_fix(fix)
+    for key, value in fix.items():
+        if key not in FIX_KEYS:
+            raise ValueError(f"unknown fixed setting {key!r}; known: {', '.join(FIX_KEYS)}")
+        if key in FIX_NUMBERS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive integer (1, 2, 3, ...), got {value!r}")
+        elif key == "schedule" and value not in RUNTIME_SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; legal schedules: "
+                             f"{', '.join(sorted(RUNTIME_SCHEDULES))}")
+        elif key == "strategy":
+            if not isinstance(value, str):
+                raise ValueError(f"strategy must be a string such as 'tp+sp', got {value!r}")
+            Strategy.parse(value)  # its message lists the legal forms
+        elif key == "recompute" and value not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}")
+    name, v = fix.get("schedule"), fix.get("v", 1)
+    if name is not None and name != "interleaved-1f1b" and v > 1:
+        raise ValueError(f"v={v} stages per rank needs schedule=interleaved-1f1b: schedule "
+                         f"{name!r} runs one stage per rank (legal v: 1)")
+    if "strategy" in fix and "recompute" in fix:
+        strategy = Strategy.parse(fix["strategy"])
+        if strategy.recompute != fix["recompute"]:
+            wanted = replace(strategy, recompute=fix["recompute"])
+            raise ValueError(f"strategy={fix['strategy']} (recompute {strategy.recompute}) "
+                             f"contradicts recompute={fix['recompute']}; fix strategy={wanted} "
+                             f"alone")
+
+
+def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
+    """tp sizes that divide the GPUs, stay inside a node on GPU clusters, and divide the model."""
+    sizes = [t for t in divisors(gpus) if cluster.device == "cpu" or t <= cluster.gpus_per_node]
+    return [t for t in sizes if t == 1 or costs.block_profile(t) is not None]
+
+
+def cp_sizes(costs: ModelCosts, req: Request, rest: int) -> list[int]:
+    """Context-parallel sizes: those whose sequence splits into 2·cp zig-zag chunks, for a model
+    whose attention passes.rewrite.context_parallel can turn into a ring (ModelCosts.supports_cp)."""
+    return [c for c in divisors(rest) if costs.supports_cp(c, req.seq)]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a filter of the search drops a configuration: `depth` orders the filters (the deepest
+    refusal is the one that removed the last configurations), `keys` the fixed settings it can
+    blame, most direct first."""
+    depth: int
+    reason: str
+    keys: tuple[str, ...]
+
+
+def factorisations(gpus: int):
+    """Every (dp, tp, cp, pp) with dp·tp·cp·pp = gpus, tp outermost (the search's order)."""
+    for tp in divisors(gpus):
+        for cp in divisors(gpus // tp):
+            for pp in divisors(gpus // (tp * cp)):
+                yield gpus // (tp * cp * pp), tp, cp, pp
+
+
+def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
+                  pp: int) -> Refusal | None:
+    cluster, layers = req.cluster, costs.num_blocks + 2
+    if cluster.device != "cpu" and tp > cluster.gpus_per_node:
+        return Refusal(1, f"tp={tp} spans more than the {cluster.gpus_per_node} GPUs of one "
+                          f"{cluster.name} node", ("tp",))
+    if tp > 1 and costs.block_profile(tp) is None:
+        return Refusal(2, costs.tp_errors[tp], ("tp",))
+    if not costs.supports_cp(cp, req.seq):
+        return Refusal(3, costs.cp_error or f"sequence length {req.seq} is not divisible by "
+                          f"2·cp = {2 * cp} (zig-zag context parallel)", ("cp",))
+    if pp > layers:
+        return Refusal(4, f"pp={pp} exceeds the {layers} layers ({costs.num_blocks} blocks, "
+                          f"embed and head): every stage needs one", ("pp",))
+    if req.global_batch % dp:
+        return Refusal(5, f"global batch {req.global_batch} is not divisible by dp={dp}", ("dp",))
+    if (dp * cp) % costs.ep:  # expert parallel ranks are carved from dp x cp (expert_search)
+        return Refusal(5, f"ep={costs.ep} does not divide dp x cp = {dp * cp}", ("ep", "dp"))
+    if tp > 1 and not _strategies(req, tp, costs, cp):
+        split = (f"each rank's {req.seq // cp} positions do not split over tp={tp} ranks"
+                 if (req.seq // cp) % tp else "the block's sequence-parallel rewrite fails")
+        return Refusal(6, f"strategy={req.fix['strategy']}: sequence parallel does not apply "
+                          f"({split})", ("strategy",))
+    if tp > 1 and not any(s.tp for s in _strategies(req, tp)):
+        return Refusal(6, f"strategy={req.fix['strategy']} leaves tp={tp} unused (a tp > 1 mesh "
+                          f"needs some block to use tensor parallelism)", ("tp", "strategy"))
+    return None
+
+
+def schedule_options(req: Request) -> list[tuple[str, int]]:
+    """(schedule, v) pairs the fix allows: a fixed schedule with the fixed v or the v the search
+    gives it; a fixed v alone picks interleaving when above 1."""
+    fix = req.fix
+    if "schedule" in fix:
+        name = fix["schedule"]
+        return [(name, fix.get("v", dict(req.schedules).get(name, 1)))]
+    if "v" in fix:
+        interleaved = fix["v"] > 1
+        return [(name, fix["v"]) for name, _ in req.schedules
+                if (name == "interleaved-1f1b") == interleaved]
+    return list(req.schedules)
+
+
+def schedule_refusal(pp: int, m: int, blocks: int, name: str, v: int) -> Refusal | None:
+    if pp == 1 and v > 1:
+        return Refusal(8, f"{name} with v={v} stages per rank needs a pipeline, but pp=1",
+                       ("v", "pp"))
+    if name == "interleaved-1f1b" and m % pp:
+        return Refusal(8, f"interleaved-1f1b needs the {m} micro-batches to be a multiple of "
+                          f"pp={pp}", ("mb", "pp", "dp", "schedule"))
+    if name == "interleaved-1f1b" and pp * v > blocks + 2:
+        return Refusal(8, f"interleaved-1f1b with pp={pp} and v={v} makes {pp * v} stages, more "
+                          f"than the {blocks + 2} layers", ("v", "pp"))
+    why = schedule_error(name, pp, m, v)  # whatever else the runtime would refuse
+    return Refusal(8, why, ("schedule", "v")) if why else None
+
+
+def _schedules(req: Request, pp: int, m: int, blocks: int):
+    options = schedule_options(req)
+    for name, v in options:
+        if pp == 1 and name != options[0][0]:
+            continue  # without a pipeline every schedule is the same
+        if schedule_refusal(pp, m, blocks, name, v) is None:
+            yield name, v
+
+
+def fixed_mesh(req: Request, dp: int, tp: int, cp: int, pp: int) -> bool:
+    return all(req.fix.get(k, value) == value for k, value in zip(("dp", "tp", "cp", "pp"),
+                                                                   (dp, tp, cp, pp)))
+
+
+def meshes(costs: ModelCosts, req: Request):
+    """(dp, tp, cp, pp) with dp·tp·cp·pp = gpus that the model admits and the fix allows."""
+    tp_sizes(costs, req.gpus, req.cluster)  # probe every tp size: the notes say which divide
+    for mesh in factorisations(req.gpus):
+        if fixed_mesh(req, *mesh) and mesh_refusal(costs, req, *mesh) is None:
+            yield mesh
+
+
+def configurations(costs: ModelCosts, req: Request):
+    """Every candidate the filters let through (memory aside), with lower_bound 0."""
+    for dp, tp, cp, pp in meshes(costs, req):
+        for b in divisors(req.global_batch // dp):
+            if "mb" in req.fix and req.fix["mb"] != b:
+                continue
+            m = req.global_batch // (dp * b)
+            for name, v in _schedules(req, pp, m, costs.num_blocks):
+                for level, shard in zero_axis.zero_options(req.fix, dp, cp, tp,
+                                                           req.cluster.gpus_per_node):
+                    yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
+                                    shard if shard != dp else 0)
+
+
+def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
+    result, least, bounds = [], {}, {}
+    for cand in configurations(costs, req):
+        sharding = zero_axis.sharding_of(cand)  # its memory shares only
+        memory = Sharding(sharding.level, sharding.n if sharding.level else 1)
+        key = (cand.tp, cand.cp, cand.micro_batch, memory)
+        if key not in least:
+            least[key] = _least_costs(costs, req, *key)
+        if least[key].static_bytes / cand.pp > req.memory_limit:
+            continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
+        base = (cand.dp, cand.tp, cand.pp, cand.micro_batch, cand.schedule, cand.v, cand.cp)
+        if base not in bounds:  # the ZeRO levels of a configuration differ only in σ
+            plain = replace(cand, zero=0, dp_shard=0)
+            bounds[base] = (_lower_bound(costs, req, plain, least[key]),
+                            _sync_bound(costs, req, plain, least[key]))
+        bound, sync = bounds[base]
+        if cand.zero or cand.dp_shard:
+            bound += _sync_bound(costs, req, cand, least[key]) - sync
+        result.append(replace(cand, lower_bound=bound))
+    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
+
+
+def _sync_bound(costs: ModelCosts, req: Request, c: Candidate, least: "_Least") -> float:
+    """σ of `_lower_bound`: the data-parallel collectives of the average rank."""
+    _, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
+    return sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
+
+
+def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,
+                cp: int = 1) -> list[Strategy]:
+    """The block strategies to consider at tp (and, given the model's costs, cp): the fix's, and
+    with sequence parallelism only where the model's sequence admits it."""
+    space = strategy_space(tp)
+    if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
+        fixed = Strategy.parse(req.fix["strategy"])
+        space = [fixed if tp > 1 or not fixed.tp else Strategy(recompute=fixed.recompute)]
+    if "recompute" in req.fix:
+        space = [s for s in space if s.recompute == req.fix["recompute"]] or \
+                [Strategy(recompute=req.fix["recompute"])]
+    if costs is not None and any(s.sp for s in space) and not costs.supports_sp(tp, cp, req.seq):
+        space = [s for s in space if not s.sp]
+    return space
+
+
+def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1,
+                kind: int = 0) -> list[LayerCost]:
+    return [costs.price_block(s, b, req.cluster, tp, cp, kind)
+            for s in _strategies(req, tp, costs, cp)]
+
+
+@dataclass(frozen=True)
+class _Least:
+    """Per-term minima over a mesh's strategies (each may come from a different strategy) and the
+    end layers' terms: what every plan of the mesh and micro-batch pays at least."""
+    block_s: float        # the least over every kind
+    grad_bytes: float
+    static_bytes: float   # all blocks and both ends
+    embed_s: float
+    head_s: float
+    end_grad_bytes: float
+    blocks_s: float = 0.0          # Σ over the blocks of their own kind's least time
+    blocks_grad_bytes: float = 0.0  # likewise for gradient bytes
+
+
+def _least_costs(costs: ModelCosts, req: Request, tp: int, cp: int, b: int, dp: int) -> _Least:
+    """Recomputation only adds backward time and never changes the parameters, so the minima
+    over a strategy space are at least those over its recompute-free twins: pricing those (3
+    strategies rather than 12 at tp > 1) bounds every candidate at a quarter of the cost.
+    tests/unit/test_search_bounds.py holds the cost model to that."""
+    twins = sorted({replace(s, recompute="none") for s in _strategies(req, tp, costs, cp)})
+    least = []  # per kind: (time, static bytes, gradient bytes), each at its minimum
+    for kind in range(len(costs.kinds)):
+        options = [costs.block_option(costs.price_block(s, b, req.cluster, tp, cp, kind), dp)
+                   for s in twins]
+        least.append((min(o.time_s for o in options), min(o.static_bytes for o in options),
+                      min(o.grad_bytes for o in options)))
+    embed, head = (costs.end_layer(c, dp)
+                   for c in costs.end_costs(b, req.cluster, padded=True, cp=cp, tp=tp))
+    def total(term: int) -> float:
+        return sum(n * least[kind][term] for kind, n in costs.runs)
+    return _Least(min(t for t, _, _ in least), min(g for _, _, g in least),
+                  total(1) + embed.static_bytes + head.static_bytes, embed.time_s, head.time_s,
+                  embed.grad_bytes + head.grad_bytes, total(0), total(2))
+
+
+def _lower_bound(costs: ModelCosts, req: Request, c: Candidate, least: _Least) -> float:
+    """A bound no plan of the candidate beats: the ILP objective α·Σ_s T_s + β·ρ + σ with every
+    block at its cheapest (t_min, g_min: minima over the strategies), where
+
+      Σ_s T_s ≥ Σ_j N_j·t_min,j + E + H + 2(S − 1)·c   (each run at its kind's cheapest; every
+                                                  stage boundary is crossed twice)
+      ρ       ≥ max(Σ_s T_s / p,  ρ*)             (ρ*: ilp.busiest_rank_floor, whole blocks)
+      σ       ≥ a + b·(Σ_j N_j·g_min,j + g_E + g_H) / p   (the busiest rank holds ≥ the average)
+
+    ρ* is what makes it tight for deep pipelines — 96 blocks on 64 ranks put 2 blocks on some
+    rank, not 1.5 — and with it the first candidate is usually the optimum (gpt3-175b on 1024
+    GPUs: within 0.01% of the ILP optimum on sampled candidates)."""
+    blocks, stages = costs.num_blocks, c.pp * c.v
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    total = (least.blocks_s + least.embed_s + least.head_s
+             + 2 * (stages - 1) * p2p)
+    floor = ilp.busiest_rank_floor(blocks, c.pp, stages, least.block_s, least.embed_s,
+                                   least.head_s, p2p)
+    rho = max(total / c.pp, floor)
+    grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
+    sync = sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
+    alpha, beta = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
+    return alpha * total + beta * rho + sync
+
+
+def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
+    """Indices of options no other option beats (≤ on every term, < on one)."""
+    def key(o):
+        return (o.time_s, o.static_bytes, o.act_bytes, o.grad_bytes)
+    keep = []
+    for i, o in enumerate(options):
+        dominated = any(all(a <= b for a, b in zip(key(q), key(o))) and key(q) != key(o)
+                        or (key(q) == key(o) and j < i) for j, q in enumerate(options))
+        if not dominated:
+            keep.append(i)
+    return keep
+
+
+def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: float):
+    """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option; with
+    blocks of several kinds, one ilp.BlockRun per run and the LayerCosts in the problem's
+    (flattened) option order."""
+    per_kind = []
+    for kind in range(len(costs.kinds)):
+        blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp, kind)
+        options = [runtime_terms(costs.block_option(cost, zero_axis.sharding_of(c)), cost, req, c)
+                   for cost in blocks]
+        keep = _prune_dominated(options)
+        per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
+    ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
+    memory_limit -= transient_bytes(costs, req, c)  # whole-sized buffers of levels 2-3
+    if len(costs.runs) == 1:
+        options, blocks = per_kind[0]
+        return stage_problem(costs, req, c, tuple(options), ends, memory_limit), blocks
+    runs = tuple(ilp.BlockRun(costs.kinds[kind].name, n, tuple(per_kind[kind][0]))
+                 for kind, n in costs.runs)
+    blocks = [cost for kind, _ in costs.runs for cost in per_kind[kind][1]]
+    return stage_problem(costs, req, c, (), ends, memory_limit, runs), blocks
+
+
+def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple, ends,
+                  memory_limit: float, runs: tuple = ()) -> ilp.StageProblem:
+    """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
+    ilp.BlockRun) and end-layer costs (embed, head)."""
+    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
+                   for cost in ends)
+    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
+    phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
+    cluster = req.cluster
+    return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
+                            p2p, memory_limit, sync_alpha, sync_slope,
+                            phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
+                            stage_s=actions_per_microbatch(c.schedule) *
+                            (cluster.action_floor + cluster.action_overhead))
+
+
+def actions_per_microbatch(schedule: str) -> int:
+    """Compute actions of one stage per micro-batch: F and B, or F, I and W."""
+    return 3 if schedule == "zb-h1" else 2
+
+
+def runtime_terms(option, cost, req: Request, c: Candidate):
+    """An ILP option (ilp.BlockOption or EndLayer) with the runtime's own costs on this cluster
+    (0 in the presets): ZB-H1's second backward traversal (I and W each walk the graph) and the
+    optimizer step over the share of the parameters' states the rank holds."""
+    if cost is None:
+        return option
+    cluster = req.cluster
+    split = cost.bwd_s * cluster.split_backward if c.schedule == "zb-h1" else 0.0
+    share = zero_axis.sharding_of(c).fractions()[2]
+    return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
+
+
+def transient_bytes(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """Whole-sized buffers of one or two layers that ZeRO levels 2-3 hold for a moment
+    (cost_model.layers.sharding.transient_bytes), for the largest layers the candidate may have."""
+    if c.zero < 2:
+        return 0.0
+    layers = [cost.params for cost in block_costs(costs, req, c.tp, c.micro_batch, c.cp)]
+    layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
+                                                       tp=c.tp)]
+    t = costs.training
+    return zero_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
+
+
+def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """τ of the ILP: the all-reduce summing the gradients of weights the embedding and the head
+    share over the first and the last pipeline rank, after the data-parallel sum (exposed)."""
+    if c.pp == 1 or not costs.tied_end_params:
+        return 0.0
+    shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
+    nbytes = costs.tied_end_params * costs.training.grad_bytes / shard
+    return collective_time(req.cluster, "all_reduce", nbytes, 2,
+                           stride=(c.pp - 1) * c.tp * c.cp * c.dp)
+
+
+def _comm_terms(costs, req, c: Candidate) -> tuple[float, float, float]:
+    """(p2p seconds per stage boundary and micro-batch, forward + backward; exposed data-parallel
+    all-reduce latency; exposed seconds per gradient byte). Ranks are laid out tp innermost, then
+    cp, dp, pp: a pipeline neighbour is tp·cp·dp ranks away; gradients are averaged over the
+    dp·cp ranks that hold the same weights, tp ranks apart."""
+    tp, cp, dp = c.tp, c.cp, c.dp
+    if c.pp > 1:
+        boundary = costs.boundary_bytes(c.micro_batch) / cp
+        p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
+    else:
+        p2p = 0.0
+    if c.zero or c.dp_shard:  # sharded data parallel: reduce-scatters and all-gathers
+        units = -(-(costs.num_blocks + len(costs.ends)) // c.pp)
+        t = costs.training
+        return (p2p, *zero_axis.comm_terms(req.cluster, c, zero_axis.sharding_of(c),
+                                           t.weight_bytes / t.grad_bytes, units))
+    group = dp * cp
+    alpha = collective_time(req.cluster, "all_reduce", 0.0, group, stride=tp)
+    slope = (collective_time(req.cluster, "all_reduce", 2.0**30, group, stride=tp) - alpha) / 2**30
+    exposed = 1.0 - req.cluster.dp_overlap
+    return p2p, alpha * exposed, slope * exposed
+
+
+def search(costs: ModelCosts, req: Request) -> list[Plan]:
+    """The best plans, fastest first (at most req.top_k).
+
+    Best first over lower bounds: a candidate enters the queue with `_lower_bound`; when it
+    first comes out, its LP relaxation (which sees memory, so it is far tighter) replaces that
+    bound and it goes back in; when it comes out again, its ILP is solved with the k-th best
+    time as cutoff. The search ends when the smallest bound left cannot beat that time."""
+    check_fix(req.fix)
+    if req.fix.get("ep", costs.ep) != costs.ep:  # planner.search.experts sets costs.ep
+        raise ValueError(f"ep={req.fix['ep']} is planned by planner.search.experts (fxpar plan, "
+                         f"planner.api.plan); this path plans without expert parallelism")
+    start = time.perf_counter()
+    found: list[Plan] = []
+    open_bound = math.inf  # least proven bound among ILPs a time limit stopped
+    queue = [(c.lower_bound, i, c, None) for i, c in enumerate(candidates(costs, req))]
+    heapq.heapify(queue)  # already sorted, so already a heap; (bound, i) are unique keys
+    # A simulated step (planner.search.step_prediction) may come out below the ILP's bounds: no
+    # candidate can be ruled out by them, so every one is solved (such clusters are CPU hosts:
+    # few ranks, few candidates).
+    exhaustive = req.cluster.runtime_priced
+    while queue:
+        bound, i, cand, built = heapq.heappop(queue)
+        cutoff = found[-1].predicted.iteration_s if len(found) >= req.top_k else req.cutoff_s
+        cutoff = math.inf if exhaustive else cutoff
+        if bound >= cutoff:
+            break  # every bound left is at least this one: nothing left can enter the list
+        if built is None:
+            built = build_problem(costs, req, cand, req.memory_limit)
+            relaxed = ilp.solve(built[0], relax=True, time_limit_s=req.time_limit_s)
+            if relaxed.status not in ("infeasible", "cutoff"):
+                heapq.heappush(queue, (max(bound, _finite(relaxed.bound, bound)), i, cand, built))
+            continue
+        solution = ilp.solve(built[0], time_limit_s=req.time_limit_s, cutoff=cutoff)
+        if solution.status in ("feasible", "unsolved"):
+            open_bound = min(open_bound, max(bound, _finite(solution.bound, bound)))
+        if solution.status in ("optimal", "feasible"):
+            solution = ilp.polish(built[0], solution, req.time_limit_s)
+            plan = make_plan(costs, req, cand, *built, solution,
+                             transient_bytes(costs, req, cand))
+            _keep_best_per_configuration(found, plan)
+            del found[req.top_k:]
+    seconds = round(time.perf_counter() - start, 4)
+    return [replace(_with_search_gap(p, open_bound), timing={**p.timing, "search_s": seconds})
+            for p in found]
+
+
+def _finite(x: float, default: float) -> float:
+    return x if math.isfinite(x) else default
+
+
+def _with_search_gap(plan: Plan, open_bound: float) -> Plan:
+    """A plan is proven optimal only if no configuration a time limit stopped could beat it;
+    otherwise it reports the gap to the least bound left open (as HiGHS would for one ILP)."""
+    time_s = plan.predicted.iteration_s
+    if open_bound >= time_s * (1 - 1e-9):
+        return plan
+    status, gap = plan.solver.split(", ")
+    own = float(gap.removeprefix("gap ").rstrip("%")) / 100 if status == "feasible" else 0.0
+    gap = max(own, (time_s - open_bound) / time_s)
+    return replace(plan, solver=f"feasible, gap {gap:.2%}")
+
+
+def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:
+    """Alternatives differ in mesh or schedule: a plan only replaces a slower one of its kind."""
+    def kind(p: Plan):
+        return p.dp, p.tp, p.pp, p.cp, p.schedule, p.virtual_stages
+    same = [p for p in found if kind(p) == kind(plan)]
+    if same and same[0].predicted.iteration_s <= plan.predicted.iteration_s:
+        return
+    found[:] = [p for p in found if kind(p) != kind(plan)] + [plan]
+    found.sort(key=lambda p: p.predicted.iteration_s)
+
+
+def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate | None]:
+    """The least peak memory per device any candidate needs (for infeasibility errors)."""
+    best, where = math.inf, None
+    seen = set()
+    unlimited = replace(req, memory_limit=math.inf)
+    for cand in sorted(candidates(costs, unlimited), key=lambda c: c.micro_batch):
+        kind = (cand.dp, cand.tp, cand.pp, cand.cp, cand.schedule, cand.v, cand.zero,
+                cand.dp_shard)
+        if kind in seen:  # a larger micro-batch only adds activation memory
+            continue
+        seen.add(kind)
+        problem, _ = build_problem(costs, req, cand, math.inf)
+        sol = ilp.solve(problem, objective="memory", time_limit_s=req.time_limit_s)
+        need = sol.objective + transient_bytes(costs, req, cand)  # levels 2-3: whole layers
+        if sol.status != "infeasible" and need < best:
+            best, where = need, cand
+    return best, where

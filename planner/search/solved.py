@@ -1,0 +1,87 @@
+"""The Plan of a solved search candidate: its stages (layers, strategies, memory), and what it
+predicts — the ILP's terms, or on a cluster that prices the runtime's own time the whole step
+simulated (planner.search.step_prediction)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.search import ilp
+from planner.search import zero as zero_axis
+from planner.search.plan import Plan, Predicted, StagePlan
+from planner.search.step_prediction import simulated
+
+
+def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.0) -> Plan:
+    """The plan of a solved candidate; `solver` says how it was solved: "optimal" or
+    "feasible" (stopped by the time limit) and the gap to the proven bound; the seconds go to
+    `timing`, which equality and the JSON without timing leave out. `transient`: the whole-
+    layer buffers ZeRO levels 2-3 hold for a moment (planner.search.meshes.transient_bytes)."""
+    parts = ilp.breakdown(problem, solution.counts)
+    stages, index = [], 0
+    prefix = costs.block_prefix
+    end = ("vocab-tp" if costs.vocab_parallel(cand.tp, cand.micro_batch, req.cluster, cand.cp)
+           else "none")
+    ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
+    for s, counts in enumerate(solution.counts):
+        names = ["embed"] if s == 0 and costs.has("embed") else []
+        strategies = [end] * len(names)
+        for k, count in enumerate(counts):
+            names += [f"{prefix}.{index + i}" for i in range(count)]
+            strategies += [problem.options[k].name] * count
+            index += count
+        if s == problem.stages - 1 and costs.has("head"):
+            names.append("head")
+            strategies.append(end)
+        layer_costs = [c for k, c in enumerate(blocks) for _ in range(counts[k])]
+        layer_costs += [c for c in (ends[0] if s == 0 else None,
+                                    ends[1] if s == problem.stages - 1 else None) if c]
+        stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies),
+                                  zero_axis.sharding_of(cand), parts.stage_s[s], transient,
+                                  layer_costs))
+    plan = Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
+                cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
+                req.memory_limit, tuple(stages),
+                _predict(costs, req, cand, problem, blocks, solution.counts, parts, transient),
+                costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
+                {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
+                dp_shard=cand.dp_shard or None)
+    if req.cluster.runtime_priced:  # the whole step simulated on shared cores
+        plan = replace(plan, predicted=simulated(plan, req.cluster, req.global_batch *
+                                                 costs.flops_per_sample()))
+    return plan
+
+
+def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
+                transient: float = 0.0, layer_costs=()) -> StagePlan:
+    phi = problem.act_factor[problem.rank_of(s)]
+    ends = ilp._ends(problem, s)
+    static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
+    static += sum(e.static_bytes for e in ends)
+    weights, opt = costs.split_static(static, dp)
+    act = phi * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
+                 + sum(e.act_bytes for e in ends))
+    step = sum(c * o.step_s for c, o in zip(counts, problem.options))
+    step += sum(e.step_s for e in ends)
+    return StagePlan(names, strategies, time_s, weights + transient, opt, act,
+                     sum(c.fwd_s for c in layer_costs), sum(c.bwd_s for c in layer_costs), step)
+
+
+def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
+             transient: float) -> Predicted:
+    """Split the ILP's iteration time (from ilp.breakdown) into compute, exposed communication
+    and bubble on the busiest rank."""
+    m, busiest = cand.microbatches, parts.busiest
+    comm = [b.comm_s for b in blocks]  # per option: names repeat across kinds
+    comm_per_mb = sum(c * comm[k] for s in problem.stages_of(busiest)
+                      for k, c in enumerate(counts[s]))
+    comm_per_mb += sum(ilp._p2p(problem, s) for s in problem.stages_of(busiest))
+    busy = m * parts.rank_s[busiest]
+    iteration = parts.iteration_s
+    bubble = max(iteration - busy - parts.sync_s, 0.0)  # rounding can leave -1e-19
+    flops = req.global_batch * costs.flops_per_sample()
+    syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1])
+                  + problem.tie_time(r) for r in range(problem.ranks))
+    return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
+                     bubble / busy, max(parts.rank_bytes) + transient,
+                     req.global_batch * req.seq / iteration,
+                     flops / iteration / req.gpus / 1e12, problem.p2p_s / 2, syncs)

@@ -1,0 +1,105 @@
+"""`fxpar export`: a checkpoint saved under any plan (runtime.checkpoint.state) as one consolidated
+safetensors file, under Hugging Face names when the model has them.
+
+At save time `model_files(model)` describes the model for a later export, as small files rank 0
+writes into the checkpoint folder: `hf-names.json` (fxpar full parameter name -> Hugging Face
+tensor name and whether it is stored transposed, planner.weights.hf_weights.name_map) and, for a Hugging
+Face model, its `config.json`. The export reads every parameter whole in one process (DCP joins
+the pieces of whatever mesh saved them), renames and lays them out as Hugging Face does, and
+writes FILE.safetensors; `config.json` goes beside it when its folder has none, so that
+`transformers.AutoModelForCausalLM.from_pretrained(folder)` loads it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+
+NAMES = "hf-names.json"
+CONFIG = "config.json"
+
+
+class ExportError(ValueError):
+    """A checkpoint or an output path an export cannot use."""
+
+
+def model_files(model) -> dict[str, str]:
+    """File name -> text describing `model` for an export: its Hugging Face name map and, for a
+    Hugging Face model, its config (empty for a model with no Hugging Face names)."""
+    from planner.models.hf import HFCausalLM
+    from planner.weights.hf_weights import WeightsError, name_map
+    try:
+        names = name_map(model)
+    except WeightsError:
+        return {}
+    files = {NAMES: json.dumps({"names": {n: [ref.name, ref.transpose]
+                                          for n, ref in names.entries},
+                                "aliases": list(names.aliases)}, indent=1)}
+    if isinstance(model, HFCausalLM):
+        files[CONFIG] = model.model.config.to_json_string()
+    return files
+
+
+def read_parameters(path: str) -> dict[str, torch.Tensor]:
+    """Every parameter of a checkpoint, whole, by fxpar full name (in this process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from runtime.checkpoint.dcp_slices import SlicesLoadPlanner
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
+             for key, md in metadata.items()
+             if key.startswith("model/") and isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it loads without a process group
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=SlicesLoadPlanner(),
+                 no_dist=True)
+    return {key[len("model/"):]: value for key, value in state.items()}
+
+
+def hf_state(path: str, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The parameters under Hugging Face names and layouts, or None when the checkpoint has no
+    name map."""
+    names_file = os.path.join(path, NAMES)
+    if not os.path.exists(names_file):
+        return None
+    with open(names_file) as f:
+        names = json.load(f)["names"]
+    missing = sorted(set(names) - set(params))
+    if missing:
+        raise ExportError(f"checkpoint {path} lacks parameters its name map lists: "
+                          f"{', '.join(missing[:5])}")
+    return {hf: (params[n].t().contiguous() if transpose else params[n])
+            for n, (hf, transpose) in names.items()}
+
+
+def export(checkpoint: str, out: str) -> tuple[str, int, bool]:
+    """Write the checkpoint (a folder, or the latest complete one under it) to `out`
+    (.safetensors). Returns (the checkpoint read, tensors written, whether under HF names)."""
+    from safetensors.torch import save_file
+
+    from runtime.checkpoint.state import resolve
+    if not out.endswith(".safetensors"):
+        raise ExportError(f"--out {out}: give a file name ending in .safetensors")
+    path = resolve(checkpoint)
+    params = read_parameters(path)
+    hf = hf_state(path, params)
+    state = hf if hf is not None else params
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, out, metadata={"format": "pt"})
+    config = os.path.join(path, CONFIG)
+    if os.path.exists(config) and not os.path.exists(os.path.join(folder, CONFIG)):
+        shutil.copyfile(config, os.path.join(folder, CONFIG))
+    return path, len(state), hf is not None
+
+
+def cmd_export(args) -> int:
+    path, count, hf = export(args.checkpoint, args.out)
+    names = "Hugging Face names" if hf else "fxpar names (the model has no Hugging Face map)"
+    print(f"wrote {args.out}: {count} tensors from {path}, under {names}")
+    return 0

@@ -1,0 +1,274 @@
+"""Mixture-of-experts feed-forward: top-k routing, dropless dispatch to the experts' ranks and
+combination back, and the process groups of expert parallelism (EP).
+
+`moe_ffn` is one call node in a captured graph (the model wraps it with `torch.fx.wrap`), so the
+tensor-parallel rewrite sees a replicated op (the router stays whole, as it must: a softmax or a
+top-k over sharded expert scores would be wrong) and the expert-parallel rewrite
+(passes.rewrite.expert_parallel) only cuts its stacked expert weights and sets `ep`.
+
+Routing (per token, E experts, top k):
+  softmax  p = softmax(x Wr^T); the top-k of p, renormalised to sum 1 when `norm_topk`
+           (Mixtral, Qwen3-MoE)
+  sigmoid  p = sigmoid(x Wr^T); the top-k of p, renormalised to sum 1 (DeepSeek-V3)
+  the weights are multiplied by `scale` (DeepSeek-V3's routed scaling factor).
+Experts are SwiGLU: down(silu(gate x) * up x), weights stacked [E, f, h], [E, f, h], [E, h, f].
+
+Dispatch is dropless (no capacity factor): every (token, slot) pair reaches its expert, so the
+result equals one process up to summation order. With ep ranks, each holds E/ep consecutive
+experts; pairs are sorted by expert, the per-expert counts are exchanged (an all_to_all_single of
+E integers), the tokens are sent with an all_to_all_single of uneven splits, regrouped by local
+expert, computed, and sent back the same way. Both exchanges are differentiable (their backward
+is the reverse exchange) and counted in collectives.TRAFFIC as kind "all_to_all" with the bytes
+this rank sends to other ranks (what it keeps is not on the wire).
+
+Auxiliary load-balancing loss (Switch / Mixtral form, computed per sequence as DeepSeek-V3 does,
+so that it is a mean over sequences like the language-model loss, and splitting the batch over
+data-parallel ranks and micro-batches leaves it exact):
+  aux = coef * mean_b  sum_e  (E / (k s)) count_{b,e} * mean_s p_{b,s,e}
+Under context parallelism (`seq_parts` > 1, set by passes.rewrite.expert_parallel.split_balance) a rank
+holds s / seq_parts tokens of each sequence: its counts and sums of p ([b, E] each, one [b, 2E]
+tensor) are summed over the group `seq_group` with collectives.group_sum (counted as
+"all_reduce" under the layer's tag, forward and backward) and divided by the whole s, so every
+rank forms the loss of the whole sequences; the trainer's average over the group and the summed
+gradient of group_sum make loss and gradients those of one process.
+On fake or meta tensors (shape propagation, pricing) only shapes are computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from runtime.comm import collectives
+
+_EP_GROUP: list = [None]   # this rank's expert-parallel group (None: one rank)
+
+
+def bind_ep_group(group: dist.ProcessGroup | None) -> None:
+    _EP_GROUP[0] = group
+
+
+def _fake(x: torch.Tensor) -> bool:
+    return x.is_meta or type(x).__name__ == "FakeTensor"
+
+
+def moe_ffn(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor, *, top_k: int, score: str = "softmax", norm_topk: bool = True,
+            scale: float = 1.0, aux_coef: float = 0.0, ep: int = 1, tag: str = "moe",
+            seq_parts: int = 1, seq_group: str = "cp"):
+    """x [b, s, h] -> (y [b, s, h], aux loss scalar or None). `w_*` hold this rank's E/ep
+    experts; router [E, h] is whole. seq_parts > 1: x holds this rank's share of sequences split
+    over the `seq_parts` ranks of group `seq_group` (the balance loss is then of the whole
+    sequences)."""
+    experts = router.shape[0]
+    if _fake(x):
+        aux = x.new_empty(()) if aux_coef else None
+        return x.new_empty(x.shape), aux
+    probs = _scores(x @ router.t(), score)
+    top, index = probs.topk(top_k, dim=-1)
+    if norm_topk or score == "sigmoid":
+        top = top / top.sum(-1, keepdim=True)
+    top = top * scale
+    aux = (_balance_loss(probs, index, experts, top_k, seq_parts, seq_group, tag) * aux_coef
+           if aux_coef else None)
+    flat = x.flatten(0, -2)
+    y = _routed(flat, top.flatten(0, -2), index.flatten(0, -2), w_gate, w_up, w_down,
+                experts, ep, tag)
+    return y.view_as(x), aux
+
+
+def _scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    if score == "softmax":
+        return F.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+    if score == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"router score must be 'softmax' or 'sigmoid', got {score!r}")
+
+
+def _balance_loss(probs: torch.Tensor, index: torch.Tensor, experts: int, k: int,
+                  seq_parts: int = 1, seq_group: str = "cp", tag: str = "moe"):
+    """Per-sequence balance loss, averaged over the sequences of the batch (dim 0); with
+    seq_parts > 1, of the whole sequences whose shares the ranks of `seq_group` hold."""
+    if isinstance(seq_parts, bool) or not isinstance(seq_parts, int) or seq_parts < 1:
+        raise ValueError(f"moe_ffn seq_parts (the ranks a sequence is split over) must be a "
+                         f"positive integer, got {seq_parts!r}")
+    seq = probs.shape[-2]
+    counts = torch.zeros(*index.shape[:-2], experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(-1, index.flatten(-2), torch.ones_like(index.flatten(-2), dtype=probs.dtype))
+    if seq_parts == 1:
+        mean = probs.mean(-2)
+    else:
+        stats = collectives.group_sum(torch.cat([counts, probs.sum(-2)], -1), seq_group, tag,
+                                      seq_parts)
+        seq *= seq_parts
+        counts, mean = stats[..., :experts], stats[..., experts:] / seq
+    load = counts * (experts / (k * seq))
+    return (load * mean).sum(-1).mean()
+
+
+def _routed(flat, weights, index, w_gate, w_up, w_down, experts: int, ep: int, tag: str):
+    """The weighted sum of each token's top-k experts' outputs, [tokens, h]."""
+    k = index.shape[-1]
+    slots = index.flatten()
+    order = torch.argsort(slots, stable=True)
+    token = order // k
+    counts = torch.bincount(slots, minlength=experts)
+    sent = flat[token]
+    if ep == 1:
+        out = _experts(sent, counts.tolist(), w_gate, w_up, w_down)
+    else:
+        out = _expert_parallel(sent, counts, w_gate, w_up, w_down, ep, tag)
+    out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(flat).index_add(0, token, out)
+
+
+def _experts(rows: torch.Tensor, counts: list[int], w_gate, w_up, w_down) -> torch.Tensor:
+    """SwiGLU of each local expert on its contiguous run of rows (w_up None: w_gate holds gate
+    and up stacked, Hugging Face's fused gate_up_proj)."""
+    outs = []
+    for e, part in enumerate(rows.split(counts)):
+        if not part.shape[0]:
+            continue
+        if w_up is None:
+            gate, up = F.linear(part, w_gate[e]).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(part, w_gate[e]), F.linear(part, w_up[e])
+        outs.append(F.linear(F.silu(gate) * up, w_down[e]))
+    return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
+
+
+def _expert_parallel(sent, counts, w_gate, w_up, w_down, ep: int, tag: str) -> torch.Tensor:
+    group = _EP_GROUP[0]
+    if group is None or dist.get_world_size(group) != ep:
+        have = dist.get_world_size(group) if group is not None else 1
+        raise RuntimeError(f"moe_ffn with ep={ep} but the bound expert-parallel group has "
+                           f"{have} ranks (runtime.experts.dispatch.bind_ep_group)")
+    local = w_gate.shape[0]
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    send_splits = counts.view(ep, local).sum(1).tolist()
+    recv_matrix = recv_counts.view(ep, local)            # [source rank, local expert]
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = AllToAll.apply(sent, recv_splits, send_splits, tag)
+    # Rows arrive ordered (source, expert); regroup them (expert, source) for one run per expert.
+    expert_of_row = torch.arange(local, device=sent.device).repeat(ep).repeat_interleave(recv_matrix.flatten())
+    regroup = torch.argsort(expert_of_row, stable=True)
+    out = _experts(received[regroup], recv_matrix.sum(0).tolist(), w_gate, w_up, w_down)
+    back = torch.empty_like(out).index_copy(0, regroup, out) if out.shape[0] else out
+    return AllToAll.apply(back, send_splits, recv_splits, tag)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], tag: str):
+        ctx.splits, ctx.tag = (out_splits, in_splits), tag
+        return _exchange(x, out_splits, in_splits, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A split backward (ZB-H1) reaches this node twice, towards the stage's inputs (I) and
+        # again towards its weights (W), with the same gradient both times (every consumer of
+        # the output lies on both paths): exchange once, as priced, and hand W the same result.
+        if getattr(ctx, "sent", None) is None:
+            out_splits, in_splits = ctx.splits
+            ctx.sent = _exchange(grad.contiguous(), in_splits, out_splits, ctx.tag)
+        return ctx.sent, None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], tag: str):
+    group = _EP_GROUP[0]
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    row = x[0].numel() * x.element_size() if x.dim() and x.shape[0] else 0
+    me = dist.get_rank(group)
+    table = collectives.RECOMPUTE_TRAFFIC if collectives._recomputing[0] else collectives.TRAFFIC
+    table[("all_to_all", tag)] += float(row * (sum(in_splits) - in_splits[me]))
+    return out
+
+
+# -- the process groups of expert parallelism ----------------------------------------------------
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's place in expert parallelism. The ranks holding the same weights (dp x cp, the
+    mesh's replicas) are cut into consecutive EP groups of `ep`; the rank at index i of its EP
+    group holds experts [i E/ep, (i+1) E/ep). `replicas` joins the ranks holding the same experts
+    (one per EP group): expert gradients are summed over it, the rest of the model over all
+    replicas."""
+
+    ep: int
+    index: int
+    group: dist.ProcessGroup | None
+    replicas: dist.ProcessGroup | None
+    first_replica: bool        # in the first EP group: counts expert weights in the grad norm
+    first_rank: int            # global rank of this EP group's index 0
+    replica_root: int          # global rank holding these experts in the first EP group
+
+
+_BUILT: dict = {}
+
+
+def expert_groups(mesh, ep: int) -> ExpertGroups:
+    """Create (once per mesh and ep, a collective over all ranks) this rank's EP groups."""
+    replicas = mesh.dp * mesh.cp
+    if ep < 1 or replicas % ep:
+        raise ValueError(f"expert parallel size ep={ep} must divide the data-parallel x "
+                         f"context-parallel ranks ({mesh.dp} x {mesh.cp} = {replicas})")
+    key = (id(dist.group.WORLD), mesh, ep)
+    if key not in _BUILT:
+        _BUILT[key] = _create(mesh, ep)
+    return _BUILT[key]
+
+
+def _create(mesh, ep: int) -> ExpertGroups:
+    rank = dist.get_rank()
+    mine: dict = {}
+    for ranks in mesh.groups(("dp", "cp")):   # ordered dp-major, cp-minor
+        for start in range(0, len(ranks), ep):
+            _join(mine, "group", ranks[start:start + ep], rank)
+        for i in range(ep):
+            _join(mine, "replicas", ranks[i::ep], rank)
+        if rank in ranks:
+            position = ranks.index(rank)
+            mine["index"] = position % ep
+            mine["first_rank"] = ranks[position - position % ep]
+            mine["replica_root"] = ranks[position % ep]
+            mine["first"] = position < ep
+    return ExpertGroups(ep, mine["index"], mine.get("group"), mine.get("replicas"),
+                        mine["first"], mine["first_rank"], mine["replica_root"])
+
+
+def _join(mine: dict, name: str, ranks: list[int], rank: int) -> None:
+    group = dist.new_group(ranks) if len(ranks) > 1 else None
+    if rank in ranks:
+        mine[name] = group
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether a parameter holds some experts' weights, cut by passes.rewrite.expert_parallel."""
+    return getattr(param, "fxpar_expert", None) is not None
+
+
+def broadcast_experts(params: list[torch.Tensor], groups, experts: ExpertGroups | None) -> None:
+    """Make the copies of each expert weight equal at set-up (runtime.data_parallel.replicas does the rest of
+    the model): from tensor-parallel index 0 over tp (experts are whole on every tp rank), then
+    from the first EP group over the ranks holding the same experts. `params` in the same order
+    on every rank of a group."""
+    if not params:
+        return
+    if experts is None:
+        raise ValueError("expert weights cut for expert parallelism need the ExpertGroups of the "
+                         "mesh (runtime.experts.dispatch.expert_groups)")
+    mesh, c = groups.mesh, groups
+    with torch.no_grad():
+        if groups.tp is not None:
+            src = mesh.rank(c.pp_index, c.dp_index, 0, c.cp_index)
+            for p in params:
+                dist.broadcast(p.data, src=src, group=groups.tp)
+        if experts.replicas is not None:
+            for p in params:
+                dist.broadcast(p.data, src=experts.replica_root, group=experts.replicas)

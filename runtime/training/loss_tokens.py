@@ -1,0 +1,76 @@
+"""A mean loss over the whole step's targets: what passes.rewrite.token_mean puts in the graph, and the
+count the trainer sets before each step.
+
+A cross-entropy of reduction "mean" divides by the targets that count in what it is given (those
+not equal to ignore_index, weighted by their class weight). The trainer runs the loss once per
+micro-batch and replica and averages the results with equal weights, which is the step's mean only
+when every micro-batch counts as many targets; padded targets make them differ. The rewritten loss
+is `per_token(sum, count, tokens)`: sum / tokens, where the trainer sets the buffer tokens to
+N / (m·R) (N the targets that count in the whole step, m micro-batches, R replicas), so that the
+equal-weight average of the m·R losses is Σ sums / N, the mean one process takes. With tokens 0
+(a program run outside the trainer) it is sum / count, the mean of its own inputs as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+
+def count_targets(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None = None,
+                  mean: bool = True) -> torch.Tensor:
+    """What a mean cross-entropy divides by: the targets that are not ignore_index, each counted
+    with its class weight (fp32, 0-d); 1 for a sum (mean=False)."""
+    if not mean:
+        return torch.ones((), device=target.device)
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum().float()
+    picked = weight.float()[torch.where(valid, target, 0)]
+    return (picked * valid).sum()
+
+
+def per_token(summed: torch.Tensor, count: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """summed / tokens once the trainer has set tokens (> 0), else summed / count."""
+    return summed / torch.where(tokens > 0, tokens, count).to(summed.dtype)
+
+
+@dataclass(frozen=True)
+class LossCount:
+    """One rewritten loss of a stage program: its buffer and the graph that counts its targets
+    from a micro-batch's inputs (the nodes of the program that lead to count_targets). A sum
+    has no counter: the average over m·R only has to be undone (N = 1)."""
+
+    stage: int
+    buffer: str
+    counter: fx.GraphModule | None
+    inputs: tuple[str, ...] = ()    # the micro-batch inputs the counter reads, by name
+
+    def local(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return sum(self.counter(*(mb[name] for name in self.inputs)).float() for mb in micro)
+
+
+class StepTokens:
+    """Before each step, sets every rewritten loss's buffer on this rank to N / (m·R)."""
+
+    def __init__(self, programs: dict, counts: tuple[LossCount, ...], replicas, num_replicas: int):
+        self.programs, self.counts = programs, counts
+        self.replicas, self.num_replicas = replicas, num_replicas
+
+    def before_step(self, micro: list[dict[str, torch.Tensor]]) -> None:
+        means = [c for c in self.counts if c.counter is not None]
+        totals = {c.buffer: 1.0 for c in self.counts if c.counter is None}
+        if means:
+            local = torch.stack([c.local(micro) for c in means])
+            if self.replicas is not None:  # every replica holds the same stages: one sum
+                dist.all_reduce(local, group=self.replicas)
+            totals.update((c.buffer, float(n)) for c, n in zip(means, local))
+        for c in self.counts:
+            if not totals[c.buffer] > 0:
+                raise ValueError(f"no target of this step's batch counts toward the loss of "
+                                 f"stage {c.stage} (every one is the loss's ignore_index): "
+                                 f"its mean would be 0/0; give each batch a target to learn")
+            getattr(self.programs[c.stage].gm, c.buffer).fill_(
+                totals[c.buffer] / (len(micro) * self.num_replicas))

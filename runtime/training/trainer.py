@@ -1,0 +1,384 @@
+"""One training iteration on this rank: micro-batches through the pipeline schedule, data-parallel
+gradient all-reduce overlapped with the rest of the backward, optional loss scaling and gradient
+clipping, the optimizer step, and the loss made known to every rank."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from runtime.launch import activity
+from runtime.training import rng
+from runtime.training.batch import BatchSpec, compare_batches
+from runtime.programs.token_split import shard_sequence
+from runtime.pipeline.executor import StageExecutor, wait_or_explain
+from runtime.training.loss_tokens import StepTokens
+from runtime.experts.dispatch import ExpertGroups, broadcast_experts, is_expert
+from runtime.training.activation_memory import SavedActivations
+from runtime.comm.mesh import RankGroups
+from runtime.data_parallel.replicas import broadcast_replicas
+from runtime.pipeline.schedule import Schedule
+from runtime.programs.shards import shard_specs
+from runtime.data_parallel.sharded_dp import ShardedDP, ShardingSpec
+from runtime.pipeline.simulator import Timeline
+from runtime.programs.stage import StageProgram
+from runtime.training.tied import broadcast_tied, sum_tied_grads, tie
+
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """max_norm: clip the global gradient norm (of the whole model, across tp, pp and dp) to this.
+    precision: "fp32", or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer;
+    fp16 adds a dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on
+    all ranks and the scale halves; it doubles after `growth_interval` good steps).
+    bucket_bytes: size of the data-parallel all-reduce buckets.
+    track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
+    recv_ahead: receives posted ahead of need (runtime.pipeline.executor.StageExecutor).
+    zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
+    (runtime.data_parallel.sharded_dp)."""
+
+    max_norm: float | None = None
+    precision: str = "fp32"
+    bucket_bytes: int = 25 * 2**20
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    track_memory: bool = False
+    recv_ahead: int = 2
+    zero: int = 0
+    dp_shard: int | None = None
+
+    def __post_init__(self):
+        ShardingSpec(self.zero, self.dp_shard)  # checks both
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
+        if self.bucket_bytes < 1 or self.init_scale <= 0 or self.growth_interval < 1:
+            raise ValueError("bucket_bytes, init_scale and growth_interval must be positive")
+        if self.recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be >= 0, got {self.recv_ahead}")
+
+
+def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp_index: int,
+                microbatches: int, cp: int = 1, cp_index: int = 0) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the global batch, cut into equal micro-batches: rows of its
+    data-parallel index and, under context parallelism, the tokens of its cp index (the zig-zag
+    layout of runtime.programs.token_split, on dim 1 of every input with a sequence dimension)."""
+    size = batch[0].shape[0]
+    if size % (dp * microbatches):
+        raise ValueError(f"global batch {size} is not divisible by dp={dp} x "
+                         f"micro-batches={microbatches}")
+    local = [t.chunk(dp)[dp_index] for t in batch]
+    if cp > 1:
+        local = [shard_sequence(t, cp, cp_index) if t.dim() >= 2 else t for t in local]
+    return [dict(zip(names, parts)) for parts in zip(*(t.chunk(microbatches) for t in local))]
+
+
+class _Bucket:
+    """Parameters whose gradients are views into one flat tensor, all-reduced in one call."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                device=params[0].device)
+        self.views = [v.view_as(p) for v, p in
+                      zip(self.flat.split([p.numel() for p in params]), params)]
+
+    def zero(self) -> None:
+        """Zero the gradients and (re)attach the views, should anything have replaced them."""
+        self.flat.zero_()
+        for p, view in zip(self.params, self.views):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+
+class _GradSync:
+    """Data-parallel gradient sum, bucketed per stage and started as soon as the stage's backward
+    is complete, so it overlaps the backward of later micro-batches on other stages and ranks."""
+
+    def __init__(self, params: dict[int, list], group, bucket_bytes: int, rank: int):
+        self.group, self.rank = group, rank
+        self.buckets = {stage: self._split(ps, bucket_bytes) for stage, ps in params.items()}
+        self._pending: list[tuple] = []
+
+    @staticmethod
+    def _split(params: list, limit: int) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in reversed(params):  # roughly the order backward finishes them
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > limit or p.dtype != current[0].dtype):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        return buckets + ([_Bucket(current)] if current else [])
+
+    def zero(self) -> None:
+        for buckets in self.buckets.values():
+            for bucket in buckets:
+                bucket.zero()
+
+    def start(self, stage: int) -> None:
+        activity.now(f"data-parallel all-reduce of stage {stage}")
+        for bucket in self.buckets[stage]:
+            work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            self._pending.append((work, f"rank {self.rank} waiting for the data-parallel "
+                                        f"gradient all-reduce of stage {stage}"))
+
+    def wait(self) -> None:
+        for work, what in self._pending:
+            wait_or_explain([work], what)
+        self._pending.clear()
+
+
+@dataclass
+class _LossScale:
+    """Dynamic loss scale for fp16; every rank updates it from the same all-reduced flag."""
+
+    scale: float
+    growth_interval: int
+    good_steps: int = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale, self.good_steps = self.scale / 2, 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+
+class PipelineTrainer:
+    """`step(*global_batch)` trains one iteration and returns the loss (the same on every rank).
+    After a step: `grad_norm` (before clipping; None unless max_norm or fp16), `skipped` (fp16
+    overflow), `loss_scale`, `timeline()` and, with track_memory, `memory`.
+
+    `tied`: groups of names of one parameter used in several places (Captured.tied); they stay
+    one parameter (runtime.training.tied). At set-up every replica takes the first replica's weights
+    (runtime.data_parallel.replicas), so the run does not depend on every rank having built the same model."""
+
+    def __init__(self, programs: dict[int, StageProgram], schedule: Schedule, groups: RankGroups,
+                 input_names: Sequence[str],
+                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                 options: TrainOptions = TrainOptions(), tied: tuple[tuple[str, ...], ...] = (),
+                 batch: BatchSpec | None = None, experts: ExpertGroups | None = None):
+        self.programs, self.schedule, self.groups = programs, schedule, groups
+        self.input_names = tuple(input_names)
+        self.options = options
+        self.batch_spec = batch
+        self.tied = tie(programs, tied, groups)
+        unique = {id(p): p for prog in programs.values() for p in prog.gm.parameters()}
+        self.params = [p for p in unique.values() if p.requires_grad]
+        self._sharded = self._sharded_params()
+        # Expert weights (runtime.experts.dispatch) are replicated over the ranks holding the same experts.
+        self.experts = experts
+        broadcast_replicas([p for p in unique.values() if not is_expert(p)], self._sharded, groups)
+        broadcast_experts([p for p in unique.values() if is_expert(p)], groups, experts)
+        broadcast_tied(self.tied)
+        rng.seed_ranks(rng.shared_seed(), groups.tp_index, groups.pp_index, groups.dp_index,
+                       groups.cp_index)  # dropout streams per rank (runtime.training.rng)
+        self._not_in_norm = {id(c.param) for c in self.tied if not c.counts_in_norm}
+        self.sharded = self._sharding(programs, options)
+        # Expert weights stay out of sharded data parallel: they are replicated over fewer ranks.
+        self._experts = [p for p in self.params if is_expert(p)]
+        self.optimizer = optimizer(self.sharded.optimizer_params() + self._experts
+                                   if self.sharded else self.params)
+        self.memory = (SavedActivations(prog.gm for prog in programs.values())
+                       if options.track_memory else None)
+        stage_rank = lambda stage: groups.stage_rank(schedule.stage_to_rank(stage))  # noqa: E731
+        self.executor = StageExecutor(programs, schedule, groups.rank, stage_rank,
+                                      autocast_dtype=_PRECISIONS[options.precision],
+                                      memory=self.memory, recv_ahead=options.recv_ahead)
+        self.last_rank = stage_rank(schedule.num_stages - 1)
+        # Ranks holding the same weights (dp x cp) average their gradients.
+        dense = {s: [p for p in ps if not is_expert(p)] for s, ps in self.executor.params.items()}
+        self.sync = (_GradSync(dense, groups.replicas, options.bucket_bytes,
+                               groups.rank) if groups.replicas is not None and
+                     self.sharded is None else None)
+        self.executor.sharding = self.sharded
+        self.tokens = StepTokens(programs, tuple(c for prog in programs.values()
+                                                 for c in prog.loss_counts),
+                                 groups.replicas, groups.num_replicas)
+        self.expert_sync = self._expert_sync(options)
+        self.scaler = (_LossScale(options.init_scale, options.growth_interval)
+                       if options.precision == "fp16" else None)
+        self.grad_norm: float | None = None
+        self.skipped = False
+
+    def _sharding(self, programs, options: TrainOptions) -> ShardedDP | None:
+        """Sharded data parallel for zero >= 1; tied and shared parameters stay whole."""
+        if options.zero == 0:
+            ShardingSpec(0, options.dp_shard).shard_size(self.groups.mesh.dp)
+            return None
+        whole = {id(c.param) for c in self.tied}
+        by_stage = {s: [p for p in prog.gm.parameters() if p.requires_grad and not is_expert(p)]
+                    for s, prog in programs.items()}
+        return ShardedDP(programs, by_stage, self.groups,
+                         ShardingSpec(options.zero, options.dp_shard), self._sharded, whole)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def step(self, *batch: torch.Tensor) -> float:
+        activity.start_step(self)
+        if self.batch_spec is not None:  # before any collective: a refused step leaves none
+            self.batch_spec.check(batch)      # half-done for the next step to pair with
+            activity.now("comparing the ranks' batches")
+            compare_batches(batch)
+        mesh = self.groups.mesh
+        micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
+                            self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
+        if self.sharded is not None:
+            self.sharded.zero()
+            self.expert_sync.zero()
+        elif self.sync is not None:
+            self.sync.zero()
+            self.expert_sync.zero()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.tokens.before_step(micro)  # a mean loss's count of the step's targets
+        pending_loss = self._await_loss()
+        # The mean over replicas is folded into the loss, so the all-reduce is a plain sum.
+        multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
+        done = self._sharded_done if self.sharded else self._start_sync if self.sync else None
+        loss = self.executor.run(micro, multiplier, done)
+        if self.sharded is not None:
+            activity.now("waiting for the sharded data-parallel reduce-scatter")
+            self.sharded.wait()
+            self.expert_sync.wait()
+        if self.sync is not None:
+            activity.now("waiting for the data-parallel gradient all-reduce")
+            self.sync.wait()
+            self.expert_sync.wait()
+        sum_tied_grads(self.tied)
+        self.skipped = self._unscale_and_clip()
+        if not self.skipped:
+            activity.now("optimizer step")
+            self.optimizer.step()
+            if self.sharded is not None:
+                activity.now("sharded data-parallel all-gather of the parameters")
+                self.sharded.after_step()
+        activity.now("loss broadcast")
+        return self._share_loss(loss, pending_loss)
+
+    def _expert_sync(self, options: TrainOptions) -> "_GradSync":
+        """Expert gradients are summed over the ranks holding the same experts only (each one
+        already holds every EP rank's tokens' part, through the dispatch's backward); with one
+        such rank per expert the sync has no buckets and only zeroes their gradients."""
+        params = {s: [p for p in ps if is_expert(p)] for s, ps in self.executor.params.items()}
+        group = self.experts.replicas if self.experts is not None else None
+        unsynced = [p for ps in params.values() for p in ps] if group is None else []
+        sync = _GradSync(params if group is not None else {s: [] for s in params}, group,
+                         options.bucket_bytes, self.groups.rank)
+        zero = sync.zero
+        sync.zero = lambda: (zero(), [setattr(p, "grad", None) for p in unsynced])
+        return sync
+
+    def _sharded_done(self, stage: int) -> None:
+        self.sharded.stage_done(stage)
+        if self.expert_sync.group is not None:
+            self.expert_sync.start(stage)
+
+    def _start_sync(self, stage: int) -> None:
+        self.sync.start(stage)
+        if self.expert_sync.group is not None:
+            self.expert_sync.start(stage)
+
+    def timeline(self) -> Timeline:
+        """This rank's measured compute actions of the last step (rank = pipeline index)."""
+        return self.executor.timeline()
+
+    # -- loss scale and gradient clipping ---------------------------------------------------------
+    def _sharded_params(self) -> set[int]:
+        """ids of tensor-parallel shards: their squares are summed across tp; the other
+        parameters are replicated across tp and counted on tp index 0 only."""
+        named = {name: p for prog in self.programs.values() for name, p in
+                 prog.gm.named_parameters()}
+        return {id(named[name]) for prog in self.programs.values()
+                for name in shard_specs(prog.gm) if name in named}
+
+    def _unscale_and_clip(self) -> bool:
+        """Returns True when the step must be skipped (fp16 overflow on any rank)."""
+        self.grad_norm = None
+        if self.options.max_norm is None and self.scaler is None:
+            return False
+        used_scale = self.loss_scale  # the scale this step's backward ran with
+        params = self.sharded.whole + self._experts if self.sharded else self.params
+        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grad] + (self.sharded.shard_grads() if self.sharded else [])
+        norm_sq, found_inf = self._global_norm_sq(with_grad)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+            if found_inf:
+                return True
+        self.grad_norm = math.sqrt(norm_sq) / used_scale
+        # Unscaling and clipping in one pass; clip as torch.nn.utils.clip_grad_norm_ does.
+        coef = 1.0 / used_scale
+        if self.options.max_norm is not None:
+            coef *= min(1.0, self.options.max_norm / (self.grad_norm + 1e-6))
+        if coef != 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return False
+
+    def _global_norm_sq(self, params: list[torch.nn.Parameter]) -> tuple[float, bool]:
+        """Sum of squares of the whole model's gradient, and whether any rank saw inf/nan; one
+        all-reduce over all ranks. Each value is counted once: dp x cp replicas only on index 0,
+        replicated (non-sharded) parameters only on tp index 0."""
+        counted = [p for p in params if id(p) not in self._not_in_norm]  # tied: once
+        sharded = [p.grad for p in counted if id(p) in self._sharded]
+        replicated = [p.grad for p in counted if id(p) not in self._sharded and not is_expert(p)]
+        experts = [p.grad for p in counted if is_expert(p)]  # whole over tp, once per EP group
+        local = [_sq(sharded), _sq(replicated), _sq(experts)]
+        counted = local[0] + (local[1] if self.groups.tp_index == 0 else 0.0)
+        first_replica = self.groups.dp_index == 0 and self.groups.cp_index == 0
+        in_first = self.experts is None or self.experts.first_replica
+        counted_experts = local[2] if in_first and self.groups.tp_index == 0 else 0.0
+        shards = self.sharded.norm_sq(self.groups.tp_index) if self.sharded else 0.0
+        if self.sharded is not None:  # every shard's squares, finite or not on any rank
+            local.append(_sq(self.sharded.shard_grads()))
+        values = torch.tensor([(counted if first_replica else 0.0) + shards + counted_experts,
+                               0.0 if math.isfinite(sum(local)) else 1.0],
+                              dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            activity.now("gradient-norm all-reduce")
+            work = dist.all_reduce(values, async_op=True)
+            wait_or_explain([work], f"rank {self.groups.rank} waiting for the gradient-norm "
+                                    f"all-reduce")
+        return float(values[0]), bool(values[1] > 0)
+
+    def _await_loss(self):
+        """Ranks without the last stage post their side of the loss broadcast as the step
+        starts, so no rank waits at the end of the step for the one that finishes last."""
+        if self.groups.pp is None or self.groups.rank == self.last_rank:
+            return None
+        value = torch.zeros(())
+        work = dist.broadcast(value, src=self.last_rank, group=self.groups.pp, async_op=True)
+        return value, work
+
+    def _share_loss(self, loss: torch.Tensor | None, pending) -> float:
+        if pending is not None:
+            value, work = pending
+            wait_or_explain([work], f"rank {self.groups.rank} waiting for the loss from rank "
+                                    f"{self.last_rank}")
+            return float(value)
+        value = loss.detach().clone().float()
+        if self.groups.replicas is not None:
+            dist.all_reduce(value, group=self.groups.replicas)
+            value /= self.groups.num_replicas
+        if self.groups.pp is not None:
+            dist.broadcast(value, src=self.last_rank, group=self.groups.pp)
+        return float(value)
+
+
+def _sq(grads: list[torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.get_total_norm(grads, foreach=False).double() ** 2)
