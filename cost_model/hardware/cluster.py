@@ -61,6 +61,10 @@ _RULES: dict[str, tuple] = {
     "kernel_floor": _NONNEG,
     "comm_eff": _FRACTION,
     "dp_overlap": _SHARE,
+    "nic_per_gpu": ("bool",),
+    "comm_stream": ("bool",),
+    "sms": _NONNEG,
+    "comm_sm_share": _SHARE,
     "comm_corrections": ("corrections",),
     "matmul_overhead": _NONNEG,
     "pointwise_flops": _NONNEG,
@@ -112,6 +116,8 @@ def _field_problem(field: str, value: Any) -> str | None:
         if not isinstance(value, str) or not value:
             return f"must be a non-empty string, got {value!r}"
         return None
+    if kind == "bool":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if kind == "device":
         if value not in _DEVICES:
             return f"must be one of {list(_DEVICES)}, got {value!r}"
@@ -165,6 +171,21 @@ class Cluster:
     # as sorted (kind, latency, bandwidth) triples so that a Cluster stays
     # hashable; a kind left out is neutral (1, 1), i.e. textbook.
     comm_corrections: Any = ()
+    # One network NIC per GPU, as on rail-optimised nodes (DGX A100/H100/H200: 8 GPUs, 8 compute
+    # NICs): a ring with k members in a node crosses the network on k NICs at once
+    # (cost_model.hardware.comm). False: the node's ranks share one link (CPU ranks, loopback).
+    nic_per_gpu: bool = False
+    # Collectives run on a stream of their own beside compute (GPUs: NCCL kernels on their own
+    # SMs), so the data-parallel ones are scheduled beside the compute they overlap
+    # (cost_model.layers.sharding); False: a share dp_overlap of them is hidden (CPU ranks).
+    comm_stream: bool = False
+    # Streaming multiprocessors of the GPU (datasheet), for a GEMM's tile and wave quantisation
+    # (cost_model.hardware.compute.gemm_efficiency); 0: not modelled (CPU).
+    sms: float = 0
+    # The share of the GPU a collective's kernels hold while they run beside compute (NCCL runs
+    # one thread block per channel, each on an SM of its own): compute beside them slows by it.
+    # 0: none (CPU ranks, where dp_overlap is measured instead).
+    comm_sm_share: float = 0.0
     # Seconds each priced matmul (a layer's forward, or its backward) takes on
     # top of flops / (peak_flops * matmul_eff): small GEMMs reach a lower rate
     # than large ones (CPU BLAS packing and blocking), which one efficiency
@@ -437,14 +458,21 @@ GiB = float(2**30)
 # - latencies: NCCL's own tuning model (src/graph/tuning.cc, hwLat) charges
 #   a few us per ring step over NVLink and ~5-15 us over the network.
 # - dp_overlap: DDP's bucketed all-reduce (Li et al., VLDB 2020) overlaps all
-#   but roughly the last bucket with backward: 0.70.
+#   but roughly the last bucket with backward: 0.70. Unused on these presets
+#   (comm_stream): their data-parallel collectives are scheduled beside the
+#   compute they overlap, slowing it by comm_sm_share, the SMs NCCL's blocks
+#   hold: one block per channel, 16 channels (its usual count for rings over
+#   NVLink and eight NICs) of the GPU's SMs.
+# - nic_per_gpu: DGX nodes are rail-optimised (one compute NIC per GPU).
 _GPU_EFFS = dict(
     bw_eff=0.80,
     kernel_floor=5e-6,
     comm_eff=0.80,
     intra_latency=5e-6,
     inter_latency=10e-6,
-    dp_overlap=0.70,
+    dp_overlap=0.70,  # unused where comm_stream: the overlap is scheduled
+    nic_per_gpu=True,
+    comm_stream=True,
 )
 
 PRESETS: dict[str, Cluster] = {
@@ -498,6 +526,8 @@ PRESETS: dict[str, Cluster] = {
         inter_bw=25 * GB,  # 200 Gb/s / 8
         matmul_eff=0.70,
         attention_eff=0.50,
+        sms=108,  # A100 SXM4: 108 SMs
+        comm_sm_share=16 / 108,  # see _GPU_EFFS
         **_GPU_EFFS,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with
@@ -515,6 +545,8 @@ PRESETS: dict[str, Cluster] = {
         inter_bw=50 * GB,  # 400 Gb/s / 8
         matmul_eff=0.65,
         attention_eff=0.45,
+        sms=132,  # H100 / H200 SXM5: 132 SMs
+        comm_sm_share=16 / 132,  # see _GPU_EFFS
         **_GPU_EFFS,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with
@@ -532,6 +564,8 @@ PRESETS: dict[str, Cluster] = {
         inter_bw=50 * GB,
         matmul_eff=0.65,
         attention_eff=0.45,
+        sms=132,  # H100 / H200 SXM5: 132 SMs
+        comm_sm_share=16 / 132,  # see _GPU_EFFS
         **_GPU_EFFS,
     ),
 }

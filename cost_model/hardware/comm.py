@@ -15,8 +15,17 @@ into "bus bandwidth"). With n ranks and a tensor of M bytes:
 
 Ranks are numbered tp innermost, then cp, dp, pp, and consecutive members of
 a group sit `stride` ranks apart. A group whose span fits inside one node
-uses the NVLink numbers; otherwise at least one ring hop crosses the
-network and that slowest hop sets the pace of the whole ring.
+uses the NVLink numbers; otherwise ring hops cross the network. On a
+rail-optimised GPU node (DGX: one InfiniBand NIC per GPU, `nic_per_gpu`)
+NCCL runs one ring channel per NIC, so a group with k members in each node
+crosses the network on k NICs at once and its ring moves at
+min(k * inter_bw, intra_bw) (k = 1 for a group one GPU per node, such as
+data parallel with tp = 8). An all-to-all cannot share NICs that way — every
+GPU's bytes for other nodes are its own — so its (n - k)/n share for other
+nodes goes through the GPU's own NIC while the (k - 1)/n share for its own
+node goes over NVLink at the same time:
+
+    all_to_all across nodes   max((n-k)/n * M / inter_bw, (k-1)/n * M / intra_bw)
 
 Libraries do not all run the textbook ring, so each kind's two terms may
 carry a measured multiplier, `Cluster.comm_correction(kind)`:
@@ -53,6 +62,8 @@ __all__ = [
     "ring_volume",
     "bytes_on_wire",
     "crosses_nodes",
+    "members_per_node",
+    "expert_dispatch_time",
 ]
 
 def ring_steps(kind: str, n: int) -> int:
@@ -88,10 +99,31 @@ def collective_terms(
 
 
 def link(cluster: Cluster, crosses: bool) -> tuple[float, float]:
-    """(alpha, achieved bandwidth) of the link class a ring runs over."""
+    """(alpha, achieved bandwidth) of the link class a ring runs over, one NIC per ring."""
     if crosses:
         return cluster.inter_latency, cluster.inter_bw * cluster.comm_eff
     return cluster.intra_latency, cluster.intra_bw * cluster.comm_eff
+
+
+def members_per_node(cluster: Cluster, group_size: int, stride: int = 1) -> int:
+    """Members of a group that share a node (ranks `stride` apart, nodes gpus_per_node wide)."""
+    if stride >= cluster.gpus_per_node:
+        return 1
+    return max(1, min(group_size, cluster.gpus_per_node // stride))
+
+
+def _seconds_per_byte(cluster: Cluster, kind: str, n: int, stride: int, crosses: bool) -> float:
+    """Seconds per byte of ring volume: the link, with a rail-optimised node's NICs in parallel
+    for a ring, and an all-to-all's own-NIC and NVLink shares at once (module doc)."""
+    _, bw = link(cluster, crosses)
+    if not (crosses and cluster.nic_per_gpu) or kind == "p2p":
+        return 1.0 / bw
+    k = members_per_node(cluster, n, stride)
+    intra = cluster.intra_bw * cluster.comm_eff
+    if kind != "all_to_all":
+        return 1.0 / min(k * bw, intra)
+    # per byte of the (n-1)/n ring volume: the off-node share on the NIC, the rest on NVLink
+    return max((n - k) / bw, (k - 1) / intra) / (n - 1)
 
 
 def collective_time(
@@ -104,6 +136,31 @@ def collective_time(
     steps, volume, crosses = collective_terms(cluster, kind, nbytes, group_size, stride)
     if steps == 0:
         return 0.0
-    alpha, bw = link(cluster, crosses)
+    alpha, _ = link(cluster, crosses)
     latency, bandwidth = cluster.comm_correction(kind)
-    return steps * alpha * latency + volume / (bw * bandwidth) + cluster.collective_handoff
+    per_byte = _seconds_per_byte(cluster, kind, group_size, stride, crosses)
+    return steps * alpha * latency + volume * per_byte / bandwidth + cluster.collective_handoff
+
+
+def expert_dispatch_time(cluster: Cluster, tokens: float, top_k: int, token_bytes: float,
+                         ep: int, stride: int = 1) -> float:
+    """Seconds of one expert-parallel dispatch (or combine) of a rank's `tokens`, each to top_k
+    experts spread evenly over the ep ranks of its group (`stride` apart).
+
+    Inside a node it is the all-to-all of its top_k copies. Across rail-optimised nodes it runs
+    hierarchically, as DeepEP's internode kernels do: a token crosses the network once for each
+    other node that holds one of its experts (to the GPU of the same rail there), and NVLink fans
+    it out to that node's experts. With N nodes in the group and experts chosen uniformly, a
+    token reaches (N − 1)(1 − (1 − 1/N)^top_k) other nodes on average; its own NIC carries those
+    copies while NVLink carries the (ep − 1)/ep of its copies that change GPU (both at once)."""
+    buffer = tokens * top_k * token_bytes
+    crosses = crosses_nodes(cluster, "all_to_all", ep, stride)
+    if ep == 1 or not (crosses and cluster.nic_per_gpu):
+        return collective_time(cluster, "all_to_all", buffer, ep, stride)
+    nodes = ep / members_per_node(cluster, ep, stride)
+    remote = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+    latency, bandwidth = cluster.comm_correction("all_to_all")
+    nic = tokens * remote * token_bytes / (cluster.inter_bw * cluster.comm_eff)
+    nvlink = buffer * (ep - 1) / ep / (cluster.intra_bw * cluster.comm_eff)
+    alpha = (cluster.inter_latency + cluster.intra_latency) * latency
+    return alpha + max(nic, nvlink) / bandwidth + cluster.collective_handoff

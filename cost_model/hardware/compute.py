@@ -4,6 +4,20 @@
 
 A kernel is limited by whichever of arithmetic or memory traffic takes
 longer, and never runs faster than the fixed launch/dispatch overhead.
+
+A GEMM's `eff` is matmul_eff (what the largest GEMMs reach) times its shape's
+efficiency on a GPU with `sms` streaming multiprocessors (NVIDIA, "Matrix
+Multiplication Background User's Guide": tile and wave quantisation):
+
+    tiles = groups * ceil(m / groups / 128) * ceil(n / 256)   (128 x 256 output tiles,
+                                                               cuBLAS/CUTLASS's bf16 shape)
+    waves = ceil(tiles / sms)
+    shape = (m * n / (128 * 256)) / (waves * sms)  *  k / (k + 64)
+
+The first factor is the share of the SMs' tile slots doing useful work: a GEMM
+whose tiles fill 1.1 waves runs as long as one that fills 2. The second is the
+main loop's fill and drain against its k / 64 steps of 64-deep tiles: a
+shallow GEMM spends a larger share of its time outside the loop.
 Matmuls add `cluster.matmul_overhead` to their arithmetic term: a calibrated
 CPU profile fits it because small GEMMs run well below the large-GEMM rate
 (it is 0 in the presets, which keeps the plain roofline).
@@ -16,7 +30,7 @@ import math
 from cost_model.hardware.cluster import Cluster
 from cost_model.ops.graph_facts import SDPA_BWD_FACTOR
 
-__all__ = ["OP_CLASSES", "compute_time", "kernels_s", "op_seconds"]
+__all__ = ["OP_CLASSES", "compute_time", "gemm_efficiency", "kernels_s", "op_seconds"]
 
 OP_CLASSES = (
     "matmul",
@@ -41,12 +55,27 @@ def _check_amount(name: str, value: float) -> None:
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
 
 
+TILE_M, TILE_N, TILE_K = 128, 256, 64
+
+
+def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float, groups: int = 1) -> float:
+    """The shape's share of matmul_eff on the cluster's GPU (module doc); 1 where the cluster
+    has no SM count (CPU)."""
+    if not cluster.sms or m <= 0 or n <= 0 or k <= 0:
+        return 1.0
+    tiles = groups * math.ceil(m / groups / TILE_M) * math.ceil(n / TILE_N)
+    waves = math.ceil(tiles / cluster.sms)
+    useful = m * n / (TILE_M * TILE_N)
+    return min(1.0, useful / (waves * cluster.sms)) * k / (k + TILE_K)
+
+
 def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str,
-                 pairs: float = 0.0, floor: float = 0.0) -> float:
+                 pairs: float = 0.0, floor: float = 0.0, gemm: tuple = ()) -> float:
     """Seconds for one kernel doing `flops` arithmetic over `nbytes` of memory
     traffic (reads + writes); fused attention also pays `cluster.attention_overhead` per
     (batch x head) pair (`pairs`, weighted by the pass: backward counts SDPA_BWD_FACTOR).
-    `floor` raises the least time above cluster.kernel_floor (a training pass's op floor)."""
+    `floor` raises the least time above cluster.kernel_floor (a training pass's op floor).
+    `gemm`: a matmul's (m, n, k, groups) at this call's batch, for its shape's efficiency."""
     if op_class not in OP_CLASSES:
         raise ValueError(f"unknown op_class {op_class!r}; expected one of {list(OP_CLASSES)}")
     _check_amount("flops", flops)
@@ -57,6 +86,8 @@ def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str,
     # do so little arithmetic per byte that the memory term wins anyway;
     # pricing their flops at matmul speed keeps odd cases finite and sane.
     eff = cluster.attention_eff if op_class == "attention" else cluster.matmul_eff
+    if op_class == "matmul" and gemm:
+        eff *= gemm_efficiency(cluster, *gemm)
     t_math = flops / (cluster.peak_flops * eff)
     if op_class == "elementwise" and cluster.pointwise_flops:
         t_math = flops / cluster.pointwise_flops
@@ -78,7 +109,9 @@ def op_seconds(op, scale: float, cluster: Cluster, backward: bool) -> float:
         (op.bwd_flops, op.bwd_bytes, op.pairs * SDPA_BWD_FACTOR, cluster.backward_floor)
         if backward else (op.fwd_flops, op.fwd_bytes, op.pairs, cluster.forward_floor))
     least = max(floor, cluster.element_s(op.per_element, backward) * op.elements * scale)
-    return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least)
+    gemm = (op.gemm[0] * scale, *op.gemm[1:]) if op.gemm else ()
+    return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least,
+                        gemm)
 
 
 def kernels_s(ops, scale: float, cluster: Cluster, backward: bool = False) -> float:

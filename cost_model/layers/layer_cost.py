@@ -67,6 +67,7 @@ class OpRecord:
     per_element: str = ""          # OpCost.per_element: priced per element when measured
     elements: float = 0.0
     ringed: bool = False           # replaced by ring attention under context parallelism
+    gemm: tuple = ()               # OpCost.gemm: a matmul's (m, n, k, groups), m per batch
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,8 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         cost = node_cost(node, modules)
         ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
                             cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
-                            cost.per_element, cost.elements, node.name in ringed))
+                            cost.per_element, cost.elements, node.name in ringed,
+                            cost.gemm))
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(

@@ -18,9 +18,16 @@ reduce-scattered; level 3 also up to two units' whole weights (the one in use an
 one): `transient_bytes`. Buffers are padded to a multiple of n elements (`padded`).
 
 Overlap: every reduce-scatter and every all-gather of level 3 runs beside compute (the next
-unit's parameters are prefetched, reduce-scatters are asynchronous), so a share
-`cluster.dp_overlap` of each is hidden, as for the all-reduce of level 0; the all-gather after
-the optimizer step (levels 1-2) and the replicate all-reduce have nothing to hide behind.
+unit's parameters are prefetched a unit ahead, reduce-scatters are posted as backward produces
+each unit's gradients), as does the bucketed all-reduce of level 0; the all-gather after the
+optimizer step (levels 1-2) and the replicate all-reduce have nothing to hide behind.
+`sync_parts` keeps the two apart. Where collectives run on a stream of their own beside compute
+(GPUs: NCCL kernels on their own SMs; Cluster.comm_stream) the planner schedules the hideable
+part (planner.search.ilp): it is exposed only where it outlasts the compute it runs beside —
+every micro-batch's forward and backward at level 3, every backward at level 2, the last
+micro-batch's backward at levels 0-1 — and never by less than one unit's share (the first
+gather, or the last reduce, has no compute beside it). Elsewhere (CPU ranks, where gloo's thread
+competes with compute for the cores) a measured share `cluster.dp_overlap` of it is hidden.
 """
 from __future__ import annotations
 
@@ -116,24 +123,59 @@ def transient_bytes(unit_params: list[int], wb: int, gb: int, sharding: Sharding
     return grads + weights
 
 
+@dataclass(frozen=True)
+class SyncParts:
+    """One step's data-parallel collectives for a rank, affine in its gradient bytes G:
+    exposed = alpha + slope·G (nothing to hide behind), hideable = hide_alpha + hide_slope·G
+    (runs beside compute), `beside` micro-batch passes of the rank's compute it runs beside
+    (forward and backward of one micro-batch = 1)."""
+
+    alpha: float
+    slope: float
+    hide_alpha: float = 0.0
+    hide_slope: float = 0.0
+    beside: float = 0.0
+
+    def discounted(self, overlap: float) -> tuple[float, float]:
+        """(latency, seconds per byte) with a share `overlap` of the hideable part hidden."""
+        hidden = 1.0 - overlap
+        return self.alpha + self.hide_alpha * hidden, self.slope + self.hide_slope * hidden
+
+
+BACKWARD_SHARE = 2 / 3  # a backward does twice a forward's matmul FLOPs (Narayanan et al. 2021)
+
+
+def sync_parts(sharding: Sharding, weight_per_grad: float, rs_alpha: float, rs_slope: float,
+               ag_alpha: float, ag_slope: float, ar_alpha: float, ar_slope: float,
+               units: int) -> SyncParts:
+    """The SyncParts of a rank with `units` buckets; *_alpha / *_slope are one collective's
+    latency and seconds per byte over the shard group (ar: the replicate group, or for level 0
+    all replicas). weight_per_grad: weight bytes per gradient byte."""
+    s = sharding
+    if s.level == 0:
+        return SyncParts(0.0, 0.0, ar_alpha, ar_slope, BACKWARD_SHARE)
+    rs = s.reduce_scatters_per_step()
+    hide_alpha, hide_slope = units * rs * rs_alpha, rs * rs_slope
+    alpha = slope = 0.0
+    gathers = s.gathers_per_step()
+    gather_alpha = units * gathers * ag_alpha
+    gather_slope = gathers * ag_slope * weight_per_grad
+    if s.level == 3:
+        hide_alpha, hide_slope = hide_alpha + gather_alpha, hide_slope + gather_slope
+    else:
+        alpha, slope = gather_alpha, gather_slope
+    if s.r > 1:
+        alpha += units * ar_alpha
+        slope += ar_slope / s.n
+    beside = float(s.m) if s.level == 3 else s.m * BACKWARD_SHARE if s.level == 2 \
+        else BACKWARD_SHARE
+    return SyncParts(alpha, slope, hide_alpha, hide_slope, beside)
+
+
 def sync_terms(sharding: Sharding, weight_per_grad: float, rs_alpha: float, rs_slope: float,
                ag_alpha: float, ag_slope: float, ar_alpha: float, ar_slope: float,
                overlap: float, units: int) -> tuple[float, float]:
     """(exposed seconds of latency, exposed seconds per gradient byte) of one step's data-parallel
-    collectives for a rank with `units` buckets; *_alpha / *_slope are one collective's latency
-    and seconds per byte over the shard group (ar: the replicate group, or for level 0 all
-    replicas). weight_per_grad: weight bytes per gradient byte."""
-    s, hidden = sharding, 1.0 - overlap
-    if s.level == 0:
-        return ar_alpha * hidden, ar_slope * hidden
-    rs = s.reduce_scatters_per_step()
-    alpha = units * rs * rs_alpha * hidden
-    slope = rs * rs_slope * hidden
-    gathers = s.gathers_per_step()
-    ag_hidden = hidden if s.level == 3 else 1.0   # after the step nothing hides the gather
-    alpha += units * gathers * ag_alpha * ag_hidden
-    slope += gathers * ag_slope * ag_hidden * weight_per_grad
-    if s.r > 1:
-        alpha += units * ar_alpha
-        slope += ar_slope / s.n
-    return alpha, slope
+    collectives with a share `overlap` of the hideable ones hidden (sync_parts)."""
+    return sync_parts(sharding, weight_per_grad, rs_alpha, rs_slope, ag_alpha, ag_slope,
+                      ar_alpha, ar_slope, units).discounted(overlap)

@@ -53,6 +53,10 @@ class OpCost:
     # misses the vectorised contiguous loop); "" for the rest.
     per_element: str = ""
     elements: float = 0  # the output's elements, for per_element
+    # A matmul's shape (m, n, k, groups) at the captured batch, m the rows (which follow the
+    # micro-batch) summed over `groups` equal GEMMs (the experts of a MoE layer; 1 otherwise):
+    # cost_model.hardware.compute prices its tile and wave quantisation. () for other ops.
+    gemm: tuple = ()
 
 
 ZERO = OpCost("view", 0.0, 0.0, 0.0, 0.0, ())

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_model.ops.graph_facts import BWD_FACTOR, Call, OpCost, finish, nbytes, tensor_of
 
@@ -120,7 +120,10 @@ def moe_rule(call: Call) -> OpCost:
     moved = 2 * nbytes(x) * (1 + f.top_k) + f.expert_param_bytes
     saved = ((f"{call.node.name}:experts", f.dispatched_bytes),
              (f"{call.node.name}:router", 2.0 * f.tokens * f.experts * f.dtype_bytes))
-    return finish("matmul", flops, BWD_FACTOR * flops, moved, BWD_FACTOR * moved, saved, flops)
+    cost = finish("matmul", flops, BWD_FACTOR * flops, moved, BWD_FACTOR * moved, saved, flops)
+    # grouped GEMMs, one per expert: the routed rows over E experts, ffn wide, hidden deep
+    return replace(cost, gemm=(float(f.tokens * f.top_k), float(f.ffn), float(f.hidden),
+                               f.experts))
 
 
 def expected_max_load(tokens: int, experts: int, k: int, ep: int) -> float:

@@ -37,8 +37,15 @@ def linear(call: Call) -> OpCost:
     flops = 2 * numel(out) * tensor_of(x).shape[-1]
     fwd_bytes = nbytes(tensor_of(x)) + nbytes(weight) + nbytes(bias) + nbytes(out)
     # Both grad matmuls move the same operand sizes as the forward one.
-    return finish("matmul", flops, BWD_FACTOR * flops, fwd_bytes, BWD_FACTOR * fwd_bytes,
+    cost = finish("matmul", flops, BWD_FACTOR * flops, fwd_bytes, BWD_FACTOR * fwd_bytes,
                   keep(x, call.modules), flops)
+    return _with_shape(cost, out, tensor_of(x).shape[-1])
+
+
+def _with_shape(cost: OpCost, out: torch.Tensor, k: int) -> OpCost:
+    """The cost with its GEMM shape: the output's last dimension is n, the rest rows."""
+    n = out.shape[-1] if out.dim() else 1
+    return replace(cost, gemm=(numel(out) / max(n, 1), float(n), float(k), 1))
 
 
 _BIASED = frozenset({"addmm", "baddbmm"})  # (bias, a, b); the others are (a, b)
@@ -50,7 +57,7 @@ def matmul(call: Call) -> OpCost:
     ta, tb, out = tensor_of(a), tensor_of(b), out_tensor(call.node)
     flops = 2 * numel(out) * ta.shape[-1]  # = 2*M*N*K, batch dims included in numel(out)
     fwd_bytes = nbytes(ta) + nbytes(tb) + nbytes(tensor_of(bias)) + nbytes(out)
-    return _matmul_cost(call, a, b, flops, fwd_bytes)
+    return _with_shape(_matmul_cost(call, a, b, flops, fwd_bytes), out, ta.shape[-1])
 
 
 def _matmul_cost(call: Call, a: Node, b: Node, flops: float, fwd_bytes: float) -> OpCost:

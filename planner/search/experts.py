@@ -27,7 +27,7 @@ import dataclasses
 import math
 
 from cost_model.hardware.cluster import Cluster
-from cost_model.hardware.comm import collective_time
+from cost_model.hardware.comm import expert_dispatch_time
 from cost_model.layers.layer_cost import LayerCost
 from cost_model.ops.moe import MoEFacts, facts, pricing
 from passes.rewrite.expert_parallel import moe_nodes
@@ -93,8 +93,8 @@ class EPPricing:
 def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
              imbalance: float | None) -> LayerCost:
     p = pricing(f, ep, imbalance=imbalance)
-    buffer = f.tokens * f.top_k * f.hidden * f.dtype_bytes
-    a2a = collective_time(cluster, "all_to_all", buffer, ep, stride=tp) if ep > 1 else 0.0
+    a2a = (expert_dispatch_time(cluster, f.tokens, f.top_k, f.hidden * f.dtype_bytes, ep,
+                                stride=tp) if ep > 1 else 0.0)
     flop_s = cluster.peak_flops * cluster.matmul_eff
     extra = p.extra_expert_flops / flop_s
     expert_params = p.param_bytes_saved / f.dtype_bytes / 1.0

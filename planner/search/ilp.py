@@ -24,8 +24,10 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
   T_s       = Σ_k n[s,k]·t_k + E·[s = 0] + H·[s = S−1] + c·([s > 0] + [s < S−1]) + q   `_stage_time`
   ρ         ≥ Σ_{s on r} T_s                       ∀ rank r              `_add_bottleneck`
   ρ         ≥ ρ*  (the least ρ at which whole blocks fit, below)         `busiest_rank_floor`
-  σ         ≥ a + b·Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H) + τ_r
-                + Σ_{s on r} (Σ_k n[s,k]·o_k + o of E, H)       ∀ r   `_add_sync`
+  σ         ≥ a + b·G_r + H_r − κ·Σ_{s on r} T_s + τ_r + O_r       ∀ r   `_add_sync`
+  σ         ≥ a + b·G_r + λ·H_r + τ_r + O_r                       ∀ r   `_add_sync`
+     with G_r = Σ_{s on r} (Σ_k n[s,k]·g_k + grads of E, H),  H_r = a' + b'·G_r,
+          O_r = Σ_{s on r} (Σ_k n[s,k]·o_k + o of E, H)
   Σ_s Σ_{k ∈ K_j} n[s,k] = N_j                     ∀ run j              `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
   Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
@@ -56,7 +58,13 @@ stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p �
 (0, m + (p − 1)/3), whose deferred weight-gradient work fills two thirds of the bubble. The data-
 parallel all-reduce time is affine in bytes (a: latency terms, b: exposed seconds per byte), so σ is
 linear; the optimizer step that follows it is linear in the blocks too, so σ bounds the slowest
-rank's sync and step together. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
+rank's sync and step together. Where collectives run on their own stream beside compute (GPUs),
+the part that can (H_r: the bucketed all-reduce, the reduce-scatters, ZeRO-3's prefetched
+gathers) runs beside κ₀ micro-batch passes of the rank's compute, which it slows by the share s
+of the GPU its kernels hold (Cluster.comm_sm_share): it costs max(s·H, H − (1 − s)·κ₀·ΣT), and
+no less than one of the rank's U units' share H/U (the first gather or the last reduce has no
+compute beside it). The two rows are that max made linear, with κ = (1 − s)·κ₀ and
+λ = max(s, 1/U). On CPU ranks H is 0 and (a, b) hide the measured share dp_overlap instead. τ_r is the all-reduce that sums the gradients of weights the embedding and the head share
 (a tied head) over their two ranks, on those ranks when they differ (runtime.training.tied), else 0.
 
 Sharded data parallel (ZeRO level z over shard groups of n ranks, planner.search.zero) adds no variable
@@ -146,6 +154,13 @@ class StageProblem:
     tie_s: float = 0.0              # τ: summing tied embed/head gradients across their ranks
     runs: tuple[BlockRun, ...] = ()  # heterogeneous blocks, in model order; () = one run
     stage_s: float = 0.0            # q: the runtime's own seconds per stage and micro-batch
+    # The data-parallel collectives that run beside compute (a' + b'·G, cost_model.layers.sharding
+    # .SyncParts): exposed where they outlast κ micro-batch passes of the rank's compute (less
+    # the compute they slow), and by at least a share λ of them
+    hide_alpha_s: float = 0.0       # a'
+    hide_s_per_byte: float = 0.0    # b'
+    hide_beside: float = 0.0        # κ
+    hide_least: float = 1.0         # λ
 
     def __post_init__(self):
         if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
@@ -302,7 +317,7 @@ def breakdown(problem: StageProblem, counts) -> Breakdown:
         rank_times.append(sum(times[s] for s in problem.stages_of(r)))
         mem, grads, steps = _rank_load(problem, counts, r)
         mems.append(mem)
-        syncs.append(_sync_time(problem, grads) + problem.tie_time(r) + steps)
+        syncs.append(_sync_time(problem, grads, rank_times[r]) + problem.tie_time(r) + steps)
     iteration = problem.sum_weight * sum(times) + problem.max_weight * max(rank_times) + max(syncs)
     if problem.needs_tp and not any(counts[s][k] for s in range(problem.stages)
                                     for k in problem.tp_options()):
@@ -336,10 +351,17 @@ def stage_time(problem: StageProblem, counts, s: int) -> float:
     return t + sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
 
 
-def _sync_time(problem: StageProblem, grad_bytes: float) -> float:
-    if problem.sync_alpha_s == 0 and problem.sync_s_per_byte == 0:
-        return 0.0
-    return problem.sync_alpha_s + problem.sync_s_per_byte * grad_bytes
+def _sync_time(problem: StageProblem, grad_bytes: float, rank_s: float = 0.0) -> float:
+    """Exposed seconds of a rank's data-parallel collectives for its gradient bytes, beside
+    `rank_s` seconds of its compute per micro-batch: a + b·G + max(λ·H, H − κ·rank_s) with
+    H = a' + b'·G the part that runs beside compute."""
+    exposed = 0.0
+    if problem.sync_alpha_s or problem.sync_s_per_byte:
+        exposed = problem.sync_alpha_s + problem.sync_s_per_byte * grad_bytes
+    hideable = problem.hide_alpha_s + problem.hide_s_per_byte * grad_bytes
+    if hideable:
+        exposed += max(problem.hide_least * hideable, hideable - problem.hide_beside * rank_s)
+    return exposed
 
 
 def _p2p(problem: StageProblem, s: int) -> float:
@@ -477,21 +499,29 @@ def _add_bottleneck(prob, problem: StageProblem, times):
 def _add_sync(prob, problem: StageProblem, n):
     sigma = _var(prob, "sigma")
     steps = any(o.step_s for o in (*problem.options, problem.embed, problem.head))
+    hides = problem.hide_alpha_s or problem.hide_s_per_byte
     if problem.sync_s_per_byte == 0 and problem.sync_alpha_s == 0 and problem.tie_s == 0 \
-            and not steps:
+            and not steps and not hides:
         return sigma
+    unit, seconds = _byte_unit(problem), _time_unit(problem)
     for r in range(problem.ranks):
-        unit, seconds = _byte_unit(problem), _time_unit(problem)
         grads, optimizer = [], []
         for s in problem.stages_of(r):
             grads += [n[s, k] * (o.grad_bytes / unit) for k, o in enumerate(problem.options)]
             grads += [e.grad_bytes / unit for e in _ends(problem, s)]
             optimizer += [n[s, k] * (o.step_s / seconds) for k, o in enumerate(problem.options)]
             optimizer += [e.step_s / seconds for e in _ends(problem, s)]
-        per_unit = problem.sync_s_per_byte * unit / seconds
-        alpha = _sync_time(problem, 0.0) + problem.tie_time(r)
-        prob += sigma >= (alpha / seconds + per_unit * pulp.lpSum(grads)
-                          + pulp.lpSum(optimizer)), f"sync_{r}"
+        grads = pulp.lpSum(grads)
+        alpha = problem.sync_alpha_s + problem.tie_time(r)
+        base = (alpha / seconds + problem.sync_s_per_byte * unit / seconds * grads
+                + pulp.lpSum(optimizer))
+        if not hides:
+            prob += sigma >= base, f"sync_{r}"
+            continue
+        hideable = problem.hide_alpha_s / seconds + problem.hide_s_per_byte * unit / seconds * grads
+        rank_time = pulp.lpSum(_stage_time(problem, n, s) for s in problem.stages_of(r))
+        prob += sigma >= base + hideable - problem.hide_beside * rank_time, f"sync_{r}"
+        prob += sigma >= base + problem.hide_least * hideable, f"sync_least_{r}"
     return sigma
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from cost_model.hardware.cluster import Cluster
 from cost_model.hardware.comm import collective_time
 from cost_model.layers.layer_cost import LayerCost
-from cost_model.layers.sharding import Sharding, transient_bytes as zero_transient
+from cost_model.layers.sharding import BACKWARD_SHARE, Sharding, SyncParts
+from cost_model.layers.sharding import transient_bytes as zero_transient
 from cost_model.layers.strategy import RECOMPUTE, Strategy, strategy_space
 from planner.search import ilp
 from planner.search.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
@@ -253,9 +254,9 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
 
 def _sync_bound(costs: ModelCosts, req: Request, c: Candidate, least: "_Least") -> float:
     """σ of `_lower_bound`: the data-parallel collectives of the average rank."""
-    _, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    _, parts, units = _comm_terms(costs, req, c)
     grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
-    return sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
+    return _least_sync(parts, units, grads, req.cluster)
 
 
 def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,
@@ -328,14 +329,14 @@ def _lower_bound(costs: ModelCosts, req: Request, c: Candidate, least: _Least) -
     rank, not 1.5 — and with it the first candidate is usually the optimum (gpt3-175b on 1024
     GPUs: within 0.01% of the ILP optimum on sampled candidates)."""
     blocks, stages = costs.num_blocks, c.pp * c.v
-    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    p2p, parts, units = _comm_terms(costs, req, c)
     total = (least.blocks_s + least.embed_s + least.head_s
              + 2 * (stages - 1) * p2p)
     floor = ilp.busiest_rank_floor(blocks, c.pp, stages, least.block_s, least.embed_s,
                                    least.head_s, p2p)
     rho = max(total / c.pp, floor)
     grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
-    sync = sync_alpha + sync_slope * grads if sync_alpha or sync_slope else 0.0
+    sync = _least_sync(parts, units, grads, req.cluster)
     alpha, beta = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     return alpha * total + beta * rho + sync
 
@@ -381,15 +382,18 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     ilp.BlockRun) and end-layer costs (embed, head)."""
     embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
                    for cost in ends)
-    p2p, sync_alpha, sync_slope = _comm_terms(costs, req, c)
+    p2p, parts, units = _comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
     cluster = req.cluster
     return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
-                            p2p, memory_limit, sync_alpha, sync_slope,
+                            p2p, memory_limit, parts.alpha, parts.slope,
                             phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
                             stage_s=actions_per_microbatch(c.schedule) *
-                            (cluster.action_floor + cluster.action_overhead))
+                            (cluster.action_floor + cluster.action_overhead),
+                            hide_alpha_s=parts.hide_alpha, hide_s_per_byte=parts.hide_slope,
+                            hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
+                            hide_least=max(cluster.comm_sm_share, 1 / units))
 
 
 def actions_per_microbatch(schedule: str) -> int:
@@ -432,27 +436,41 @@ def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
                            stride=(c.pp - 1) * c.tp * c.cp * c.dp)
 
 
-def _comm_terms(costs, req, c: Candidate) -> tuple[float, float, float]:
-    """(p2p seconds per stage boundary and micro-batch, forward + backward; exposed data-parallel
-    all-reduce latency; exposed seconds per gradient byte). Ranks are laid out tp innermost, then
-    cp, dp, pp: a pipeline neighbour is tp·cp·dp ranks away; gradients are averaged over the
-    dp·cp ranks that hold the same weights, tp ranks apart."""
+def _comm_terms(costs, req, c: Candidate) -> tuple[float, SyncParts, int]:
+    """(p2p seconds per stage boundary and micro-batch, forward + backward; the data-parallel
+    collectives of a rank (cost_model.layers.sharding.SyncParts); the layers a rank holds, for
+    the share of them nothing hides). Ranks are laid out tp innermost, then cp, dp, pp: a
+    pipeline neighbour is tp·cp·dp ranks away; gradients are averaged over the dp·cp ranks that
+    hold the same weights, tp ranks apart. Where collectives have no stream of their own
+    (Cluster.comm_stream false: CPU ranks) the measured share dp_overlap of the hideable part is
+    hidden, and the rest exposed."""
     tp, cp, dp = c.tp, c.cp, c.dp
     if c.pp > 1:
         boundary = costs.boundary_bytes(c.micro_batch) / cp
         p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
     else:
         p2p = 0.0
+    units = -(-(costs.num_blocks + len(costs.ends)) // c.pp)
     if c.zero or c.dp_shard:  # sharded data parallel: reduce-scatters and all-gathers
-        units = -(-(costs.num_blocks + len(costs.ends)) // c.pp)
         t = costs.training
-        return (p2p, *zero_axis.comm_terms(req.cluster, c, zero_axis.sharding_of(c),
-                                           t.weight_bytes / t.grad_bytes, units))
-    group = dp * cp
-    alpha = collective_time(req.cluster, "all_reduce", 0.0, group, stride=tp)
-    slope = (collective_time(req.cluster, "all_reduce", 2.0**30, group, stride=tp) - alpha) / 2**30
-    exposed = 1.0 - req.cluster.dp_overlap
-    return p2p, alpha * exposed, slope * exposed
+        parts = zero_axis.comm_terms(req.cluster, c, zero_axis.sharding_of(c),
+                                     t.weight_bytes / t.grad_bytes, units)
+    else:
+        group = dp * cp
+        alpha = collective_time(req.cluster, "all_reduce", 0.0, group, stride=tp)
+        slope = (collective_time(req.cluster, "all_reduce", 2.0**30, group, stride=tp)
+                 - alpha) / 2**30
+        parts = SyncParts(0.0, 0.0, alpha, slope, BACKWARD_SHARE)
+    if not req.cluster.comm_stream:
+        parts = SyncParts(*parts.discounted(req.cluster.dp_overlap))
+    return p2p, parts, units
+
+
+def _least_sync(parts: SyncParts, units: int, grads: float, cluster: Cluster) -> float:
+    """The least exposed seconds of a rank's data-parallel collectives for `grads` gradient
+    bytes: the exposed part and the least share of the hideable one (ilp._sync_time)."""
+    hideable = parts.hide_alpha + parts.hide_slope * grads
+    return parts.alpha + parts.slope * grads + max(cluster.comm_sm_share, 1 / units) * hideable
 
 
 def search(costs: ModelCosts, req: Request) -> list[Plan]:

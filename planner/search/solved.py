@@ -79,8 +79,9 @@ def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
     iteration = parts.iteration_s
     bubble = max(iteration - busy - parts.sync_s, 0.0)  # rounding can leave -1e-19
     flops = req.global_batch * costs.flops_per_sample()
-    syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1])
-                  + problem.tie_time(r) for r in range(problem.ranks))
+    syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1],
+                                 parts.rank_s[r]) + problem.tie_time(r)
+                  for r in range(problem.ranks))
     return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
                      bubble / busy, max(parts.rank_bytes) + transient,
                      req.global_batch * req.seq / iteration,

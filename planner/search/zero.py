@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from cost_model.hardware.comm import collective_time
-from cost_model.layers.sharding import LEVELS, Sharding, held_bytes, step_traffic, sync_terms
+from cost_model.layers.sharding import LEVELS, Sharding, SyncParts, held_bytes, step_traffic, sync_parts
 
 
 def check_zero_fix(fix: dict) -> None:
@@ -63,16 +63,15 @@ def sharding_of(c) -> Sharding:
     return Sharding(c.zero, shard * c.cp, c.dp // shard, c.microbatches, backward)
 
 
-def comm_terms(cluster, c, sharding: Sharding, weight_per_grad: float,
-               units: int) -> tuple[float, float]:
+def comm_terms(cluster, c, sharding: Sharding, weight_per_grad: float, units: int) -> SyncParts:
     return _comm_terms(cluster, c.tp, sharding, weight_per_grad, units)
 
 
 @lru_cache(maxsize=65536)
-def _comm_terms(cluster, tp, sharding, weight_per_grad, units):
-    """(exposed latency, exposed seconds per gradient byte) of the candidate's data-parallel
-    collectives for a rank holding `units` layers (cost_model.layers.sharding.sync_terms). The shard
-    group is n ranks tp apart; the replicate group r ranks, n x tp apart."""
+def _comm_terms(cluster, tp, sharding, weight_per_grad, units) -> SyncParts:
+    """The candidate's data-parallel collectives for a rank holding `units` layers
+    (cost_model.layers.sharding.sync_parts). The shard group is n ranks tp apart; the replicate
+    group r ranks, n x tp apart."""
     def terms(kind, n, stride):
         alpha = collective_time(cluster, kind, 0.0, n, stride=stride)
         slope = (collective_time(cluster, kind, 2.0**30, n, stride=stride) - alpha) / 2**30
@@ -81,7 +80,7 @@ def _comm_terms(cluster, tp, sharding, weight_per_grad, units):
     rs = terms("reduce_scatter", s.n, tp)
     ag = terms("all_gather", s.n, tp)
     ar = terms("all_reduce", s.r, s.n * tp)
-    return sync_terms(s, weight_per_grad, *rs, *ag, *ar, cluster.dp_overlap, units)
+    return sync_parts(s, weight_per_grad, *rs, *ag, *ar, units)
 
 
 def gpt_layer_numels(model) -> dict[str, int]:

@@ -19,7 +19,8 @@ def test_gpt3_on_1024_a100s_fits_and_uses_model_parallelism(gpt3_plan):
     p = gpt3_plan
     assert p.dp * p.tp * p.cp * p.pp == 1024
     assert p.tp <= 8, "tensor parallelism stays inside a node"
-    assert p.pp > 1, "175B parameters do not fit one device group without pipelining"
+    assert p.pp > 1 or p.zero == 3, \
+        "175B parameters fit one device group only pipelined or sharded (ZeRO-3)"
     assert p.predicted.peak_memory_bytes <= 80e9
     assert sum(len(s.layers) for s in p.stages) == 96 + 2
     assert 0 < p.predicted.bubble_fraction < 1

@@ -113,3 +113,18 @@ def test_traffic_of_each_level_against_the_ring_formulas():
     three = step_traffic([(numel, 4, 4, 2)], Sharding(3, n, 1, m, 2))
     assert three["all_gather"] == pytest.approx(m * 3 * ring)
     assert sync_terms(Sharding(0, n), 1.0, 1, 1, 1, 1, 0.5, 2.0, 0.25, 10) == (0.375, 1.5)
+
+
+def test_sync_parts_keep_what_compute_can_hide_apart_from_what_it_cannot():
+    from cost_model.layers.sharding import BACKWARD_SHARE, sync_parts
+    # level 3, 4 micro-batches, 2 replicate groups: gathers and reduce-scatters run beside all
+    # of every micro-batch; the replicate all-reduce after the last backward does not
+    p = sync_parts(Sharding(3, 4, 2, 4), 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, units=10)
+    gathers = 4 * 2  # m x (forward + backward)
+    assert (p.hide_alpha, p.hide_slope) == (10 * 4 * 1.0 + 10 * gathers * 3.0,
+                                            4 * 2.0 + gathers * 4.0 * 0.5)
+    assert (p.alpha, p.slope, p.beside) == (10 * 5.0, 6.0 / 4, 4.0)
+    # level 1: the gather after the optimizer step has nothing beside it
+    one = sync_parts(Sharding(1, 4, 1, 4), 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, units=10)
+    assert (one.alpha, one.slope) == (10 * 3.0, 4.0 * 0.5)
+    assert one.beside == pytest.approx(BACKWARD_SHARE)

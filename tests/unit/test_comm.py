@@ -73,13 +73,32 @@ def test_bigger_messages_take_longer():
 )
 def test_ring_link_selection_by_stride(group_size, stride, inter):
     assert crosses_nodes(A100, "all_reduce", group_size, stride) is inter
+    rails = max(1, min(group_size, 8 // stride))  # members per node: one NIC each (DGX)
     if inter:
-        alpha, bw = A100.inter_latency, A100.inter_bw
+        alpha, bw = A100.inter_latency, min(rails * A100.inter_bw, A100.intra_bw)
     else:
         alpha, bw = A100.intra_latency, A100.intra_bw
     n = group_size
     expected = (n - 1) * alpha + (n - 1) / n * M / (bw * A100.comm_eff)
     assert collective_time(A100, "all_gather", M, n, stride) == pytest.approx(expected)
+
+
+def test_a_ring_across_nodes_uses_one_nic_per_member_in_a_node_unless_they_share_one():
+    n = 32  # 4 DGX nodes, 8 members in each: 8 NICs per node carry the ring at once
+    per_nic = (n - 1) * A100.inter_latency + (n - 1) / n * M / (A100.inter_bw * A100.comm_eff)
+    eight = (n - 1) * A100.inter_latency + (n - 1) / n * M / (8 * A100.inter_bw * A100.comm_eff)
+    assert collective_time(A100, "all_gather", M, n) == pytest.approx(eight)
+    assert collective_time(A100, "all_gather", M, n, stride=8) == pytest.approx(per_nic)
+    shared = dataclasses.replace(A100, nic_per_gpu=False)
+    assert collective_time(shared, "all_gather", M, n) == pytest.approx(per_nic)
+
+
+def test_an_all_to_all_across_nodes_sends_its_off_node_share_through_its_own_nic():
+    n, k = 64, 8  # 8 nodes of 8: 56/64 of each buffer leaves the node, 7/64 stays on NVLink
+    off = (n - k) / n * M / (A100.inter_bw * A100.comm_eff)
+    on = (k - 1) / n * M / (A100.intra_bw * A100.comm_eff)
+    expected = (n - 1) * A100.inter_latency + max(off, on)
+    assert collective_time(A100, "all_to_all", M, n) == pytest.approx(expected)
 
 
 def test_p2p_crosses_nodes_when_stride_reaches_a_node():
@@ -125,7 +144,8 @@ def test_correction_applies_to_the_inter_node_link_too():
     n = 16
     expected = (n - 1) * A100.inter_latency * 2.0 + (n - 1) / n * M / (
         A100.inter_bw * A100.comm_eff * 0.5)
-    assert collective_time(corrected, "all_gather", M, n) == pytest.approx(expected)
+    # one member per node (stride 8): the ring runs on one NIC
+    assert collective_time(corrected, "all_gather", M, n, stride=8) == pytest.approx(expected)
     # The traffic accounting stays the textbook volume.
     assert bytes_on_wire("all_gather", M, n) == pytest.approx((n - 1) / n * M)
 
@@ -224,3 +244,19 @@ def test_fit_links_recovers_per_kind_corrections():
     fitted = dataclasses.replace(truth, **fields)
     for kind, n, size, seconds in measurements:
         assert collective_time(fitted, kind, size, n) == pytest.approx(seconds, rel=1e-3)
+
+
+def test_expert_dispatch_across_nodes_sends_each_token_once_per_other_node():
+    from cost_model.hardware.comm import expert_dispatch_time
+    tokens, k, nbytes, ep = 4096, 8, 7168 * 2, 64   # 8 nodes of 8
+    nodes = 8
+    remote = (nodes - 1) * (1 - (1 - 1 / nodes) ** k)
+    nic = tokens * remote * nbytes / (A100.inter_bw * A100.comm_eff)
+    nvlink = tokens * k * nbytes * (ep - 1) / ep / (A100.intra_bw * A100.comm_eff)
+    expected = A100.inter_latency + A100.intra_latency + max(nic, nvlink)
+    assert expert_dispatch_time(A100, tokens, k, nbytes, ep) == pytest.approx(expected)
+    # fewer bytes on the NIC than the flat all-to-all's 56/64 of every copy
+    assert expected < collective_time(A100, "all_to_all", tokens * k * nbytes, ep)
+    # inside a node: the all-to-all of the top-k copies
+    assert expert_dispatch_time(A100, tokens, k, nbytes, 8) == pytest.approx(
+        collective_time(A100, "all_to_all", tokens * k * nbytes, 8))

@@ -42,7 +42,9 @@ PRICED = re.compile(r"# fxpar plan: ([\d.]+) s/iteration; nearest (torchtitan|Me
 @pytest.fixture(scope="module")
 def gpt3():
     pricer = Pricer(get_config("gpt3-175b"), 1024, cluster="a100-80g-dgx")
-    return pricer, pricer.best()[0], facts_of_config(get_config("gpt3-175b"))
+    # a zb-h1 plan with context parallelism: the schedule torchtitan reads from a CSV
+    fix = {"tp": 4, "pp": 16, "cp": 2, "zero": 0, "schedule": "zb-h1", "strategy": "tp"}
+    return pricer, pricer.best(fix=fix)[0], facts_of_config(get_config("gpt3-175b"))
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +182,7 @@ def test_cli_round_trip_with_a_layout_and_a_schedule_csv(tmp_path, capsys, monke
     and zb-h1 (a CSV beside the TOML), through the command line both ways."""
     monkeypatch.chdir(tmp_path)
     base = ["plan", "--model", "gpt2-xl", "--gpus", "8", "--cluster", "a100-80g-dgx",
-            "--memory-limit", "12"]
+            "--memory-limit", "12", "--fix", "pp=4,schedule=zb-h1"]
     assert main(base + ["--emit", "megatron"]) == 0
     flags_text = capsys.readouterr().out
     assert "--pipeline-model-parallel-layout 'E" in flags_text

@@ -200,3 +200,22 @@ def test_polish_keeps_the_time_and_takes_the_least_total_stage_time(seed):
     assert polished.objective <= best
     assert ilp.evaluate(problem, polished.counts)[1] <= problem.memory_limit * (1 + 1e-9)
     assert sum(ilp.breakdown(problem, polished.counts).stage_s) == pytest.approx(least, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ilp_with_collectives_beside_compute_matches_brute_force(seed):
+    """The data-parallel collectives a GPU runs beside compute (a', b', κ, λ: σ's second pair of
+    rows) on the same random problems: exposed max(λ·H, H − κ·ΣT) as ilp.evaluate prices it."""
+    rng = random.Random(2000 + seed)
+    problem = random_problem(random.Random(seed))
+    assert_matches_brute_force(dataclasses.replace(
+        problem, hide_alpha_s=rng.uniform(0, 2), hide_s_per_byte=rng.uniform(0, 1.5),
+        hide_beside=rng.uniform(0, 3), hide_least=rng.uniform(0.05, 0.5)))
+
+
+def test_collectives_beside_compute_are_exposed_only_past_it():
+    problem = random_problem(random.Random(0))
+    hidden = dataclasses.replace(problem, sync_alpha_s=0.0, sync_s_per_byte=0.0, tie_s=0.0,
+                                 hide_alpha_s=1.0, hide_beside=1.0, hide_least=0.1)
+    assert ilp._sync_time(hidden, 0.0, rank_s=5.0) == pytest.approx(0.1)   # λ·H: hidden
+    assert ilp._sync_time(hidden, 0.0, rank_s=0.5) == pytest.approx(0.5)   # H − κ·ΣT
