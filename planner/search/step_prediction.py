@@ -36,6 +36,8 @@ def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
             return stage.fwd_s + floor + wake
         if action.kind is Kind.B:
             return stage.bwd_s + floor + wake
+        if action.stage == 0:  # no boundary input: I has nothing to compute, W is a plain backward
+            return floor + (stage.bwd_s + wake if action.kind is Kind.W else 0.0)
         return stage.bwd_s * (1 + split) / 2 + floor + wake  # I or W: half of a longer backward
 
     optimizer = [sum(plan.stages[s].step_s for s in schedule.stages_of(r))

@@ -114,6 +114,28 @@ def test_zb_h1_pays_the_second_traversal():
     assert parts["I1"] + parts["W1"] == pytest.approx(1.5 * m * p.stages[1].bwd_s)
 
 
+def test_zb_h1s_first_stage_runs_one_plain_backward():
+    """Stage 0 has no boundary input: the executor's I computes nothing and its W is a whole
+    backward, so stage 0 pays no second traversal. The schedule's makespan stays the closed form
+    of the ILP (the simulator, with F = 1 and B = 2 split that way on stage 0 only)."""
+    from planner.search.ilp import schedule_weights
+    from runtime.pipeline.generators import make_schedule
+    from runtime.pipeline.simulator import simulate
+    cluster = dataclasses.replace(CPU, split_backward=0.5)
+    p = _plan(cluster, pp=2, dp=2, schedule="zb-h1")
+    parts = predicted_step(p, cluster).parts[0]
+    m = p.num_microbatches
+    assert parts["I0"] + parts["W0"] == pytest.approx(m * p.stages[0].bwd_s)
+    for pp, mb in [(2, 4), (4, 8), (8, 32)]:
+        def seconds(a):
+            if a.kind is Kind.F:
+                return 1.0
+            return (0.0 if a.kind is Kind.I else 2.0) if a.stage == 0 else 1.0
+        timeline = simulate(make_schedule("zb-h1", pp, mb), seconds)
+        assert max(e.end for e in timeline.events) == pytest.approx(
+            3.0 * schedule_weights("zb-h1", pp, mb)[1])
+
+
 def test_optimizer_fit_recovers_both_costs():
     a, b = 3e-6, 2e-9
     shapes = [(256, 256), (4, 2**18)]
