@@ -24,6 +24,9 @@ EXAMPLES = {
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
            "  fxpar run --model llama2-7b --gpus 64 --cluster h100-sxm-dgx --torchrun job/\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
+    "validate": "examples:\n  fxpar validate\n"
+                "  fxpar validate --match deepseek --json > deepseek.json\n"
+                "  fxpar validate --cluster profile.json --csv my-runs.csv",
 }
 
 
@@ -280,6 +283,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    """Price every published measured run (planner.bench.published) and compare."""
+    from planner.bench.published import report, to_json, validate
+    result = validate(args.cluster, args.csv, args.match,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(to_json(result), indent=2) if args.json else report(result))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line too (with where to read more), exit status 2."""
 
@@ -363,6 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "a folder of step-N checkpoints (the latest complete one is read)")
     e.add_argument("--out", required=True, metavar="FILE.safetensors")
     e.set_defaults(func=_cmd_export)
+    v = sub.add_parser("validate", help="price published measured training runs (GPU, BF16) "
+                       "and compare fxpar's predicted step times with them",
+                       epilog=EXAMPLES["validate"],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("--cluster", default="h100-sxm-dgx", help="cluster preset or profile JSON "
+                   "(default h100-sxm-dgx)")
+    v.add_argument("--csv", action="append", metavar="FILE", help="a CSV of runs in the "
+                   "columns of planner/bench/published/*.csv (may be repeated; default: every "
+                   "CSV of that folder)")
+    v.add_argument("--match", metavar="SUBSTRING", help="only the rows whose model contains "
+                   "SUBSTRING (case-insensitive)")
+    v.add_argument("--json", action="store_true", help="print the results as JSON")
+    v.set_defaults(func=cmd_validate)
     sub.add_parser("calibrate", help="measure this machine and write a cluster profile "
                    "(fxpar calibrate --help)")
     return parser

@@ -1,0 +1,484 @@
+"""Published measured training runs priced by fxpar: the check of the GPU cost model against them
+(`fxpar validate`, examples/bench_published.py).
+
+planner/bench/published/ holds the runs as CSV files, one per source, whose header comments name
+the source (document, table, address), and models.json, how fxpar builds each CSV "model": a
+preset with overrides, or a Hugging Face config.json under configs/, with a note of what fxpar
+cannot express for it. Each row becomes one fixed configuration (`fix_of`), priced by
+planner.api.plan under a cluster profile (default h100-sxm-dgx):
+
+  tp, pp, cp, ep   as published ("-": 1)
+  vp               v = vp with schedule interleaved-1f1b when vp > 1; schedule 1f1b when pp > 1
+  mbs              mb (the micro-batch); the micro-batches per step follow from gbs, mbs and dp
+  fsdp             zero=3 with dp_shard = fsdp. The tables' FSDP degree is the data-parallel shard
+                   size with cp apart: NeMo AutoModel and torchtitan shard parameters over
+                   dp_shard x cp (AutoModel's Llama3 70B row: 64 GPUs = cp 2 x fsdp 32), and so do
+                   fxpar's ZeRO levels (planner.search.zero: over dp_shard x cp, replicated across
+                   dp / dp_shard), so dp_shard = fsdp says the same thing; fsdp = dp is plain FSDP,
+                   fsdp < dp hybrid sharding.
+                   "-": data parallel with the optimizer state sharded (Megatron's distributed
+                   optimizer), zero=1
+  gpus, gbs, seq   the request
+
+The rest (recomputation, the stage split) is the planner's choice, and expert load imbalance is
+fxpar's default (the expected maximum of uniform routing). Throughput is compared per GPU:
+tokens/s per GPU = gbs x seq / (step s x gpus); rows of one model and GPU count are ranked by it.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+FOLDER = Path(__file__).with_name("published")
+MODELS_FILE = FOLDER / "models.json"
+DEFAULT_CLUSTER = "h100-sxm-dgx"
+COLUMNS = ("model", "gpus", "gbs", "mbs", "lbs", "ga", "seq", "tp", "pp", "cp", "ep", "vp",
+           "fsdp", "kernels", "step_s", "model_tflops_per_gpu", "tokens_per_s_per_gpu")
+_COUNTS = ("gpus", "gbs", "mbs", "seq", "tp", "pp", "cp")
+_OPTIONAL_COUNTS = ("ep", "vp", "fsdp")                     # "-": not used
+_TIMES = ("step_s", "tokens_per_s_per_gpu")
+CLOSE = 0.05     # a measured-fastest row predicted within 5% of the predicted fastest
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published run, as its CSV row says."""
+    source: str                  # the CSV file's name
+    line: int                    # its line in the file
+    model: str
+    gpus: int
+    gbs: int
+    mbs: int
+    seq: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int | None
+    vp: int | None
+    fsdp: int | None
+    kernels: str
+    step_s: float
+    tokens_per_s_per_gpu: float
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    def configuration(self) -> str:
+        """'tp=1 pp=4 v=8 ep=64 fsdp=64 mb=1 gbs=512 seq=4096' (cp, ep and v shown when used)."""
+        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        parts += [f"v={self.vp}"] if (self.vp or 1) > 1 else []
+        parts += [f"cp={self.cp}"] if self.cp > 1 else []
+        parts += [f"ep={self.ep}"] if (self.ep or 1) > 1 else []
+        parts += [f"fsdp={self.fsdp}" if self.fsdp else "ddp"]
+        return " ".join(parts + [f"mb={self.mbs}", f"gbs={self.gbs}", f"seq={self.seq}"])
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How fxpar builds a CSV model: a preset with overrides, or a Hugging Face config file."""
+    name: str
+    preset: str | None = None
+    overrides: tuple[tuple[str, int], ...] = ()
+    hf_config: str | None = None  # a path relative to the published folder
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Result:
+    """A row priced (predicted_s and its parts) or not (reason)."""
+    row: Row
+    fix: tuple[tuple[str, object], ...]
+    predicted_s: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None      # exposed communication
+    bubble_s: float | None = None
+    reason: str = ""
+
+    @property
+    def priced(self) -> bool:
+        return self.predicted_s is not None
+
+    @property
+    def error_pct(self) -> float | None:
+        """(predicted - published) / published step time, in percent."""
+        return error_pct(self.predicted_s, self.row.step_s) if self.priced else None
+
+    @property
+    def predicted_tokens_per_s_per_gpu(self) -> float | None:
+        if not self.priced:
+            return None
+        return self.row.gbs * self.row.seq / (self.predicted_s * self.row.gpus)
+
+
+@dataclass(frozen=True)
+class Summary:
+    rows: int
+    priced: int
+    median_abs_error_pct: float | None
+    max_abs_error_pct: float | None
+    within_10: int
+    within_20: int
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The rows of one model on one GPU count, fastest first by tokens/s per GPU."""
+    model: str
+    gpus: int
+    measured: tuple[Result, ...]
+    predicted: tuple[Result, ...]
+    unpriced: tuple[Result, ...]
+    verdict: str
+
+
+@dataclass(frozen=True)
+class Validation:
+    cluster: str
+    results: tuple[Result, ...]
+    summary: Summary
+    rankings: tuple[Ranking, ...]
+    notes: tuple[tuple[str, str], ...]   # (model, what fxpar cannot express for it)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def csv_files(folder: Path = FOLDER) -> list[Path]:
+    files = sorted(folder.glob("*.csv"), key=lambda f: f.stem)
+    if not files:
+        raise ValueError(f"no published runs: {folder} has no .csv file")
+    return files
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    """The rows of one CSV file; '#' lines are comments. ValueError names the file and line."""
+    path = Path(path)
+    lines = [(n, text) for n, text in enumerate(_read_text(path).splitlines(), 1)
+             if text.strip() and not text.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"{path}: no header line and no rows")
+    header = next(csv.reader([lines[0][1]]))
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise ValueError(f"{path}: missing columns {', '.join(missing)} (expected "
+                         f"{','.join(COLUMNS)})")
+    rows = []
+    for n, values in zip((n for n, _ in lines[1:]), csv.reader(t for _, t in lines[1:])):
+        if len(values) != len(header):
+            raise ValueError(f"{path} line {n}: {len(values)} fields, the header has "
+                             f"{len(header)}")
+        rows.append(_row(path.name, n, dict(zip(header, (v.strip() for v in values)))))
+    return rows
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a CSV file: not UTF-8 text") from None
+
+
+def _row(source: str, line: int, cells: dict[str, str]) -> Row:
+    where = f"{source} line {line}"
+    if not cells["model"]:
+        raise ValueError(f"{where}: empty model")
+    values = {c: _count(cells[c], c, where) for c in _COUNTS}
+    values |= {c: None if cells[c] == "-" else _count(cells[c], c, where)
+               for c in _OPTIONAL_COUNTS}
+    values |= {c: _positive(cells[c], c, where) for c in _TIMES}
+    return Row(source, line, cells["model"], kernels=cells["kernels"], **values)
+
+
+def _count(text: str, column: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{where}: {column} must be a positive integer, got {text!r}"
+                         + (' ("-" is allowed for ep, vp and fsdp only)' if text == "-" else ""))
+    return int(text)
+
+
+def _positive(text: str, column: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{where}: {column} must be a positive number, got {text!r}")
+    return value
+
+
+def load_models(path: str | Path = MODELS_FILE) -> dict[str, ModelSpec]:
+    """models.json: {"models": {name: {"preset", "overrides"} or {"hf_config"}, "note"}}."""
+    try:
+        data = json.loads(_read_text(Path(path)))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON: {err.msg} at line {err.lineno}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+        raise ValueError(f'{path}: expected an object with a "models" object')
+    return {name: _spec(name, entry, path) for name, entry in data["models"].items()}
+
+
+def _spec(name: str, entry, path) -> ModelSpec:
+    from planner.models.presets import ModelConfig
+    where = f"{path}: model {name!r}"
+    if not isinstance(entry, dict) or ("preset" in entry) == ("hf_config" in entry):
+        raise ValueError(f'{where}: give one of "preset" (with "overrides") or "hf_config"')
+    unknown = sorted(set(entry) - {"preset", "overrides", "hf_config", "note"})
+    overrides = entry.get("overrides", {})
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown or not isinstance(overrides, dict) or set(overrides) - fields:
+        raise ValueError(f"{where}: unknown keys {unknown or sorted(set(overrides) - fields)}")
+    return ModelSpec(name, entry.get("preset"), tuple(sorted(overrides.items())),
+                     entry.get("hf_config"), str(entry.get("note", "")))
+
+
+# ---- one row -----------------------------------------------------------------------------------
+
+def fix_of(row: Row) -> dict:
+    """The fixed configuration the row's columns say (see the module's docstring)."""
+    if row.gpus % (row.tp * row.pp * row.cp):
+        raise ValueError(f"{row.gpus} GPUs do not split into tp={row.tp} x pp={row.pp} x "
+                         f"cp={row.cp}")
+    fix = {"tp": row.tp, "pp": row.pp, "cp": row.cp, "ep": row.ep or 1, "mb": row.mbs}
+    v = row.vp or 1
+    if v > 1 and row.pp == 1:
+        raise ValueError(f"vp={v} virtual stages need pp > 1")
+    if row.pp > 1:
+        fix |= {"v": v, "schedule": "interleaved-1f1b" if v > 1 else "1f1b"}
+    if row.fsdp is None:
+        return fix | {"zero": 1}
+    if row.dp % row.fsdp:
+        raise ValueError(f"fsdp={row.fsdp} does not divide dp = gpus / (tp x pp x cp) = {row.dp}")
+    return fix | {"zero": 3, "dp_shard": row.fsdp}
+
+
+def error_pct(predicted: float, published: float) -> float:
+    return (predicted - published) / published * 100.0
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_module(path: str):
+    """A Hugging Face model on the meta device, its experts as one routed op (as `fxpar plan`
+    builds it)."""
+    import torch
+
+    from planner.models.hf import build_hf_from_file
+    from planner.models.hf_moe import has_experts, use_routed_experts
+    with torch.device("meta"):
+        model = build_hf_from_file(path)
+    if has_experts(model):
+        use_routed_experts(model)
+    return model
+
+
+def model_inputs(spec: ModelSpec, row: Row):
+    """(model, example inputs) for planner.api.plan: a preset config, or a meta HF model with a
+    meta batch of gbs sequences of seq tokens."""
+    if spec.preset is not None:
+        from planner.models.presets import get_config
+        return get_config(spec.preset, **dict(spec.overrides), seq=row.seq,
+                          global_batch=row.gbs), None
+    import torch
+    tokens = torch.zeros(row.gbs, row.seq, dtype=torch.long, device="meta")
+    return _hf_module(str(FOLDER / spec.hf_config)), (tokens, tokens)
+
+
+def price(row: Row, spec: ModelSpec | None, cluster: str) -> Result:
+    """The row under fxpar's cost model; any failure is the row's result, with its reason."""
+    try:
+        fix = fix_of(row)
+    except ValueError as err:
+        return Result(row, (), reason=f"inconsistent row: {err}")
+    if spec is None:
+        return Result(row, tuple(fix.items()), reason=f"no entry for model {row.model!r} in "
+                                                      f"{MODELS_FILE.name}")
+    from planner.api import plan
+    try:
+        model, inputs = model_inputs(spec, row)
+        best = plan(model, row.gpus, inputs, cluster=cluster, global_batch=row.gbs, fix=fix)[0]
+    except Exception as err:  # noqa: BLE001 - a row fxpar cannot price is reported, never dropped
+        return Result(row, tuple(fix.items()), reason=f"{type(err).__name__}: {_one_line(err)}")
+    p = best.predicted
+    return Result(row, tuple(fix.items()), p.iteration_s, p.compute_s, p.comm_s, p.bubble_s)
+
+
+def _one_line(err: Exception, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---- all rows ----------------------------------------------------------------------------------
+
+def summarize(results: list[Result] | tuple[Result, ...]) -> Summary:
+    errors = [abs(r.error_pct) for r in results if r.priced]
+    return Summary(len(results), len(errors),
+                   statistics.median(errors) if errors else None,
+                   max(errors) if errors else None,
+                   sum(e <= 10 for e in errors), sum(e <= 20 for e in errors))
+
+
+def rankings(results: list[Result] | tuple[Result, ...]) -> tuple[Ranking, ...]:
+    """Every group of rows with the same model and GPU count that has more than one row."""
+    groups: dict[tuple[str, int], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.row.model, r.row.gpus), []).append(r)
+    return tuple(_ranking(model, gpus, group) for (model, gpus), group in groups.items()
+                 if len(group) > 1)
+
+
+def _ranking(model: str, gpus: int, group: list[Result]) -> Ranking:
+    priced = [r for r in group if r.priced]
+    measured = tuple(sorted(priced, key=lambda r: -r.row.tokens_per_s_per_gpu))
+    predicted = tuple(sorted(measured, key=lambda r: -r.predicted_tokens_per_s_per_gpu))
+    unpriced = tuple(r for r in group if not r.priced)
+    return Ranking(model, gpus, measured, predicted, unpriced, _verdict(measured, predicted))
+
+
+def _verdict(measured: tuple[Result, ...], predicted: tuple[Result, ...]) -> str:
+    if len(measured) < 2:
+        return "fewer than two rows priced: no ranking"
+    fastest, best = measured[0], predicted[0].predicted_tokens_per_s_per_gpu
+    own = fastest.predicted_tokens_per_s_per_gpu
+    ties = sum(r.predicted_tokens_per_s_per_gpu >= best * (1 - 1e-9) for r in predicted)
+    if own >= best * (1 - 1e-9):
+        return "the measured fastest is predicted fastest" + (
+            f" (tied with {ties - 1} other row{'s' if ties > 2 else ''})" if ties > 1 else "")
+    slower = (1 - own / best) * 100
+    return (f"the measured fastest is predicted {slower:.1f}% slower than the predicted fastest: "
+            + ("within 5%" if slower <= CLOSE * 100 else "not within 5%"))
+
+
+def select(rows: list[Row], match: str | None) -> list[Row]:
+    if not match:
+        return rows
+    chosen = [r for r in rows if match.lower() in r.model.lower()]
+    if not chosen:
+        models = ", ".join(sorted({r.model for r in rows}))
+        raise ValueError(f"no published run's model contains {match!r}; models: {models}")
+    return chosen
+
+
+def validate(cluster: str = DEFAULT_CLUSTER, csvs: list[str] | None = None,
+             match: str | None = None,
+             progress: Callable[[str], None] | None = None) -> Validation:
+    """Price every published row (of `csvs`, default every CSV of the published folder; with
+    `match`, the rows whose model contains it) under `cluster`."""
+    from cost_model.hardware.cluster import get_cluster
+    name = get_cluster(cluster).name  # a bad cluster is an error before any row is priced
+    rows = select([r for path in (csvs or csv_files()) for r in read_rows(path)], match)
+    specs = load_models()
+    results = []
+    for i, row in enumerate(rows, 1):
+        if progress:
+            progress(f"[{i}/{len(rows)}] {row.model} on {row.gpus} GPUs: {row.configuration()}")
+        results.append(price(row, specs.get(row.model), cluster))
+    notes = tuple((m, specs[m].note) for m in dict.fromkeys(r.model for r in rows)
+                  if m in specs and specs[m].note)
+    return Validation(name, tuple(results), summarize(results), rankings(results), notes)
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+HEADERS = ("run", "model", "gpus", "configuration", "published s", "predicted s", "error %",
+           "published tok/s/GPU", "predicted tok/s/GPU", "compute s", "exposed comm s",
+           "bubble s")
+
+
+_ALIGN = ("left", "left", "right", "left") + ("right",) * 8
+
+
+def table_row(r: Result) -> list[str]:
+    row = r.row
+    head = [f"{Path(row.source).stem}:{row.line}", row.model, str(row.gpus), row.configuration(),
+            f"{row.step_s:.4g}"]
+    if not r.priced:
+        return head + ["not priced", "-", f"{row.tokens_per_s_per_gpu:,.0f}", "-", "-", "-", "-"]
+    return head + [f"{r.predicted_s:.4g}", f"{r.error_pct:+.1f}",
+                   f"{row.tokens_per_s_per_gpu:,.0f}", f"{r.predicted_tokens_per_s_per_gpu:,.0f}",
+                   *(_seconds(t) for t in (r.compute_s, r.comm_s, r.bubble_s))]
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.4g}" if abs(t) >= 1e-6 else "0"  # a bubble of 1e-17 s is rounding
+
+
+def report(v: Validation) -> str:
+    from tabulate import tabulate
+    lines = [f"fxpar's cost model ({v.cluster}) against published measured training runs",
+             tabulate([table_row(r) for r in v.results], headers=HEADERS, tablefmt="simple",
+                      disable_numparse=True, colalign=_ALIGN)]
+    lines += [f"not priced: {_label(r)}: {r.reason}" for r in v.results if not r.priced]
+    lines += ["", summary_text(v.summary)]
+    lines += [line for g in v.rankings for line in ranking_text(g)]
+    if v.notes:
+        lines += ["", "what fxpar does not express, per model "
+                      "(planner/bench/published/models.json):"]
+        lines += [f"  {model}: {note}" for model, note in v.notes]
+    return "\n".join(lines)
+
+
+def summary_text(s: Summary) -> str:
+    if not s.priced:
+        return f"none of the {s.rows} rows could be priced"
+    return (f"{s.priced} of {s.rows} rows priced: median |error| {s.median_abs_error_pct:.1f}%, "
+            f"max |error| {s.max_abs_error_pct:.1f}%, within ±10%: {s.within_10}, within ±20%: "
+            f"{s.within_20}")
+
+
+def ranking_text(g: Ranking) -> list[str]:
+    names = {id(r): f"#{i}" for i, r in enumerate(g.measured + g.unpriced, 1)}
+    order = lambda rs: _order([(names[id(r)], tokens) for r, tokens in rs])  # noqa: E731
+    lines = ["", f"ranking of {g.model} on {g.gpus} GPUs by tokens/s per GPU:"]
+    lines += [f"  {names[id(r)]} = {_label(r)}" for r in g.measured + g.unpriced]
+    lines.append("  measured:  " + order((r, r.row.tokens_per_s_per_gpu) for r in g.measured))
+    lines.append("  predicted: " + order((r, r.predicted_tokens_per_s_per_gpu)
+                                         for r in g.predicted))
+    lines += [f"  {names[id(r)]} not priced" for r in g.unpriced]
+    return lines + [f"  {g.verdict}"]
+
+
+def _order(runs: list[tuple[str, float]]) -> str:
+    """'#1 (6,667) > #2 (5,762)', '=' between equal throughputs."""
+    text = f"{runs[0][0]} ({runs[0][1]:,.0f})"
+    for (_, before), (name, tokens) in zip(runs, runs[1:]):
+        text += f" {'=' if tokens >= before * (1 - 1e-9) else '>'} {name} ({tokens:,.0f})"
+    return text
+
+
+def _label(r: Result) -> str:
+    return (f"{Path(r.row.source).stem}:{r.row.line} {r.row.model} on {r.row.gpus} GPUs, "
+            f"{r.row.configuration()}, {r.row.kernels}")
+
+
+def to_json(v: Validation) -> dict:
+    return {"cluster": v.cluster, "rows": [_result_json(r) for r in v.results],
+            "summary": dataclasses.asdict(v.summary),
+            "rankings": [{"model": g.model, "gpus": g.gpus,
+                          "measured": [_run(r) for r in g.measured],
+                          "predicted": [_run(r) for r in g.predicted],
+                          "not_priced": [_run(r) for r in g.unpriced], "verdict": g.verdict}
+                         for g in v.rankings],
+            "notes": dict(v.notes)}
+
+
+def _run(r: Result) -> str:
+    return f"{r.row.source}:{r.row.line}"
+
+
+def _result_json(r: Result) -> dict:
+    return {"source": r.row.source, "line": r.row.line, "model": r.row.model,
+            "gpus": r.row.gpus, "configuration": r.row.configuration(), "kernels": r.row.kernels,
+            "fix": dict(r.fix), "published_step_s": r.row.step_s,
+            "predicted_step_s": r.predicted_s, "error_pct": r.error_pct,
+            "published_tokens_per_s_per_gpu": r.row.tokens_per_s_per_gpu,
+            "predicted_tokens_per_s_per_gpu": r.predicted_tokens_per_s_per_gpu,
+            "compute_s": r.compute_s, "exposed_comm_s": r.comm_s, "bubble_s": r.bubble_s,
+            "reason": r.reason or None}
