@@ -60,7 +60,13 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     check_fix(fix)
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1,
                                            fp32=hw.runtime_priced)
-    req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k)
+    return plan_costs(costs, Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k),
+                      moe_imbalance)
+
+
+def plan_costs(costs: ModelCosts, req: Request, moe_imbalance: float | None = None) -> list[Plan]:
+    """`plan` for a model already captured and profiled (`_model_costs`): the search alone, so
+    that one capture serves several clusters (planner.bench.published fits constants so)."""
     plans = search_experts(costs, req, search, moe_imbalance)  # every ep size (dense: ep=1)
     if not plans:
         raise _infeasible(costs, req)

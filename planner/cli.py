@@ -9,9 +9,9 @@ import time
 
 EXAMPLES = {
     "plan": "examples:\n  fxpar plan --model gpt3-175b --gpus 1024 --cluster a100-80g-dgx\n"
-            "  fxpar plan --model llama2-7b --gpus 64 --json > a.json\n"
-            "  fxpar plan --model llama2-7b --gpus 64 --fix tp=8,pp=8,dp=1,mb=1,strategy=tp "
-            "--json > b.json\n"
+            "  fxpar plan --model llama2-7b --gpus 64 --cluster h100-sxm-dgx --json > a.json\n"
+            "  fxpar plan --model llama2-7b --gpus 64 --cluster h100-sxm-dgx "
+            "--fix tp=8,pp=8,dp=1,mb=1,strategy=tp --json > b.json\n"
             "  fxpar plan --diff a.json b.json\n"
             "  fxpar plan --model gpt2-xl --gpus 8 --explain --memory-limit 40",
     "simulate": "examples:\n  fxpar simulate --model gpt2-xl --gpus 32 --fix pp=4,dp=8,mb=1 "
@@ -26,7 +26,8 @@ EXAMPLES = {
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
     "validate": "examples:\n  fxpar validate\n"
                 "  fxpar validate --match deepseek --json > deepseek.json\n"
-                "  fxpar validate --cluster profile.json --csv my-runs.csv",
+                "  fxpar validate --cluster profile.json --csv my-runs.csv\n"
+                "  fxpar validate --fit matmul_eff,attention_eff",
 }
 
 
@@ -284,11 +285,24 @@ def cmd_bench(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    """Price every published measured run (planner.bench.published) and compare."""
-    from planner.bench.published import report, to_json, validate
-    result = validate(args.cluster, args.csv, args.match,
-                      progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(to_json(result), indent=2) if args.json else report(result))
+    """Price every published measured run (planner.bench.published) and compare; with --fit,
+    fit the named constants of each row's profile first (planner.bench.published_fit)."""
+    from planner.bench.published import csv_files, read_rows, report, select, to_json, validate
+    from planner.bench.published_fit import fit_cluster, fit_text, parse_names
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    fitted, fits = {}, []
+    if args.fit:
+        names = parse_names(args.fit)
+        rows = select([r for path in (args.csv or csv_files()) for r in read_rows(path)],
+                      args.match)
+        for cluster in sorted({args.cluster} if args.cluster else {r.cluster for r in rows}):
+            on = [r for r in rows if args.cluster or r.cluster == cluster]
+            fit, fitted[cluster] = fit_cluster(on, cluster, names, progress)
+            fits.append(fit_text(fit))
+    result = validate(args.cluster and fitted.get(args.cluster, args.cluster), args.csv,
+                      args.match, progress=progress, clusters=fitted)
+    print(json.dumps(to_json(result), indent=2) if args.json else
+          "\n".join(fits + ([""] if fits else []) + [report(result)]))
     return 0
 
 
@@ -379,8 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "and compare fxpar's predicted step times with them",
                        epilog=EXAMPLES["validate"],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    v.add_argument("--cluster", default="h100-sxm-dgx", help="cluster preset or profile JSON "
-                   "(default h100-sxm-dgx)")
+    v.add_argument("--cluster", help="price every row on this cluster preset or profile JSON "
+                   "(default: the profile each CSV names, h100-sxm-dgx where it names none)")
+    v.add_argument("--fit", metavar="NAMES", help="first fit these constants of each profile "
+                   "on its rows (comma-separated: matmul_eff, attention_eff, bw_eff, comm_eff) "
+                   "and print the fit")
     v.add_argument("--csv", action="append", metavar="FILE", help="a CSV of runs in the "
                    "columns of planner/bench/published/*.csv (may be repeated; default: every "
                    "CSV of that folder)")

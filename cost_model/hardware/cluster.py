@@ -65,6 +65,7 @@ _RULES: dict[str, tuple] = {
     "comm_stream": ("bool",),
     "sms": _NONNEG,
     "comm_sm_share": _SHARE,
+    "fused_pointwise": ("bool",),
     "comm_corrections": ("corrections",),
     "matmul_overhead": _NONNEG,
     "pointwise_flops": _NONNEG,
@@ -186,6 +187,11 @@ class Cluster:
     # one thread block per channel, each on an SM of its own): compute beside them slows by it.
     # 0: none (CPU ranks, where dp_overlap is measured instead).
     comm_sm_share: float = 0.0
+    # Chains of pointwise ops (activations, norms, casts, residual adds) run as one kernel each,
+    # as torch.compile and Transformer Engine's fused kernels run them: only the tensors entering
+    # and leaving a chain move through memory (cost_model.layers.fusion). False: one kernel per
+    # op, as eager PyTorch (and fxpar's runtime) runs them.
+    fused_pointwise: bool = False
     # Seconds each priced matmul (a layer's forward, or its backward) takes on
     # top of flops / (peak_flops * matmul_eff): small GEMMs reach a lower rate
     # than large ones (CPU BLAS packing and blocking), which one efficiency
@@ -546,6 +552,25 @@ PRESETS: dict[str, Cluster] = {
         matmul_eff=0.65,
         attention_eff=0.45,
         sms=132,  # H100 / H200 SXM5: 132 SMs
+        comm_sm_share=16 / 132,  # see _GPU_EFFS
+        **_GPU_EFFS,
+    ),
+    # Meta's Grand Teton hosts (the torchtitan paper's, arXiv 2410.06511, section 3.1): 8 H100
+    # SXM5 per host over NVLink, 400 Gb/s RDMA per GPU, but the 96 GB HBM2e part at 2.4 TB/s and
+    # the 500 W power limit (DGX H100: 80 GB HBM3 at 3.35 TB/s, 700 W). The tensor cores' peak is
+    # the datasheet's; what the lower power limit leaves of it under long GEMMs is in matmul_eff.
+    "h100-grand-teton": Cluster(
+        name="h100-grand-teton",
+        device="cuda",
+        gpus_per_node=8,
+        peak_flops=989e12,
+        mem_bytes=96 * GB,
+        mem_bw=2400 * GB,
+        intra_bw=450 * GB,
+        inter_bw=50 * GB,
+        matmul_eff=0.65,
+        attention_eff=0.45,
+        sms=132,
         comm_sm_share=16 / 132,  # see _GPU_EFFS
         **_GPU_EFFS,
     ),

@@ -102,12 +102,19 @@ def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str,
 def op_seconds(op, scale: float, cluster: Cluster, backward: bool) -> float:
     """One profiled op's forward or backward seconds at `scale` times its profiled batch
     (cost_model.layers.layer_cost.OpRecord): its roofline (compute_time), at least the pass's op floor,
-    and at least its measured per-element time where the profile has one (Cluster.element_s)."""
+    and at least its measured per-element time where the profile has one (Cluster.element_s).
+    Where the cluster fuses pointwise chains, a pointwise op moves only its fused bytes
+    (cost_model.layers.fusion), and one that moves none costs nothing."""
     if backward and not (op.bwd_flops or op.bwd_bytes):
         return compute_time(cluster, 0.0, 0.0, op.op_class)
     flops, nbytes, pairs, floor = (
         (op.bwd_flops, op.bwd_bytes, op.pairs * SDPA_BWD_FACTOR, cluster.backward_floor)
         if backward else (op.fwd_flops, op.fwd_bytes, op.pairs, cluster.forward_floor))
+    fused = getattr(op, "fused_bytes", None)
+    if cluster.fused_pointwise and fused is not None:  # a chain of pointwise ops, one kernel
+        if not fused:
+            return 0.0  # all its traffic stays inside the chain's kernel
+        nbytes *= min(1.0, fused / op.fwd_bytes) if op.fwd_bytes else 1.0
     least = max(floor, cluster.element_s(op.per_element, backward) * op.elements * scale)
     gemm = (op.gemm[0] * scale, *op.gemm[1:]) if op.gemm else ()
     return compute_time(cluster, flops * scale, nbytes * scale, op.op_class, pairs * scale, least,

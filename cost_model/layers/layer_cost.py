@@ -40,6 +40,7 @@ from cost_model.hardware.comm import bytes_on_wire, collective_time
 from cost_model.hardware.compute import kernels_s, op_seconds
 from cost_model.ops.node_cost import UnknownOpError, node_cost, saved_node_name
 from cost_model.ops.ring_attention import RingShape
+from cost_model.layers.fusion import fused_bytes
 from cost_model.layers.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
 from cost_model.layers.strategy import Strategy
 from passes.capture.trace import Captured, Layer, propagate_shapes
@@ -68,6 +69,9 @@ class OpRecord:
     elements: float = 0.0
     ringed: bool = False           # replaced by ring attention under context parallelism
     gemm: tuple = ()               # OpCost.gemm: a matmul's (m, n, k, groups), m per batch
+    # a pointwise op's forward bytes when pointwise chains run fused (cost_model.layers.fusion);
+    # None: not a pointwise op
+    fused_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -286,15 +290,13 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     # (a fused SDPA or the attention-over-values matmul) and the score ops before it
     outputs = ring.pop("outputs")
     ringed = core | outputs if ring["rings"] else set()
-    ops = []
-    for node in sub.graph.nodes:
-        if node.target in _MOVES:
-            continue
-        cost = node_cost(node, modules)
-        ops.append(OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
-                            cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
-                            cost.per_element, cost.elements, node.name in ringed,
-                            cost.gemm))
+    costs = {node: node_cost(node, modules) for node in sub.graph.nodes
+             if node.target not in _MOVES}
+    fused = fused_bytes(sub, {node.name: cost.op_class for node, cost in costs.items()})
+    ops = [OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
+                    cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
+                    cost.per_element, cost.elements, node.name in ringed, cost.gemm,
+                    fused.get(node.name)) for node, cost in costs.items()]
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(

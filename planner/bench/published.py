@@ -20,6 +20,11 @@ planner.api.plan under a cluster profile (default h100-sxm-dgx):
                    optimizer), zero=1
   gpus, gbs, seq   the request
 
+  kernels          "eager": one kernel per op, as fxpar runs; anything else (torch.compile,
+                   Transformer Engine, Megatron-Core) prices pointwise chains fused
+                   (Cluster.fused_pointwise)
+  cluster          the profile of the hardware, named by the file's "# cluster:" line
+
 The rest (recomputation, the stage split) is the planner's choice, and expert load imbalance is
 fxpar's default (the expected maximum of uniform routing). Throughput is compared per GPU:
 tokens/s per GPU = gbs x seq / (step s x gpus); rows of one model and GPU count are ranked by it.
@@ -66,6 +71,13 @@ class Row:
     kernels: str
     step_s: float
     tokens_per_s_per_gpu: float
+    cluster: str = DEFAULT_CLUSTER  # the hardware it ran on: the file's "# cluster:" line
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the run fused its pointwise ops (torch.compile, Transformer Engine, Megatron's
+        fused kernels): every kernels entry but "eager" does."""
+        return self.kernels.strip().lower() != "eager"
 
     @property
     def dp(self) -> int:
@@ -101,6 +113,9 @@ class Result:
     comm_s: float | None = None      # exposed communication
     bubble_s: float | None = None
     reason: str = ""
+    # priced although fxpar's memory model says the plan does not fit the device (the run did):
+    # what fxpar estimated against what the device has
+    memory_note: str = ""
 
     @property
     def priced(self) -> bool:
@@ -158,9 +173,13 @@ def csv_files(folder: Path = FOLDER) -> list[Path]:
 
 
 def read_rows(path: str | Path) -> list[Row]:
-    """The rows of one CSV file; '#' lines are comments. ValueError names the file and line."""
+    """The rows of one CSV file; '#' lines are comments, of which "# cluster: NAME" names the
+    profile (a preset of cost_model.hardware.cluster) of the hardware the rows ran on (default
+    h100-sxm-dgx). ValueError names the file and line."""
     path = Path(path)
-    lines = [(n, text) for n, text in enumerate(_read_text(path).splitlines(), 1)
+    text = _read_text(path)
+    cluster = _cluster_line(path, text)
+    lines = [(n, text) for n, text in enumerate(text.splitlines(), 1)
              if text.strip() and not text.lstrip().startswith("#")]
     if not lines:
         raise ValueError(f"{path}: no header line and no rows")
@@ -175,7 +194,19 @@ def read_rows(path: str | Path) -> list[Row]:
             raise ValueError(f"{path} line {n}: {len(values)} fields, the header has "
                              f"{len(header)}")
         rows.append(_row(path.name, n, dict(zip(header, (v.strip() for v in values)))))
-    return rows
+    return [dataclasses.replace(r, cluster=cluster) for r in rows]
+
+
+def _cluster_line(path: Path, text: str) -> str:
+    from cost_model.hardware.cluster import PRESETS
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines()
+             if line.lstrip("# ").lower().startswith("cluster:") and line.lstrip().startswith("#")]
+    if len(names) > 1:
+        raise ValueError(f"{path}: {len(names)} '# cluster:' lines; give one")
+    if names and names[0] not in PRESETS:
+        raise ValueError(f"{path}: '# cluster: {names[0]}' is not a cluster preset; presets: "
+                         f"{', '.join(sorted(PRESETS))}")
+    return names[0] if names else DEFAULT_CLUSTER
 
 
 def _read_text(path: Path) -> str:
@@ -279,20 +310,23 @@ def _hf_module(path: str):
     return model
 
 
-def model_inputs(spec: ModelSpec, row: Row):
+def model_inputs(spec: ModelSpec, gbs: int, seq: int):
     """(model, example inputs) for planner.api.plan: a preset config, or a meta HF model with a
     meta batch of gbs sequences of seq tokens."""
     if spec.preset is not None:
         from planner.models.presets import get_config
-        return get_config(spec.preset, **dict(spec.overrides), seq=row.seq,
-                          global_batch=row.gbs), None
+        return get_config(spec.preset, **dict(spec.overrides), seq=seq,
+                          global_batch=gbs), None
     import torch
-    tokens = torch.zeros(row.gbs, row.seq, dtype=torch.long, device="meta")
+    tokens = torch.zeros(gbs, seq, dtype=torch.long, device="meta")
     return _hf_module(str(FOLDER / spec.hf_config)), (tokens, tokens)
 
 
-def price(row: Row, spec: ModelSpec | None, cluster: str) -> Result:
-    """The row under fxpar's cost model; any failure is the row's result, with its reason."""
+def price(row: Row, spec: ModelSpec | None, cluster) -> Result:
+    """The row under fxpar's cost model on `cluster` (a name, a profile file or a Cluster); any
+    failure is the row's result, with its reason."""
+    from cost_model.hardware.cluster import get_cluster
+    from planner.search.meshes import Request
     try:
         fix = fix_of(row)
     except ValueError as err:
@@ -300,14 +334,57 @@ def price(row: Row, spec: ModelSpec | None, cluster: str) -> Result:
     if spec is None:
         return Result(row, tuple(fix.items()), reason=f"no entry for model {row.model!r} in "
                                                       f"{MODELS_FILE.name}")
-    from planner.api import plan
     try:
-        model, inputs = model_inputs(spec, row)
-        best = plan(model, row.gpus, inputs, cluster=cluster, global_batch=row.gbs, fix=fix)[0]
+        # the run's kernels, not fxpar's runtime (eager): fused pointwise chains where it fused
+        hw = dataclasses.replace(get_cluster(cluster), fused_pointwise=row.fused_kernels)
+        costs, name, batch, seq = model_costs(spec, row.gbs, row.seq)
+        best, note = _best(costs, Request(row.gpus, hw, batch, seq, float(hw.mem_bytes), name,
+                                          fix, top_k=1))
     except Exception as err:  # noqa: BLE001 - a row fxpar cannot price is reported, never dropped
         return Result(row, tuple(fix.items()), reason=f"{type(err).__name__}: {_one_line(err)}")
     p = best.predicted
-    return Result(row, tuple(fix.items()), p.iteration_s, p.compute_s, p.comm_s, p.bubble_s)
+    return Result(row, tuple(fix.items()), p.iteration_s, p.compute_s, p.comm_s, p.bubble_s,
+                  memory_note=note)
+
+
+_HEADROOM = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)   # memory limits tried, x the device's
+
+
+def _best(costs, request):
+    """(the fastest plan, "") or, when none fits the device's memory, the fastest within the
+    least of _HEADROOM x that memory that plans, and a note of what fxpar's memory model says:
+    the published run did fit, so its time is still priced, and the memory model's miss is
+    reported beside it."""
+    from planner.api import plan_costs
+    from planner.search.costs import PlanningError
+    from planner.search.plan import GiB
+    try:
+        return plan_costs(costs, request)[0], ""
+    except PlanningError as err:
+        refusal = err
+    for factor in _HEADROOM:
+        try:
+            best = plan_costs(costs, dataclasses.replace(
+                request, memory_limit=request.memory_limit * factor))[0]
+            break
+        except PlanningError:
+            continue
+    else:
+        raise refusal
+    need = best.predicted.peak_memory_bytes / GiB
+    return best, (f"fxpar's memory model puts this plan at {need:.1f} GiB per device, above "
+                  f"the {request.memory_limit / GiB:.1f} GiB it has; the run fit: memory "
+                  f"over-estimated")
+
+
+@functools.lru_cache(maxsize=16)
+def model_costs(spec: ModelSpec, gbs: int, seq: int):
+    """The model of `spec` captured and profiled once (planner.api._model_costs) for a global
+    batch and sequence: every cluster a row is priced on reuses it."""
+    from planner.api import _model_costs
+    from planner.models.loss import with_loss
+    model, inputs = model_inputs(spec, gbs, seq)
+    return _model_costs(with_loss(model, None), inputs, gbs, None)
 
 
 def _one_line(err: Exception, limit: int = 300) -> str:
@@ -366,23 +443,30 @@ def select(rows: list[Row], match: str | None) -> list[Row]:
     return chosen
 
 
-def validate(cluster: str = DEFAULT_CLUSTER, csvs: list[str] | None = None,
-             match: str | None = None,
-             progress: Callable[[str], None] | None = None) -> Validation:
+def validate(cluster=None, csvs: list[str] | None = None, match: str | None = None,
+             progress: Callable[[str], None] | None = None,
+             clusters: dict | None = None) -> Validation:
     """Price every published row (of `csvs`, default every CSV of the published folder; with
-    `match`, the rows whose model contains it) under `cluster`."""
+    `match`, the rows whose model contains it) on the cluster its file names, or on `cluster`
+    for all when given. `clusters` maps a row's cluster name to the Cluster to price it on
+    (planner.bench.published_fit's fitted profiles)."""
     from cost_model.hardware.cluster import get_cluster
-    name = get_cluster(cluster).name  # a bad cluster is an error before any row is priced
+    if cluster is not None:
+        get_cluster(cluster)  # a bad cluster is an error before any row is priced
     rows = select([r for path in (csvs or csv_files()) for r in read_rows(path)], match)
     specs = load_models()
     results = []
     for i, row in enumerate(rows, 1):
         if progress:
             progress(f"[{i}/{len(rows)}] {row.model} on {row.gpus} GPUs: {row.configuration()}")
-        results.append(price(row, specs.get(row.model), cluster))
+        hw = cluster if cluster is not None else (clusters or {}).get(row.cluster, row.cluster)
+        results.append(price(row, specs.get(row.model), hw))
     notes = tuple((m, specs[m].note) for m in dict.fromkeys(r.model for r in rows)
                   if m in specs and specs[m].note)
-    return Validation(name, tuple(results), summarize(results), rankings(results), notes)
+    names = sorted({get_cluster(cluster).name} if cluster is not None else
+                   {r.cluster for r in rows})
+    return Validation(", ".join(names), tuple(results), summarize(results), rankings(results),
+                      notes)
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -416,6 +500,7 @@ def report(v: Validation) -> str:
              tabulate([table_row(r) for r in v.results], headers=HEADERS, tablefmt="simple",
                       disable_numparse=True, colalign=_ALIGN)]
     lines += [f"not priced: {_label(r)}: {r.reason}" for r in v.results if not r.priced]
+    lines += [f"memory: {_label(r)}: {r.memory_note}" for r in v.results if r.memory_note]
     lines += ["", summary_text(v.summary)]
     lines += [line for g in v.rankings for line in ranking_text(g)]
     if v.notes:
@@ -481,4 +566,4 @@ def _result_json(r: Result) -> dict:
             "published_tokens_per_s_per_gpu": r.row.tokens_per_s_per_gpu,
             "predicted_tokens_per_s_per_gpu": r.predicted_tokens_per_s_per_gpu,
             "compute_s": r.compute_s, "exposed_comm_s": r.comm_s, "bubble_s": r.bubble_s,
-            "reason": r.reason or None}
+            "reason": r.reason or None, "memory_note": r.memory_note or None}
