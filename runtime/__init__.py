@@ -2,6 +2,7 @@
 
   programs/       the types passes/ produce: stage programs, shard specs, token layouts
   launch/         torchrun or local gloo ranks, the pool of ranks, fault reports, progress
+  attention/      attention kernels kept one graph node: causal attention with sinks (GPT-OSS)
   comm/           collectives as graph nodes, the device mesh, bytes on the wire, counters
   pipeline/       the schedule IR, its generators, validator, simulators, executor, timeline
   data_parallel/  ZeRO 1-3 / FSDP over flat buckets, replicas made equal
@@ -12,4 +13,4 @@
   observe/        measurement runs and the split of a measured step
 
 Inside, highest first: observe → checkpoint → training → {pipeline, data_parallel, experts,
-context} → comm → {programs, launch} (tests/unit/test_floors.py)."""
+context} → comm → {programs, launch, attention} (tests/unit/test_floors.py)."""

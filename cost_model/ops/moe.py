@@ -1,7 +1,8 @@
 """Cost of a mixture-of-experts layer (one runtime.experts.dispatch.moe_ffn node): compute per token,
 all-to-all bytes, the router's load imbalance, expert weights per rank, dispatched activations.
 
-Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype of d bytes:
+Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype of d bytes
+(f read from the expert weights' layout: gate_up [E, 2f, h], or [E, h, 2f] for GPT-OSS):
 
   router FLOPs      2 T h E                      (forward; backward twice that, as every matmul)
   expert FLOPs      6 T k h f                    (three matmuls per routed slot), on the most
@@ -20,8 +21,10 @@ Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype
                                                  sends to other ranks' experts and the S_in it
                                                  receives: the same bytes with T k r = the mean
                                                  of the two (tests/dist/test_expert_parallel.py).
-  expert weights    3 E h f d / ep               per rank (and their gradients and optimizer
-                                                 states, as for any weight)
+  expert weights    (3 E h f + B) d / ep         per rank (and their gradients and optimizer
+                                                 states, as for any weight); B the experts'
+                                                 bias values, E (2f + h) for GPT-OSS, else 0
+                                                 (their adds are not counted in the FLOPs)
   balance stats     2 b E d                      under context parallelism, per micro-batch of
                                                  b sequences: the balance loss's expert counts
                                                  and score sums, all-reduced over the cp group
@@ -43,6 +46,7 @@ import math
 from dataclasses import dataclass, replace
 
 from cost_model.ops.graph_facts import BWD_FACTOR, Call, OpCost, finish, nbytes, tensor_of
+from runtime.experts.custom_op import arguments as op_arguments
 
 QUALNAME = "runtime.experts.dispatch.moe_ffn"
 OP_QUALNAME = "torch._ops.fxpar.fxpar::routed_experts"   # runtime.experts.custom_op (torch.export)
@@ -58,6 +62,7 @@ class MoEFacts:
     top_k: int
     ffn: int
     dtype_bytes: int
+    bias: int = 0        # bias values of all E experts (GPT-OSS: E (2f + h)), 0 unbiased
 
     @property
     def expert_flops(self) -> float:
@@ -71,8 +76,8 @@ class MoEFacts:
 
     @property
     def expert_param_bytes(self) -> float:
-        """All E experts' weights (3 E h f values)."""
-        return 3.0 * self.experts * self.hidden * self.ffn * self.dtype_bytes
+        """All E experts' weights and biases (3 E h f + bias values)."""
+        return (3.0 * self.experts * self.hidden * self.ffn + self.bias) * self.dtype_bytes
 
     @property
     def dispatched_bytes(self) -> float:
@@ -86,17 +91,27 @@ class MoEFacts:
 
 
 def facts(node) -> MoEFacts:
-    """MoEFacts of a moe_ffn node, or of a routed_experts op (x, weights, index, gate_up, down,
-    ep, tag, experts: its router is in the graph, priced by its own ops), with fake shapes."""
+    """MoEFacts of a moe_ffn node, or of a routed_experts op (runtime.experts.custom_op: its
+    router is in the graph, priced by its own ops), with fake shapes."""
     x = tensor_of(node.args[0])
     tokens, hidden = int(x.numel() // x.shape[-1]), int(x.shape[-1])
-    if node.kwargs.get("top_k") is None and len(node.args) == 8:
-        weights, gate_up = tensor_of(node.args[1]), tensor_of(node.args[3])
-        return MoEFacts(tokens, hidden, int(node.args[7]), int(weights.shape[-1]),
-                        int(gate_up.shape[1] // 2), x.element_size())
+    if node.kwargs.get("top_k") is None and hasattr(node.target, "_schema"):
+        return _op_facts(node, tokens, hidden, x.element_size())
     router, w_gate = tensor_of(node.args[1]), tensor_of(node.args[2])
     return MoEFacts(tokens, hidden, int(router.shape[0]), int(node.kwargs.get("top_k", 1)),
                     int(w_gate.shape[1]), x.element_size())
+
+
+def _op_facts(node, tokens: int, hidden: int, dtype_bytes: int) -> MoEFacts:
+    args = op_arguments(node)
+    experts, weights, gate_up = int(args["experts"]), tensor_of(args["weights"]), \
+        tensor_of(args["gate_up"])
+    # gate_up is [E, 2f, h] (Hugging Face's fused layout) or, for GPT-OSS, its transpose
+    width = int(gate_up.shape[2 if args["kind"] == "gpt_oss" else 1] // 2)
+    # the biases hold this rank's experts (E/ep after the expert-parallel cut): count per expert
+    biases = [tensor_of(args[k]) for k in ("gate_up_bias", "down_bias") if args[k] is not None]
+    bias = experts * sum(int(b.shape[-1]) for b in biases)
+    return MoEFacts(tokens, hidden, experts, int(weights.shape[-1]), width, dtype_bytes, bias)
 
 
 def balance_bytes(node) -> float:

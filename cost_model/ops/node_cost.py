@@ -91,6 +91,7 @@ _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
     "runtime.training.loss_tokens.count_targets": ("sum", t.pointwise),
     moe.QUALNAME: ("moe_ffn", moe.moe_rule),   # a mixture-of-experts layer (cost_model.ops.moe)
     moe.OP_QUALNAME: ("routed_experts", moe.moe_rule),   # its experts, exported as one op
+    r.SINK_ATTENTION: ("sink_attention", r.sink_attention),  # GPT-OSS's attention, as one op
 }
 
 # Custom ops of other libraries that are matmuls in disguise, by "namespace.name": a grouped

@@ -122,6 +122,44 @@ def attention(call: Call) -> OpCost:
     return replace(cost, pairs=rows / tq.shape[-2])
 
 
+SINK_ATTENTION = "torch._ops.fxpar.fxpar::sink_attention"   # runtime.attention.sinks (torch.export)
+
+
+def visible_pairs(seq: int, window: int = 0) -> int:
+    """(query, key) pairs a causal attention of `seq` tokens computes when each query sees the
+    `window` keys up to and including itself (0: every earlier key): the first w queries see
+    1 .. w keys, the other seq - w see w, with w = min(window, seq); s(s + 1)/2 without one."""
+    w = min(window, seq) if window else seq
+    return w * (w + 1) // 2 + (seq - w) * w
+
+
+def sink_attention(call: Call) -> OpCost:
+    """fxpar.sink_attention(q, k, v, sinks, scaling, window): causal attention with a sink
+    logit per head and an optional sliding window, priced as a fused kernel like SDPA (scores
+    never reach memory; FlexAttention and TE skip the masked blocks).
+
+    FLOPs count QK^T and PV over the visible (query, key) pairs only (`visible_pairs`, per batch
+    row and query head; GQA's k/v heads do not change them); the sink adds one logit per row to
+    the softmax, nothing to the matmuls. Backward 2.5x, as SDPA. Moved and kept: q, k, v, the
+    sinks, the output and an fp32 log-sum-exp per query row, as flash attention keeps them."""
+    node = call.node
+    q, k, v = call.arg(0, "q"), call.arg(1, "k"), call.arg(2, "v")
+    sinks, window = call.arg(3, "sinks"), int(call.arg(5, "window", 0))
+    tq, tk, tv, out = tensor_of(q), tensor_of(k), tensor_of(v), out_tensor(node)
+    seq = tq.shape[-2]
+    heads = numel(tq) / (seq * tq.shape[-1])  # batch x query heads
+    flops = 2 * heads * visible_pairs(seq, window) * (tq.shape[-1] + tv.shape[-1])
+    lse = heads * seq * 4
+    saved = (keep(q, call.modules) + keep(k, call.modules) + keep(v, call.modules)
+             + keep(sinks, call.modules)
+             + ((output_ref(node), nbytes(out)), (f"{node.name}{SUFFIX_SEP}logsumexp", lse)))
+    fwd_bytes = (nbytes(tq) + nbytes(tk) + nbytes(tv) + nbytes(tensor_of(sinks)) + nbytes(out)
+                 + lse)
+    bwd_bytes = grad_io_bytes(node, [q, k, v, sinks]) + saved_bytes(saved)
+    cost = finish("attention", flops, SDPA_BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved, flops)
+    return replace(cost, pairs=heads)
+
+
 def convolution(call: Call) -> OpCost:
     """conv1d/2d/3d (and aten.convolution): every output element is a dot product over the
     weight's C_in/groups × kernel elements, so FLOPs are 2·numel(out)·numel(w)/C_out, backward

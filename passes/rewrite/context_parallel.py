@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from passes.capture.trace import CONSTANT, propagate_shapes
 from passes.rewrite.cp_masks import WHOLE, MaskError, builders, drop_unused, mask_rows
 from passes.rewrite.expert_parallel import split_balance
-from passes.rewrite.sharding import LAYER, get_param, is_sdpa
+from passes.rewrite.sharding import LAYER, get_param, is_sdpa, is_sink_attention
 from passes.rewrite.tables import table
 from runtime.training import rng
 from runtime.programs.token_split import check_sequence, global_positions
@@ -189,6 +189,9 @@ def _check_no_shift(gm: fx.GraphModule, seq: int) -> None:
 def _find_attention(gm: fx.GraphModule, node: fx.Node) -> Attention | None:
     if is_sdpa(node):
         return _sdpa(gm, node)
+    if is_sink_attention(node):  # run over local tokens it would be silently wrong
+        _fail(node, "ring attention has no attention sinks or sliding window yet "
+                    "(fxpar.sink_attention, GPT-OSS's attention); plan with cp=1")
     if node.op in ("call_function", "call_method") and node.target in _SOFTMAX:
         return _math(gm, node)
     return None

@@ -2,11 +2,14 @@
 
 A MoE layer is one `runtime.experts.dispatch.moe_ffn` call node whose weights are read by get_attr: the
 router [E, h] (kept whole: every rank routes its own tokens over all experts) and the stacked
-expert weights w_gate, w_up [E, f, h] and w_down [E, h, f]. The rewrite replaces each stacked
-weight by rows [i E/ep, (i+1) E/ep) for the rank at index i of its expert-parallel group, marks
-it (`param.fxpar_expert`, a runtime.programs.shards.ShardSpec on dim 0, so the runtime joins the experts
-of a full state dict and reduces their gradients over the ranks holding the same experts only),
-and sets the node's `ep` (dispatch and combine over the EP group) and `tag` (its layer, under
+expert weights w_gate, w_up [E, f, h] and w_down [E, h, f]; or one `torch.ops.fxpar.routed_experts`
+op (torch.export) with its gate_up and down weights and, when biased (GPT-OSS), their biases
+[E, 2f] and [E, h], every one stacked over the E experts on dim 0 whatever its layout
+(runtime.experts.custom_op). The rewrite replaces each stacked weight and bias by rows
+[i E/ep, (i+1) E/ep) for the rank at index i of its expert-parallel group, marks it
+(`param.fxpar_expert`, a runtime.programs.shards.ShardSpec on dim 0, so the runtime joins the
+experts of a full state dict and reduces their gradients over the ranks holding the same experts
+only), and sets the node's `ep` (dispatch and combine over the EP group) and `tag` (its layer, under
 which the all-to-all bytes are counted).
 
 The graph's shapes do not change: moe_ffn maps [b, s, h] to [b, s, h] whatever ep is.
@@ -25,7 +28,7 @@ from runtime.experts.dispatch import moe_ffn
 from runtime.programs.shards import ShardSpec
 
 _EXPERT_ARGS = (2, 3, 4)   # w_gate, w_up, w_down among moe_ffn's positional arguments
-_OP_EXPERT_ARGS = (3, 4)   # gate_up, down among routed_experts' arguments
+_OP_EXPERT_ARGS = expert_op.EXPERT_ARGS   # gate_up, down, gate_up_bias, down_bias (or None)
 
 
 def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -50,18 +53,27 @@ def expert_parallel(gm: fx.GraphModule, ep: int, rank: int) -> list[str]:
     for node in nodes:
         layer = node.meta.get(LAYER, node.name)
         op = _is_op(node)
-        experts = node.args[7] if op else _param(gm, node.args[1], layer).shape[0]
+        experts = expert_op.arguments(node)["experts"] if op else \
+            _param(gm, node.args[1], layer).shape[0]
         if experts % ep:
             raise ShardingError(f"layer {layer}: {experts} experts do not divide over ep={ep}; "
                                 f"use an ep that divides {experts}")
         if ep > 1:
-            for i in (_OP_EXPERT_ARGS if op else _EXPERT_ARGS):
-                cut.append(_cut(gm, node.args[i], ShardSpec(0, ep, rank), layer))
-        if op:  # (x, weights, index, gate_up, down, ep, tag, experts)
-            node.args = (*node.args[:5], ep, layer, experts)
+            for arg in (_op_weights(node) if op else [node.args[i] for i in _EXPERT_ARGS]):
+                cut.append(_cut(gm, arg, ShardSpec(0, ep, rank), layer))
+        if op:  # (x, weights, index, gate_up, down, ep, tag, experts, biases, kind, ...)
+            node.args = (*node.args[:5], ep, layer, *node.args[7:])
         else:
             node.kwargs = {**node.kwargs, "ep": ep, "tag": layer}
     return cut
+
+
+def _op_weights(node: fx.Node) -> list:
+    """A routed_experts node's expert weights and the biases it has (an unbiased node holds None
+    or, exported with its defaults left off, nothing there)."""
+    args = expert_op.arguments(node)
+    return [args[expert_op.ARGS[i]] for i in _OP_EXPERT_ARGS
+            if args[expert_op.ARGS[i]] is not None]
 
 
 def _param(gm, arg, layer: str):

@@ -1,9 +1,10 @@
 """Activation recomputation: regions of the graph run under torch.utils.checkpoint.
 
   full       the whole layer ("full" in the strategy): only its inputs are kept for backward
-  selective  the attention core ("sel"): from q, k, v to the attention output - the sdpa call, or
-             the written-out scores / mask / softmax / dropout / (att @ v) whose values are
-             [..., s, s] - so the s² tensors are not kept; everything else is
+  selective  the attention core ("sel"): from q, k, v to the attention output - the sdpa call
+             (or fxpar's sink attention), or the written-out scores / mask / softmax / dropout /
+             (att @ v) whose values are [..., s, s] - so the s² tensors are not kept; everything
+             else is
 
 A region becomes one call_module node, `recompute_<kind>_<layer>`, whose module is a small
 GraphModule: `checkpointed(body, *inputs)` over a `body` GraphModule holding the region's nodes.
@@ -23,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from passes.rewrite.sharding import LAYER, is_sdpa, nodes_by_layer, tag_layers
+from passes.rewrite.sharding import LAYER, is_attention, nodes_by_layer, tag_layers
 from runtime.context.ring_attention import ring_attention
 from runtime.comm import collectives
 from runtime.comm import instrument
@@ -69,13 +70,13 @@ def _is_softmax(gm, node: fx.Node) -> bool:
 
 
 def attention_cores(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[list[fx.Node]]:
-    """Each attention of a layer as nodes in graph order: an sdpa call; or a softmax over scores
-    [..., s, s] with the score nodes before it (q @ kᵀ, scale, mask), the [..., s, s] nodes after
-    it (dropout) and the ones that leave that shape (att @ v)."""
+    """Each attention of a layer as nodes in graph order: an sdpa (or sink attention) call; or a
+    softmax over scores [..., s, s] with the score nodes before it (q @ kᵀ, scale, mask), the
+    [..., s, s] nodes after it (dropout) and the ones that leave that shape (att @ v)."""
     mine, order = set(nodes), {n: i for i, n in enumerate(nodes)}
     cores = []
     for node in nodes:
-        if is_sdpa(node) or node.target is ring_attention:
+        if is_attention(node) or node.target is ring_attention:
             cores.append([node])
         elif _is_softmax(gm, node) and _square(node):
             region, stack = {node}, list(node.all_input_nodes)

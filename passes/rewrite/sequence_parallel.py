@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.rewrite.expert_parallel import sequence_refusal
-from passes.rewrite.sharding import LAYER, ShardingError, is_sdpa, localize_shapes, tag_layers
+from passes.rewrite.sharding import LAYER, ShardingError, is_attention, localize_shapes, tag_layers
 from runtime.comm import collectives as c
 
 _LINEAR = {F.linear, torch.ops.aten.linear.default}
@@ -138,7 +138,7 @@ class _Walk:
     def _reads_sharded(self, node: fx.Node) -> bool:
         if not any(arg in self.sharded for arg in node.all_input_nodes):
             return False
-        mixing = is_sdpa(node) or (node.target in _MATMUL
+        mixing = is_attention(node) or (node.target in _MATMUL
                                    and all(a in self.sharded for a in node.all_input_nodes[:2]))
         if mixing:
             raise ShardingError(f"layer {node.meta.get(LAYER)}: {node.name} mixes tokens of "

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from runtime.attention import sinks  # noqa: F401 - registers torch.ops.fxpar.sink_attention
 from runtime.training import rng
 from runtime.programs.shards import ShardSpec, shard_specs  # noqa: F401 - re-exported for the passes
 
@@ -137,6 +138,19 @@ _SPLIT = {"split", torch.split, aten.split.Tensor}
 
 def is_sdpa(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in SDPA
+
+
+# GPT-OSS's attention with sinks as one op (runtime.attention.sinks): q, k, v [b, heads, s, d]
+SINK_ATTENTION = {torch.ops.fxpar.sink_attention.default}
+
+
+def is_sink_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SINK_ATTENTION
+
+
+def is_attention(node: fx.Node) -> bool:
+    """A fused attention call: tokens mix inside it, heads do not."""
+    return is_sdpa(node) or is_sink_attention(node)
 
 
 @dataclass(frozen=True)

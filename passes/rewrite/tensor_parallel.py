@@ -45,9 +45,9 @@ import torch.nn.functional as F
 
 from passes.capture.trace import CONSTANT
 from passes.rewrite.sharding import (_RESHAPES, LAYER, LinearSite, ShardingError, ShardSpec, after_views,
-                             before_views, call_after, chunk_user, get_param, is_sdpa, lift_params,
-                             linear_site, localize_shapes, nodes_by_layer, replace_param,
-                             shard_of, shard_param, shard_specs, tag_layers)
+                             before_views, call_after, chunk_user, get_param, is_attention,
+                             is_sdpa, lift_params, linear_site, localize_shapes, nodes_by_layer,
+                             replace_param, shard_of, shard_param, shard_specs, tag_layers)
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from runtime.comm import collectives
@@ -359,7 +359,7 @@ def _grouped_kv(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int) -> dic
     """k/v projections whose heads do not divide by tp -> what this rank takes of their output:
     (start, length) of the last dimension, or a tensor of indices."""
     mine, result = set(nodes), {}
-    for node in filter(is_sdpa, nodes):
+    for node in filter(is_attention, nodes):  # SDPA or sink attention: (q, k, v, ...)
         q, k, v = node.args[:3]
         q_heads, kv_heads = q.meta["val"].shape[-3], k.meta["val"].shape[-3]
         if q_heads % tp:

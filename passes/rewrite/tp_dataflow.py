@@ -11,11 +11,12 @@ through the layer, on the full shapes of the capture, and proves that every shar
 row-parallel linear (which contracts over the sharded dimension, then all-reduces) through ops that
 work on the other dimensions only: elementwise ops (other operands broadcast along the sharded
 dimension), views that keep whole heads, transposes, reductions, norms, softmax and slicing over
-other dimensions, attention with the sharded dimension as its heads, matmuls whose contraction is
-another dimension, and the split of a fused projection the rewrite knows how to cut. Anything else
-that reads a sharded value, and a sharded value that leaves the layer, is a ShardingError naming
-the node and what it does; the planner then leaves the layer's tensor-parallel strategies out of
-the search, with that reason.
+other dimensions, attention with the sharded dimension as its heads (SDPA, and fxpar's sink
+attention, whose sinks are then cut like the query heads: `Findings.cut_params`), matmuls whose
+contraction is another dimension, and the split of a fused projection the rewrite knows how to
+cut. Anything else that reads a sharded value, and a sharded value that leaves the layer, is a
+ShardingError naming the node and what it does; the planner then leaves the layer's
+tensor-parallel strategies out of the search, with that reason.
 
 Two ops that do look across the sharded dimension are made exact by the rewrite, when the value's
 parts on the tp ranks are equal contiguous blocks of it (a column-parallel output, not a fused
@@ -179,6 +180,7 @@ class _Flow:
                  "split_with_sizes": self._split,
                  "cat": self._cat, "stack": self._stack,
                  "scaled_dot_product_attention": self._attention,
+                 "sink_attention": self._sink_attention,
                  "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul,
                  "baddbmm": self._baddbmm}
         rule = rules.get(name)
@@ -281,7 +283,9 @@ class _Flow:
             return
         if _val(src) is None:  # a part of a chunk / split result
             self.dim[node] = d
-            if src in self.fused_splits:  # each part of a fused projection is cut in blocks
+            # each part of a fused projection is cut in blocks; so is each part of a split
+            # along another dimension of a value cut in blocks (rotary's halves of head_dim)
+            if src in self.fused_splits or src in self.blocks:
                 self.blocks.add(node)
             if src in self.whole_heads:   # of a projection kept whole: heads selected per part
                 self.whole_heads.add(node)
@@ -442,7 +446,9 @@ class _Flow:
             self.fail(node, "stacks sharded values with whole ones or ones sharded differently")
         self.dim[node] = d + (new <= d)
 
-    def _attention(self, node, src, d) -> None:
+    def _heads(self, node) -> int:
+        """The heads dimension of attention `node` (q, k, v its first arguments), which all
+        three must be sharded on."""
         q, k, v = node.args[:3]
         heads = _val(q).dim() - 3
         # A single kv head read whole by every rank (multi-query, its projection kept whole).
@@ -450,6 +456,11 @@ class _Flow:
         if any(self.dim.get(t) != heads and not one_head(t) for t in (q, k, v)):
             self.fail(node, "is attention whose queries, keys and values are not all sharded "
                             "by heads")
+        return heads
+
+    def _attention(self, node, src, d) -> None:
+        q = node.args[0]
+        heads = self._heads(node)
         mask = _arg(node, 3, "attn_mask")
         if isinstance(mask, fx.Node) and mask not in self.dim and _val(mask) is not None:
             m = _val(mask)
@@ -457,6 +468,23 @@ class _Flow:
             if aligned >= 0 and m.shape[aligned] > 1:
                 self.fail(node, f"adds a bias per head ({mask.name}) that is whole, not "
                                 f"sharded by heads")
+        self.dim[node] = heads
+
+    def _sink_attention(self, node, src, d) -> None:
+        """fxpar.sink_attention(q, k, v, sinks, ...): heads never mix, so it runs by heads like
+        SDPA, with the sinks (one per query head, a whole parameter) cut like the query heads.
+        That needs each rank's query heads to be its block of them (a column-parallel q)."""
+        q, sinks = node.args[0], node.args[3]
+        heads = self._heads(node)
+        if sinks in self.dim:
+            self.fail(node, f"reads sinks {sinks.name} computed from sharded values")
+        if q not in self.blocks:
+            self.fail(node, f"has query heads ({q.name}) that are not each rank's block of "
+                            f"them, so its sinks cannot be cut alike")
+        if not self._param_of_full_size(sinks, _val(sinks), 0, _val(q).shape[heads]):
+            self.fail(node, f"reads sinks {sinks.name} that are not a trained parameter of one "
+                            f"value per query head")
+        self.found.cut_params[str(sinks.target)] = 0
         self.dim[node] = heads
 
     def _matmul(self, node, src, d) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from planner.models import hf_attention
+from planner.models import hf_attention, hf_sinks
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
 # `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
@@ -126,15 +126,17 @@ def _is_dropout(name: str, value) -> bool:
 
 def from_config(config) -> HFCausalLM:
     """The causal LM of `config`, with PyTorch's fused attention where the architecture has it
-    (planner.models.hf_attention: it stays is_causal when captured), its eager attention where it does
-    not (Gemma-2's soft-capped scores, ALiBi in BLOOM and MPT)."""
+    (planner.models.hf_attention: it stays is_causal when captured), fxpar's fused attention with
+    sinks where its attention has them (GPT-OSS: planner.models.hf_sinks), its eager attention
+    where it has neither (Gemma-2's soft-capped scores, ALiBi in BLOOM and MPT)."""
     tf = _transformers()
     model_cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     fused = getattr(model_cls, "_supports_sdpa", False)
     # Architectures that look attention up in transformers' AttentionInterface take ours.
     interface = getattr(model_cls, "_supports_attention_backend", False)
-    attention = (hf_attention.register() if fused and interface else "sdpa" if fused
-                 else "eager")
+    sinks = interface and getattr(config, "model_type", None) in hf_sinks.MODEL_TYPES
+    attention = (hf_sinks.register() if sinks else hf_attention.register() if fused and interface
+                 else "sdpa" if fused else "eager")
     return HFCausalLM(tf.AutoModelForCausalLM.from_config(config, attn_implementation=attention))
 
 

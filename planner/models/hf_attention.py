@@ -11,7 +11,8 @@ gets a packed-sequence mask (transformers cannot read the positions while tracin
 `plain_positions()` (a forward given no position ids) it is known to keep every pair.
 
 Only architectures that offer SDPA use it (Gemma 2's soft-capped scores and the ALiBi models
-need their eager attention).
+need their eager attention; GPT-OSS's attention sinks have their own fused op,
+planner.models.hf_sinks).
 """
 from __future__ import annotations
 

@@ -1,12 +1,23 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE) with their experts as one
-`torch.ops.fxpar.routed_experts` op (runtime.experts.custom_op), so that passes.rewrite.expert_parallel can cut
-them after torch.export.
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, DeepSeek, GPT-OSS) with their
+experts as one `torch.ops.fxpar.routed_experts` op (runtime.experts.custom_op), so that
+passes.rewrite.expert_parallel can cut them after torch.export.
 
-transformers 5 holds a family's experts as stacked `gate_up_proj` [E, 2f, h] and `down_proj`
-[E, h, f] in a `*Experts` module called as experts(hidden [T, h], top_k_index, top_k_weights);
-its own router (softmax or sigmoid, top-k, normalisation, DeepSeek's group-limited choice) stays
-as it is. `use_routed_experts` swaps each such module's forward for the op, which computes the
-same sum (`tests/unit/test_hf_moe.py` checks it against transformers' own forward).
+transformers 5 holds a family's experts stacked in a `*Experts` module called as
+experts(hidden [T, h], top_k_index, top_k_weights); its own router (softmax or sigmoid, top-k,
+normalisation, DeepSeek's group-limited choice) stays as it is. `use_routed_experts` swaps each
+such module's forward for the op, which computes the same sum (`tests/unit/test_hf_moe.py` and
+`tests/unit/test_hf_gpt_oss_experts.py` check it against transformers' own forward) for the two
+forms the op knows:
+
+  swiglu   gate_up_proj [E, 2f, h] (gate rows, then up rows), down_proj [E, h, f],
+           act_fn(gate) * up with a SiLU act_fn (Mixtral, Qwen3-MoE, DeepSeek)
+  gpt_oss  transformers' GptOssExperts: gate_up_proj [E, h, 2f] with gate and up interleaved,
+           down_proj [E, f, h], biases gate_up_proj_bias [E, 2f] and down_proj_bias [E, h],
+           its own clamped gate (swiglu_alpha, swiglu_limit)
+
+The form is read from the flags transformers' `use_experts_implementation` sets on the module
+(is_transposed, is_concatenated, has_bias, has_gate, has_post_expert_norm) and from its gating
+function; any other experts module is refused with a ValueError, never computed as another.
 """
 from __future__ import annotations
 
@@ -17,32 +28,113 @@ import torch
 
 from runtime.experts.custom_op import routed_experts
 
+# transformers' use_experts_implementation flags, with the values of the swiglu form (also its
+# defaults, which an undecorated experts module is taken to have), and what a differing one means.
+_FLAGS = {"is_transposed": (False, "transposed weights"),
+          "is_concatenated": (True, "interleaved gate and up"),
+          "has_bias": (False, "biases"),
+          "has_gate": (True, "no gate projection"),
+          "has_post_expert_norm": (False, "a norm after each expert")}
+_GPT_OSS_FLAGS = {"is_transposed": True, "is_concatenated": False, "has_bias": True,
+                  "has_gate": True, "has_post_expert_norm": False}
+
 
 def _forward(self, hidden_states, top_k_index, top_k_weights):
     return routed_experts(hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index,
                           self.gate_up_proj, self.down_proj, 1, "moe", self.num_experts)
 
 
+def _forward_gpt_oss(self, hidden_states, router_indices, routing_weights):
+    return routed_experts(hidden_states, routing_weights.to(hidden_states.dtype), router_indices,
+                          self.gate_up_proj, self.down_proj, 1, "moe", self.num_experts,
+                          self.gate_up_proj_bias, self.down_proj_bias, "gpt_oss",
+                          float(self.alpha), float(self.limit))
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj")
+
+
 def has_experts(model: torch.nn.Module) -> bool:
-    return any(type(m).__name__.endswith("Experts") and hasattr(m, "gate_up_proj")
-               for m in model.modules())
+    return any(_is_experts(m) for m in model.modules())
+
+
+def _gate_function(module):
+    """The module's gating function (transformers' `_apply_gate`), or None without one."""
+    return getattr(type(module), "_apply_gate", None)
+
+
+def _is_gpt_oss_gate(gate) -> bool:
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return False
+    return gate is GptOssExperts._apply_gate
+
+
+def _is_default_gate(gate) -> bool:
+    # transformers' act_fn(gate) * up over the [gate; up] halves; a module without a gating
+    # function (undecorated) is read as computing the same
+    if gate is None:
+        return True
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    return gate is _default_apply_gate
+
+
+def _kind(module) -> str:
+    """"swiglu" or "gpt_oss", the form of routed_experts that computes this experts module; a
+    ValueError naming what the op does not compute otherwise."""
+    name = type(module).__name__
+    flags = {k: bool(getattr(module, k, default)) for k, (default, _) in _FLAGS.items()}
+    gate = _gate_function(module)
+    if flags == _GPT_OSS_FLAGS and _is_gpt_oss_gate(gate):
+        return "gpt_oss"
+    odd = [what for k, (default, what) in _FLAGS.items() if flags[k] != default]
+    if not _is_default_gate(gate):
+        odd.append(f"its own gating function {getattr(gate, '__qualname__', gate)}")
+    act = getattr(module, "act_fn", None)
+    if act is not None and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        odd.append(f"activation {type(act).__name__}")
+    if odd:
+        raise ValueError(f"{name}: routed_experts computes SwiGLU experts (fused [E, 2f, h] "
+                         f"gate_up, SiLU) or GPT-OSS's; unsupported here: {', '.join(odd)}")
+    return "swiglu"
+
+
+def _check_shapes(module, kind: str) -> None:
+    """The weights lie as `kind` says (an undecorated module could hold another layout)."""
+    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    e = gate_up[0]
+    if kind == "gpt_oss":
+        h, f = gate_up[1], down[1]
+        want = {"gate_up_proj": (e, h, 2 * f), "down_proj": (e, f, h),
+                "gate_up_proj_bias": (e, 2 * f), "down_proj_bias": (e, h)}
+    else:
+        f, h = down[2], down[1]
+        want = {"gate_up_proj": (e, 2 * f, h), "down_proj": (e, h, f)}
+    for attr, shape in want.items():
+        got = tuple(getattr(module, attr).shape)
+        if got != tuple(shape):
+            raise ValueError(f"{type(module).__name__}: {attr} is {list(got)}, not the "
+                             f"{kind} layout's {list(shape)} (routed_experts cannot compute it)")
 
 
 def use_routed_experts(model: torch.nn.Module) -> int:
-    """Swap every Hugging Face experts module's forward for routed_experts; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj"):
-            if getattr(module, "act_fn", None) is not None and \
-                    type(module.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
-                raise ValueError(f"{type(module).__name__}: routed_experts computes SwiGLU "
-                                 f"experts, got activation {type(module.act_fn).__name__}")
-            module.forward = types.MethodType(_forward, module)
-            count += 1
-    if not count:
+    """Swap every Hugging Face experts module's forward for routed_experts; returns how many.
+    Raises ValueError on an experts module of another form (before swapping any)."""
+    found = [(m, _kind(m)) for m in model.modules() if _is_experts(m)]
+    if not found:
         raise ValueError(f"{type(model).__name__} has no Hugging Face experts module "
                          f"(gate_up_proj / down_proj) to run as routed experts")
-    return count
+    for module, kind in found:
+        _check_shapes(module, kind)
+    for module, kind in found:
+        forward = _forward_gpt_oss if kind == "gpt_oss" else _forward
+        module.forward = types.MethodType(forward, module)
+    return len(found)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ Routing (per token, E experts, top k):
            (Mixtral, Qwen3-MoE)
   sigmoid  p = sigmoid(x Wr^T); the top-k of p, renormalised to sum 1 (DeepSeek-V3)
   the weights are multiplied by `scale` (DeepSeek-V3's routed scaling factor).
-Experts are SwiGLU: down(silu(gate x) * up x), weights stacked [E, f, h], [E, f, h], [E, h, f].
+Experts are SwiGLU: down(silu(gate x) * up x), weights stacked [E, f, h], [E, f, h], [E, h, f]
+(`ExpertWeights`, which also holds the fused layouts of Hugging Face's experts modules that
+runtime.experts.custom_op computes: [E, 2f, h] gate_up, and GPT-OSS's biased, interleaved, clamped
+form).
 
 Dispatch is dropless (no capacity factor): every (token, slot) pair reaches its expert, so the
 result equals one process up to summation order. With ep ranks, each holds E/ep consecutive
@@ -74,8 +77,8 @@ def moe_ffn(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: t
     aux = (_balance_loss(probs, index, experts, top_k, seq_parts, seq_group, tag) * aux_coef
            if aux_coef else None)
     flat = x.flatten(0, -2)
-    y = _routed(flat, top.flatten(0, -2), index.flatten(0, -2), w_gate, w_up, w_down,
-                experts, ep, tag)
+    y = _routed(flat, top.flatten(0, -2), index.flatten(0, -2),
+                ExpertWeights(w_gate, w_up, w_down), experts, ep, tag)
     return y.view_as(x), aux
 
 
@@ -108,7 +111,69 @@ def _balance_loss(probs: torch.Tensor, index: torch.Tensor, experts: int, k: int
     return (load * mean).sum(-1).mean()
 
 
-def _routed(flat, weights, index, w_gate, w_up, w_down, experts: int, ep: int, tag: str):
+KINDS = ("swiglu", "gpt_oss")   # the expert functions ExpertWeights computes
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """This rank's stacked expert weights (its E/ep experts on dim 0 of each) and the function
+    every expert computes with them, on the rows x [n, h] routed to it:
+
+    "swiglu"   down(silu(gate x) * up x): gate, up [E, f, h], down [E, h, f]; `up` None: `gate`
+               is Hugging Face's fused gate_up [E, 2f, h], gate rows first, then up rows;
+               optional biases gate_bias [E, 2f] (fused only) and down_bias [E, h].
+    "gpt_oss"  transformers' GptOssExperts: gate_up = x gate + gate_bias, gate [E, h, 2f] (the
+               transpose of the fused layout) with gate and up interleaved (columns 0::2 and
+               1::2), bias [E, 2f]; g = min(gate, limit), u = clamp(up, -limit, limit);
+               (u + 1) * g * sigmoid(alpha g) down + down_bias, down [E, f, h], bias [E, h].
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor | None
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    kind: str = "swiglu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"expert kind must be one of {KINDS}, got {self.kind!r}")
+        if self.up is not None and (self.kind != "swiglu" or self.gate_bias is not None):
+            raise ValueError("separate gate and up expert weights are SwiGLU without gate bias")
+
+    @property
+    def local(self) -> int:
+        """The experts this rank holds."""
+        return self.gate.shape[0]
+
+    def __call__(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e (local index) on its rows [n, h] -> [n, h]."""
+        if self.kind == "gpt_oss":
+            return self._gpt_oss(e, rows)
+        if self.up is None:
+            gate, up = F.linear(rows, self.gate[e], _row(self.gate_bias, e)).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(rows, self.gate[e]), F.linear(rows, self.up[e])
+        return F.linear(F.silu(gate) * up, self.down[e], _row(self.down_bias, e))
+
+    def _gpt_oss(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        # The same operations in the same order as transformers' GptOssExperts (its
+        # `_apply_gate`), so that the two agree to rounding.
+        gate_up = rows @ self.gate[e] + self.gate_bias[e]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        mid = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return mid @ self.down[e] + self.down_bias[e]
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]
+
+
+def _routed(flat, weights, index, experts_w: ExpertWeights, experts: int, ep: int, tag: str):
     """The weighted sum of each token's top-k experts' outputs, [tokens, h]."""
     k = index.shape[-1]
     slots = index.flatten()
@@ -117,35 +182,26 @@ def _routed(flat, weights, index, w_gate, w_up, w_down, experts: int, ep: int, t
     counts = torch.bincount(slots, minlength=experts)
     sent = flat[token]
     if ep == 1:
-        out = _experts(sent, counts.tolist(), w_gate, w_up, w_down)
+        out = _experts(sent, counts.tolist(), experts_w)
     else:
-        out = _expert_parallel(sent, counts, w_gate, w_up, w_down, ep, tag)
+        out = _expert_parallel(sent, counts, experts_w, ep, tag)
     out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(flat).index_add(0, token, out)
 
 
-def _experts(rows: torch.Tensor, counts: list[int], w_gate, w_up, w_down) -> torch.Tensor:
-    """SwiGLU of each local expert on its contiguous run of rows (w_up None: w_gate holds gate
-    and up stacked, Hugging Face's fused gate_up_proj)."""
-    outs = []
-    for e, part in enumerate(rows.split(counts)):
-        if not part.shape[0]:
-            continue
-        if w_up is None:
-            gate, up = F.linear(part, w_gate[e]).chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(part, w_gate[e]), F.linear(part, w_up[e])
-        outs.append(F.linear(F.silu(gate) * up, w_down[e]))
+def _experts(rows: torch.Tensor, counts: list[int], experts_w: ExpertWeights) -> torch.Tensor:
+    """Each local expert on its contiguous run of rows."""
+    outs = [experts_w(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]]
     return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
 
 
-def _expert_parallel(sent, counts, w_gate, w_up, w_down, ep: int, tag: str) -> torch.Tensor:
+def _expert_parallel(sent, counts, experts_w: ExpertWeights, ep: int, tag: str) -> torch.Tensor:
     group = _EP_GROUP[0]
     if group is None or dist.get_world_size(group) != ep:
         have = dist.get_world_size(group) if group is not None else 1
         raise RuntimeError(f"moe_ffn with ep={ep} but the bound expert-parallel group has "
                            f"{have} ranks (runtime.experts.dispatch.bind_ep_group)")
-    local = w_gate.shape[0]
+    local = experts_w.local
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
     send_splits = counts.view(ep, local).sum(1).tolist()
@@ -155,7 +211,7 @@ def _expert_parallel(sent, counts, w_gate, w_up, w_down, ep: int, tag: str) -> t
     # Rows arrive ordered (source, expert); regroup them (expert, source) for one run per expert.
     expert_of_row = torch.arange(local, device=sent.device).repeat(ep).repeat_interleave(recv_matrix.flatten())
     regroup = torch.argsort(expert_of_row, stable=True)
-    out = _experts(received[regroup], recv_matrix.sum(0).tolist(), w_gate, w_up, w_down)
+    out = _experts(received[regroup], recv_matrix.sum(0).tolist(), experts_w)
     back = torch.empty_like(out).index_copy(0, regroup, out) if out.shape[0] else out
     return AllToAll.apply(back, send_splits, recv_splits, tag)
 

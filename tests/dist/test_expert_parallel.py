@@ -173,3 +173,20 @@ def test_hugging_face_moe_ep2_pp2_matches_one_process(pool4, arch):  # a dense f
     chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
     assert (chosen.ep, chosen.pp, chosen.dp) == (2, 2, 2)
     assert_same_run(run_parallel(spec, chosen, STEPS, pool4), reference_run(spec, STEPS))
+
+
+GPT_OSS_TINY = (("hidden_size", 32), ("intermediate_size", 48), ("num_local_experts", 4),
+                ("num_experts_per_tok", 2), ("num_hidden_layers", 2), ("num_attention_heads", 4),
+                ("num_key_value_heads", 2), ("head_dim", 8))
+
+
+@pytest.mark.dist
+def test_gpt_oss_experts_ep2_match_one_process(pool2):  # biased, interleaved, clamped experts:
+    pytest.importorskip("transformers")  # their biases cut along E with their weights
+    from planner.models.hf_moe import HFMoESpec
+    spec = HFMoESpec("gpt_oss", overrides=GPT_OSS_TINY)
+    model, batch = spec.build()
+    fix = {"dp": 2, "tp": 1, "pp": 1, "mb": 2, "schedule": "1f1b", "ep": 2}
+    chosen = plan(model, 2, batch, cluster="cpu-gloo", fix=fix)[0]
+    assert (chosen.ep, chosen.dp) == (2, 2)
+    assert_same_run(run_parallel(spec, chosen, STEPS, pool2), reference_run(spec, STEPS))

@@ -18,7 +18,7 @@ LEVELS = {
     "passes": [["stages"], ["rewrite"], ["capture"]],
     "runtime": [["observe"], ["checkpoint"], ["training"],
                 ["pipeline", "data_parallel", "experts", "context"], ["comm"],
-                ["programs", "launch"]],
+                ["programs", "launch", "attention"]],
 }
 
 
