@@ -49,6 +49,8 @@ are far from 1 and for reasons that are known:
 
 from __future__ import annotations
 
+import math
+
 from runtime.comm.wire import KINDS, check_count, check_kind, bytes_on_wire, ring_volume
 
 from cost_model.hardware.cluster import Cluster
@@ -64,6 +66,7 @@ __all__ = [
     "crosses_nodes",
     "members_per_node",
     "expert_dispatch_time",
+    "remote_nodes",
 ]
 
 def ring_steps(kind: str, n: int) -> int:
@@ -143,24 +146,72 @@ def collective_time(
 
 
 def expert_dispatch_time(cluster: Cluster, tokens: float, top_k: int, token_bytes: float,
-                         ep: int, stride: int = 1) -> float:
+                         ep: int, stride: int = 1,
+                         group_limit: tuple[int, int] = (1, 1)) -> float:
     """Seconds of one expert-parallel dispatch (or combine) of a rank's `tokens`, each to top_k
-    experts spread evenly over the ep ranks of its group (`stride` apart).
+    experts spread evenly over the ep ranks of its group (`stride` apart); group_limit = (n, g):
+    the router keeps each token's experts within its g best of n groups of consecutive experts
+    (DeepSeek-V3's group-limited routing, (8, 4); (1, 1): no limit).
 
     Inside a node it is the all-to-all of its top_k copies. Across rail-optimised nodes it runs
     hierarchically, as DeepEP's internode kernels do: a token crosses the network once for each
     other node that holds one of its experts (to the GPU of the same rail there), and NVLink fans
-    it out to that node's experts. With N nodes in the group and experts chosen uniformly, a
-    token reaches (N − 1)(1 − (1 − 1/N)^top_k) other nodes on average; its own NIC carries those
-    copies while NVLink carries the (ep − 1)/ep of its copies that change GPU (both at once)."""
+    it out to that node's experts. Its own NIC carries those copies, `remote_nodes` per token
+    (N nodes in the group), while NVLink carries the (ep − 1)/ep of its copies that change GPU
+    (both at once). The group limit changes only the first: a token still has top_k copies."""
     buffer = tokens * top_k * token_bytes
     crosses = crosses_nodes(cluster, "all_to_all", ep, stride)
     if ep == 1 or not (crosses and cluster.nic_per_gpu):
         return collective_time(cluster, "all_to_all", buffer, ep, stride)
-    nodes = ep / members_per_node(cluster, ep, stride)
-    remote = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+    members = members_per_node(cluster, ep, stride)
+    remote = remote_nodes(ep / members, top_k, *group_limit)
     latency, bandwidth = cluster.comm_correction("all_to_all")
     nic = tokens * remote * token_bytes / (cluster.inter_bw * cluster.comm_eff)
     nvlink = buffer * (ep - 1) / ep / (cluster.intra_bw * cluster.comm_eff)
     alpha = (cluster.inter_latency + cluster.intra_latency) * latency
     return alpha + max(nic, nvlink) / bandwidth + cluster.collective_handoff
+
+
+def remote_nodes(nodes: float, top_k: int, groups: int = 1, topk_groups: int = 1) -> float:
+    """The other nodes a token's top_k experts reach on average, its EP group on `nodes` nodes N
+    of E/N consecutive experts each, under balanced routing:
+
+        (N − 1) · (1 − q),   q = the chance a given other node holds none of its experts
+
+    Without a limit the k experts fall (nearly) independently and uniformly: q = (1 − 1/N)^k.
+
+    With the limit (n groups of E/n consecutive experts, g of them per token) the groups map onto
+    nodes when each group lies within one node: node j holds experts [jE/N, (j+1)E/N) (the
+    group's ranks are consecutive, E/ep experts each, ep/N of them per node), group i holds
+    [iE/n, (i+1)E/n), and every group falls inside one node iff a node's range is a whole
+    number of groups: E/N a multiple of E/n, i.e. N whole and dividing n (c = n/N groups per
+    node). A token then reaches the nodes of its chosen groups only. Those g groups are uniform
+    among the n (balanced routing), and each holds one of its k experts or more: the group score
+    is the sum of a group's two best affinities, so a chosen group's best expert nearly always
+    makes the top k when k >= 2g (DeepSeek-V3: k = 8, g = 4). The chance that a given node holds
+    none of the h = min(g, k) groups hit is then hypergeometric:
+
+        q_groups = C(n − c, h) / C(n, h)     (c = 1: q_groups = 1 − h/n, remote = h (N − 1)/N)
+
+    Both q's are lower bounds of the true miss chance: fewer than h groups may be hit (k near g),
+    and the limit only concentrates a token's experts, which leaves more nodes unhit than
+    unlimited routing does. The tighter, q = max(q_groups, (1 − 1/N)^k), is taken: remote is an
+    upper bound within a few per cent of the routing's (tests/unit/test_comm.py samples
+    runtime.experts.dispatch.route over random router scores: DeepSeek-V3 at N = 8 reaches 3.50
+    other nodes against a sampled 3.46, 4.59 without the limit). Groups wider than a node (N not
+    dividing n) spread a group over several nodes, outside this model: the unlimited formula, an
+    upper bound there too, is kept."""
+    unlimited = (1 - 1 / nodes) ** top_k
+    if not groups_within_nodes(nodes, groups, topk_groups):
+        return (nodes - 1) * (1 - unlimited)
+    nodes, per_node = int(nodes), groups // int(nodes)
+    hit = min(topk_groups, top_k)
+    missed = math.comb(groups - per_node, hit) / math.comb(groups, hit)
+    return (nodes - 1) * (1 - max(missed, unlimited))
+
+
+def groups_within_nodes(nodes: float, groups: int, topk_groups: int) -> bool:
+    """Whether a group limit binds (topk_groups < groups) and every group of consecutive experts
+    lies within one of `nodes` equal nodes of consecutive experts: N whole and dividing n."""
+    whole = float(nodes).is_integer() and nodes >= 1
+    return topk_groups < groups and whole and groups % int(nodes) == 0

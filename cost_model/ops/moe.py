@@ -38,6 +38,12 @@ they are exchangeable with correlation -1/(ep - 1); their expected maximum is
 mean + sigma * sqrt(ep/(ep - 1)) * E[max of ep standard normals] (`expected_max_load`; the
 normal approximation is checked against sampling in tests/unit/test_moe_costs.py). The factor is
 that maximum over the mean; `--moe-imbalance` overrides it.
+
+Group limit: the facts carry the router's groups and groups per token (DeepSeek-V3's 8 and 4;
+1, 1 without a limit), from moe_ffn's `groups` / `topk_groups` keywords or the routed_experts op's
+trailing arguments of the same names (planner.models.hf_moe reads them off transformers' router).
+They leave the bytes above alone (every slot still moves) and lower the dispatch's network share
+across nodes, priced by cost_model.hardware.comm.expert_dispatch_time.
 """
 from __future__ import annotations
 
@@ -63,6 +69,15 @@ class MoEFacts:
     ffn: int
     dtype_bytes: int
     bias: int = 0        # bias values of all E experts (GPT-OSS: E (2f + h)), 0 unbiased
+    # group-limited routing (DeepSeek-V3: 8, 4): a token's experts lie in topk_groups of
+    # `groups` groups of consecutive experts; 1, 1: no limit
+    groups: int = 1
+    topk_groups: int = 1
+
+    @property
+    def group_limit(self) -> tuple[int, int]:
+        """(groups, groups per token), what cost_model.hardware.comm.expert_dispatch_time takes."""
+        return self.groups, self.topk_groups
 
     @property
     def expert_flops(self) -> float:
@@ -99,7 +114,9 @@ def facts(node) -> MoEFacts:
         return _op_facts(node, tokens, hidden, x.element_size())
     router, w_gate = tensor_of(node.args[1]), tensor_of(node.args[2])
     return MoEFacts(tokens, hidden, int(router.shape[0]), int(node.kwargs.get("top_k", 1)),
-                    int(w_gate.shape[1]), x.element_size())
+                    int(w_gate.shape[1]), x.element_size(),
+                    groups=int(node.kwargs.get("groups", 1)),
+                    topk_groups=int(node.kwargs.get("topk_groups", 1)))
 
 
 def _op_facts(node, tokens: int, hidden: int, dtype_bytes: int) -> MoEFacts:
@@ -111,7 +128,8 @@ def _op_facts(node, tokens: int, hidden: int, dtype_bytes: int) -> MoEFacts:
     # the biases hold this rank's experts (E/ep after the expert-parallel cut): count per expert
     biases = [tensor_of(args[k]) for k in ("gate_up_bias", "down_bias") if args[k] is not None]
     bias = experts * sum(int(b.shape[-1]) for b in biases)
-    return MoEFacts(tokens, hidden, experts, int(weights.shape[-1]), width, dtype_bytes, bias)
+    return MoEFacts(tokens, hidden, experts, int(weights.shape[-1]), width, dtype_bytes, bias,
+                    int(args["groups"]), int(args["topk_groups"]))
 
 
 def balance_bytes(node) -> float:

@@ -18,6 +18,11 @@ forms the op knows:
 The form is read from the flags transformers' `use_experts_implementation` sets on the module
 (is_transposed, is_concatenated, has_bias, has_gate, has_post_expert_norm) and from its gating
 function; any other experts module is refused with a ValueError, never computed as another.
+
+The op also carries the router's group limit (DeepSeek-V3's n_group groups, topk_group of them
+per token), which the experts module cannot know: the router beside it in the MoE block holds it
+(transformers' group-limited routers keep `num_group` and `topk_group`), and cost_model.ops.moe
+prices the dispatch with it.
 """
 from __future__ import annotations
 
@@ -40,8 +45,10 @@ _GPT_OSS_FLAGS = {"is_transposed": True, "is_concatenated": False, "has_bias": T
 
 
 def _forward(self, hidden_states, top_k_index, top_k_weights):
+    groups, topk_groups = getattr(self, "fxpar_group_limit", (1, 1))
     return routed_experts(hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index,
-                          self.gate_up_proj, self.down_proj, 1, "moe", self.num_experts)
+                          self.gate_up_proj, self.down_proj, 1, "moe", self.num_experts,
+                          groups=groups, topk_groups=topk_groups)
 
 
 def _forward_gpt_oss(self, hidden_states, router_indices, routing_weights):
@@ -122,6 +129,25 @@ def _check_shapes(module, kind: str) -> None:
                              f"{kind} layout's {list(shape)} (routed_experts cannot compute it)")
 
 
+def group_limit(block: torch.nn.Module, experts: int) -> tuple[int, int]:
+    """(groups, groups per token) of the router among `block`'s children (the MoE block holding
+    an experts module of `experts` experts): transformers' group-limited routers (DeepSeek-V2 and
+    V3, GLM-4-MoE, ...) hold config.n_group as `num_group` and config.topk_group as `topk_group`.
+    (1, 1), no limit, for any other router, for one that keeps every group, and for DeepSeek-V2's
+    "greedy" topk_method, which ignores the groups."""
+    for router in block.children():
+        groups, top = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+        if not (isinstance(groups, int) and isinstance(top, int)):
+            continue
+        if getattr(router, "topk_method", None) == "greedy" or not 1 <= top < groups:
+            return 1, 1
+        if experts % groups:
+            raise ValueError(f"{type(router).__name__}: {groups} groups do not divide the "
+                             f"{experts} experts")
+        return groups, top
+    return 1, 1
+
+
 def use_routed_experts(model: torch.nn.Module) -> int:
     """Swap every Hugging Face experts module's forward for routed_experts; returns how many.
     Raises ValueError on an experts module of another form (before swapping any)."""
@@ -129,10 +155,16 @@ def use_routed_experts(model: torch.nn.Module) -> int:
     if not found:
         raise ValueError(f"{type(model).__name__} has no Hugging Face experts module "
                          f"(gate_up_proj / down_proj) to run as routed experts")
+    parents = {id(child): m for m in model.modules() for child in m.children()}
+    limits = []
     for module, kind in found:
         _check_shapes(module, kind)
-    for module, kind in found:
+        block = parents.get(id(module))
+        limits.append((1, 1) if block is None else
+                      group_limit(block, int(module.gate_up_proj.shape[0])))
+    for (module, kind), limit in zip(found, limits):
         forward = _forward_gpt_oss if kind == "gpt_oss" else _forward
+        module.fxpar_group_limit = limit   # read by _forward, passed to the op
         module.forward = types.MethodType(forward, module)
     return len(found)
 

@@ -3,9 +3,10 @@
 A `MoELlama` is the Llama of planner.models.presets with each block's MLP replaced, from block
 `dense_layers` on, by a `MoELayer`: a top-k router over `experts` SwiGLU experts (stacked weights,
 one call of runtime.experts.dispatch.moe_ffn, which `torch.fx.wrap` keeps a single graph node) and an
-optional always-on shared expert. Every block is one class (`MoEBlock`, dense or MoE inside), so
-capture finds the blocks as one ModuleList of one class; dense and MoE blocks differ in their
-signature.
+optional always-on shared expert. The router may limit each token to its `topk_groups` best of
+`expert_groups` groups of experts (DeepSeek-V3's group-limited routing). Every block is one class
+(`MoEBlock`, dense or MoE inside), so capture finds the blocks as one ModuleList of one class;
+dense and MoE blocks differ in their signature.
 
 Blocks take and return `(x, aux)`: the load-balancing losses of the MoE blocks are summed along
 the chain (a scalar, zero from the embedding on, that crosses pipeline stages with the
@@ -55,7 +56,8 @@ class MoELayer(nn.Module):
         c = self.cfg
         y, aux = moe_ffn(h, self.router, self.w_gate, self.w_up, self.w_down, top_k=c.top_k,
                          score=c.router, norm_topk=True, scale=c.route_scale,
-                         aux_coef=c.aux_loss)
+                         aux_coef=c.aux_loss, groups=c.expert_groups,
+                         topk_groups=c.topk_groups)
         if self.shared is not None:
             y = y + self.shared(h)
         return y, aux

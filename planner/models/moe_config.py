@@ -2,6 +2,8 @@
 planner.models.presets can check its presets without importing the model classes)."""
 from __future__ import annotations
 
+from runtime.experts.dispatch import check_groups
+
 
 def check_moe(cfg) -> None:
     """One-line errors for MoE sizes that cannot build."""
@@ -18,6 +20,7 @@ def check_moe(cfg) -> None:
         raise ValueError(f"router must be 'softmax' or 'sigmoid', got {cfg.router!r}")
     if cfg.shared_experts < 0 or cfg.aux_loss < 0 or not cfg.route_scale > 0:
         raise ValueError("shared_experts and aux_loss must be >= 0 and route_scale > 0")
+    check_groups(cfg.experts, cfg.top_k, cfg.expert_groups, cfg.topk_groups)
 
 
 def expert_width(cfg) -> int:

@@ -54,6 +54,11 @@ class ModelConfig:
     router: str = "softmax"    # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
     aux_loss: float = 0.0      # coefficient of the per-sequence load-balancing loss
     route_scale: float = 1.0   # routed weights' scaling factor (DeepSeek-V3: 2.5)
+    # Group-limited routing (DeepSeek-V3: 8 groups, 4 per token): the experts form expert_groups
+    # groups of consecutive experts, each token chooses its top_k among its topk_groups best
+    # groups (runtime.experts.dispatch.route); 1 and 1: no limit.
+    expert_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self):
         if self.experts:
@@ -118,10 +123,12 @@ PRESETS: dict[str, ModelConfig] = {
                     experts=8, top_k=2, expert_ffn=14336, aux_loss=0.02, name="mixtral-8x7b"),
         ModelConfig("llama", 4, 64, 8, 256, 32, ffn=128, global_batch=16, experts=32, top_k=8,
                     expert_ffn=16, shared_experts=1, dense_layers=1, router="sigmoid",
-                    route_scale=2.5, aux_loss=0.001, name="deepseek-tiny"),
+                    route_scale=2.5, aux_loss=0.001, expert_groups=4, topk_groups=2,
+                    name="deepseek-tiny"),
         ModelConfig("llama", 61, 7168, 128, 129280, 4096, ffn=18432, global_batch=4096,
                     experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
-                    router="sigmoid", route_scale=2.5, aux_loss=0.0001, name="deepseek-v3"),
+                    router="sigmoid", route_scale=2.5, aux_loss=0.0001, expert_groups=8,
+                    topk_groups=4, name="deepseek-v3"),
     ]
 }
 

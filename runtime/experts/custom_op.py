@@ -4,7 +4,8 @@ rewrite can cut, as `torch.fx.wrap` keeps `runtime.experts.dispatch.moe_ffn` one
 tracing.
 
     routed_experts(x [T, h], weights [T, k], index [T, k], gate_up, down, ep, tag, experts,
-                   gate_up_bias=None, down_bias=None, kind="swiglu", alpha=1.0, limit=0.0)
+                   gate_up_bias=None, down_bias=None, kind="swiglu", alpha=1.0, limit=0.0,
+                   groups=1, topk_groups=1)
         -> [T, h]
 
 is sum over each token's k slots of weight x expert(x), expert the slot's expert in `index`,
@@ -18,6 +19,11 @@ says what an expert computes and how its weights lie (runtime.experts.dispatch.E
              [E/ep, 2f]; g = min(gate, limit), u = clamp(up, -limit, limit);
              ((u + 1) g sigmoid(alpha g)) down + bias, down [E/ep, f, h], bias [E/ep, h].
 
+`groups`, `topk_groups` compute nothing: they record the group limit of the router that chose
+`index` (DeepSeek-V3's: each token's experts lie in its topk_groups of `groups` groups of
+consecutive experts; 1, 1 for none), which the router outside the op knows and the graph does not,
+for cost_model.ops.moe to price the dispatch with (planner.models.hf_moe reads them off the router).
+
 Every weight and bias holds this rank's E/ep experts on dim 0 (what passes.rewrite.expert_parallel
 cuts). Its backward runs the forward again under autograd (the experts are recomputed, as under
 activation checkpointing; the repeated all-to-all is counted apart, in RECOMPUTE_TRAFFIC) and
@@ -30,12 +36,12 @@ from typing import Optional
 import torch
 
 from runtime.comm import collectives
-from runtime.experts.dispatch import ExpertWeights, _routed
+from runtime.experts.dispatch import ExpertWeights, _routed, check_groups
 
 # routed_experts' positional arguments (as a captured node holds them): the expert weights and
 # biases, all cut along dim 0 (experts) by the expert-parallel rewrite.
 ARGS = ("x", "weights", "index", "gate_up", "down", "ep", "tag", "experts", "gate_up_bias",
-        "down_bias", "kind", "alpha", "limit")
+        "down_bias", "kind", "alpha", "limit", "groups", "topk_groups")
 EXPERT_ARGS = (3, 4, 8, 9)
 
 
@@ -44,14 +50,17 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, ep: int, tag: str,
                    experts: int, gate_up_bias: Optional[torch.Tensor] = None,
                    down_bias: Optional[torch.Tensor] = None, kind: str = "swiglu",
-                   alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+                   alpha: float = 1.0, limit: float = 0.0, groups: int = 1,
+                   topk_groups: int = 1) -> torch.Tensor:
+    check_groups(experts, index.shape[-1], groups, topk_groups)
     w = ExpertWeights(gate_up, None, down, gate_up_bias, down_bias, kind, alpha, limit)
     return _routed(x, weights, index, w, experts, ep, tag).clone()
 
 
 @routed_experts.register_fake
 def _(x, weights, index, gate_up, down, ep, tag, experts, gate_up_bias=None, down_bias=None,
-      kind="swiglu", alpha=1.0, limit=0.0):
+      kind="swiglu", alpha=1.0, limit=0.0, groups=1, topk_groups=1):
+    check_groups(experts, index.shape[-1], groups, topk_groups)
     return x.new_empty(x.shape)
 
 

@@ -11,6 +11,14 @@ Routing (per token, E experts, top k):
            (Mixtral, Qwen3-MoE)
   sigmoid  p = sigmoid(x Wr^T); the top-k of p, renormalised to sum 1 (DeepSeek-V3)
   the weights are multiplied by `scale` (DeepSeek-V3's routed scaling factor).
+Group-limited ("node-limited") choice, DeepSeek-V3's (`groups` n > 1, `topk_groups` g < n): the E
+experts form n groups of E/n consecutive experts; a group's score is the sum of its two highest
+selection scores, each token keeps the g groups of highest score and takes its top k among their
+g E/n experts only. The selection scores are p, plus DeepSeek's e_score_correction_bias where one
+is given (`route`'s `bias`: it steers the choice, never the weights, which are p of the chosen
+experts). With consecutive expert ranges per rank, and each group within one node, a token then
+crosses the network to at most g nodes (what DeepEP's internode dispatch exploits).
+`route` is transformers' DeepseekV3TopkRouter (tests/unit/test_moe.py checks the two agree).
 Experts are SwiGLU: down(silu(gate x) * up x), weights stacked [E, f, h], [E, f, h], [E, h, f]
 (`ExpertWeights`, which also holds the fused layouts of Hugging Face's experts modules that
 runtime.experts.custom_op computes: [E, 2f, h] gate_up, and GPT-OSS's biased, interleaved, clamped
@@ -60,26 +68,72 @@ def _fake(x: torch.Tensor) -> bool:
 def moe_ffn(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
             w_down: torch.Tensor, *, top_k: int, score: str = "softmax", norm_topk: bool = True,
             scale: float = 1.0, aux_coef: float = 0.0, ep: int = 1, tag: str = "moe",
-            seq_parts: int = 1, seq_group: str = "cp"):
+            seq_parts: int = 1, seq_group: str = "cp", groups: int = 1, topk_groups: int = 1):
     """x [b, s, h] -> (y [b, s, h], aux loss scalar or None). `w_*` hold this rank's E/ep
     experts; router [E, h] is whole. seq_parts > 1: x holds this rank's share of sequences split
     over the `seq_parts` ranks of group `seq_group` (the balance loss is then of the whole
-    sequences)."""
+    sequences). groups, topk_groups: group-limited choice (module doc; 1, 1: none)."""
     experts = router.shape[0]
+    check_groups(experts, top_k, groups, topk_groups)
     if _fake(x):
         aux = x.new_empty(()) if aux_coef else None
         return x.new_empty(x.shape), aux
-    probs = _scores(x @ router.t(), score)
-    top, index = probs.topk(top_k, dim=-1)
-    if norm_topk or score == "sigmoid":
-        top = top / top.sum(-1, keepdim=True)
-    top = top * scale
+    probs, top, index = route(x @ router.t(), top_k, score, norm_topk, scale, groups,
+                              topk_groups)
     aux = (_balance_loss(probs, index, experts, top_k, seq_parts, seq_group, tag) * aux_coef
            if aux_coef else None)
     flat = x.flatten(0, -2)
     y = _routed(flat, top.flatten(0, -2), index.flatten(0, -2),
                 ExpertWeights(w_gate, w_up, w_down), experts, ep, tag)
     return y.view_as(x), aux
+
+
+def route(logits: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
+          scale: float = 1.0, groups: int = 1, topk_groups: int = 1,
+          bias: torch.Tensor | None = None):
+    """Router logits [..., E] -> (p [..., E], weights [..., k], index [..., k]): each token's
+    top_k experts (among its topk_groups best groups of `groups` when groups limit the choice)
+    by p + bias, weighted by their p, renormalised (norm_topk, or always for sigmoid scores, as
+    DeepSeek-V3 does) and times `scale`."""
+    probs = _scores(logits, score)
+    choice = probs if bias is None else probs + bias
+    if topk_groups < groups:
+        choice = _within_best_groups(choice, groups, topk_groups)
+    index = choice.topk(top_k, dim=-1).indices
+    top = probs.gather(-1, index)
+    if norm_topk or score == "sigmoid":
+        top = top / top.sum(-1, keepdim=True)
+    return probs, top * scale, index
+
+
+def _within_best_groups(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """The selection scores [..., E] with every expert outside the token's `keep` best groups
+    set to -inf; a group's score is the sum of its two best experts' scores (DeepSeek-V3's
+    rule, as transformers' DeepseekV3TopkRouter computes it: topk(2) per group, summed)."""
+    grouped = choice.unflatten(-1, (groups, -1))                 # [..., n, E/n]
+    group_score = grouped.topk(2, dim=-1).values.sum(-1)         # [..., n]
+    best = group_score.topk(keep, dim=-1).indices
+    kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, best, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+def check_groups(experts: int, top_k: int, groups: int, topk_groups: int) -> None:
+    """A one-line ValueError unless `groups` groups of `experts`, `topk_groups` kept per token,
+    can route top_k experts: groups divides the experts into groups of two or more (a group's
+    score is its best two), 1 <= topk_groups <= groups, and the kept groups hold top_k experts."""
+    for name, value in (("groups", groups), ("topk_groups", topk_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"expert {name} must be a positive integer, got {value!r}")
+    if groups == 1 and topk_groups == 1:
+        return
+    if experts % groups or experts // groups < 2:
+        raise ValueError(f"{groups} expert groups must split the {experts} experts into equal "
+                         f"groups of at least 2")
+    if topk_groups > groups:
+        raise ValueError(f"topk_groups={topk_groups} exceeds the {groups} expert groups")
+    if top_k > topk_groups * (experts // groups):
+        raise ValueError(f"top_k={top_k} exceeds the {topk_groups * (experts // groups)} experts "
+                         f"of a token's {topk_groups} groups")
 
 
 def _scores(logits: torch.Tensor, score: str) -> torch.Tensor:

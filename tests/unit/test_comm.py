@@ -260,3 +260,61 @@ def test_expert_dispatch_across_nodes_sends_each_token_once_per_other_node():
     # inside a node: the all-to-all of the top-k copies
     assert expert_dispatch_time(A100, tokens, k, nbytes, 8) == pytest.approx(
         collective_time(A100, "all_to_all", tokens * k * nbytes, 8))
+
+
+# ------------------------------------------------- group-limited expert dispatch
+def _sampled_remote_nodes(experts, groups, topk_groups, k, nodes, tokens=20000, seed=0):
+    """Brute force: random router scores through runtime.experts.dispatch.route (DeepSeek-V3's
+    sigmoid, group-limited choice), each token on a random node of `nodes` holding consecutive
+    experts; the mean number of other nodes its experts lie on."""
+    import torch
+
+    from runtime.experts.dispatch import route
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=gen)
+    _, _, index = route(logits, k, "sigmoid", True, 1.0, groups, topk_groups)
+    hit = torch.zeros(tokens, nodes).scatter_(1, index // (experts // nodes), 1)
+    home = torch.randint(0, nodes, (tokens, 1), generator=gen)
+    return float((hit.sum(1) - hit.gather(1, home).squeeze(1)).mean())
+
+
+@pytest.mark.parametrize("experts,groups,topk_groups,k,nodes,tol", [
+    (256, 8, 4, 8, 8, 0.02),    # DeepSeek-V3 over 8 nodes: one group per node
+    (256, 8, 4, 8, 4, 0.02),    # groups smaller than nodes: 2 per node
+    (256, 8, 4, 8, 2, 0.02),    # 4 per node
+    (32, 4, 2, 8, 2, 0.02),     # deepseek-tiny's routing, 2 groups per node
+    (256, 16, 4, 8, 8, 0.02),
+    (256, 8, 4, 4, 8, 0.06),    # k = g: chosen groups go unhit, the unlimited bound binds
+    (256, 8, 6, 8, 8, 0.06),
+])
+def test_group_limited_remote_nodes_bound_the_sampled_routing(experts, groups, topk_groups, k,
+                                                              nodes, tol):
+    from cost_model.hardware.comm import remote_nodes
+    sampled = _sampled_remote_nodes(experts, groups, topk_groups, k, nodes)
+    priced = remote_nodes(nodes, k, groups, topk_groups)
+    assert sampled * 0.99 <= priced <= sampled * (1 + tol)   # 0.99: sampling noise
+    assert priced <= remote_nodes(nodes, k)       # never more than without the limit
+
+
+def test_groups_wider_than_nodes_keep_the_unlimited_formula():
+    from cost_model.hardware.comm import remote_nodes
+    # 8 groups over 16 nodes: a group spans 2 nodes; the unlimited count bounds the routing
+    assert remote_nodes(16, 8, 8, 4) == remote_nodes(16, 8) == pytest.approx(
+        15 * (1 - (15 / 16) ** 8))
+    assert _sampled_remote_nodes(256, 8, 4, 8, 16) < remote_nodes(16, 8)
+    assert remote_nodes(8, 8, 1, 1) == remote_nodes(8, 8, 8, 8) == remote_nodes(8, 8)
+
+
+def test_group_limited_dispatch_sends_each_token_to_at_most_its_groups_nodes():
+    from cost_model.hardware.comm import expert_dispatch_time
+    tokens, k, nbytes, ep = 4096, 8, 7168 * 2, 64   # 8 nodes of 8, a group of 32 experts per node
+    remote = 4 * 7 / 8                               # its 4 groups' nodes, 7/8 of them others
+    nic = tokens * remote * nbytes / (A100.inter_bw * A100.comm_eff)
+    nvlink = tokens * k * nbytes * (ep - 1) / ep / (A100.intra_bw * A100.comm_eff)
+    expected = A100.inter_latency + A100.intra_latency + max(nic, nvlink)
+    limited = expert_dispatch_time(A100, tokens, k, nbytes, ep, group_limit=(8, 4))
+    assert limited == pytest.approx(expected)
+    assert limited < expert_dispatch_time(A100, tokens, k, nbytes, ep)
+    # inside a node the limit changes nothing: every token still sends its k copies
+    assert expert_dispatch_time(A100, tokens, k, nbytes, 8, group_limit=(8, 4)) == \
+        expert_dispatch_time(A100, tokens, k, nbytes, 8)

@@ -43,3 +43,35 @@ def test_routed_experts_equal_transformers(arch):
 def test_a_model_without_experts_is_refused():
     with pytest.raises(ValueError, match="no Hugging Face experts module"):
         use_routed_experts(build_hf("llama"))
+
+
+@pytest.mark.parametrize("arch,limit", [("deepseek_v3", (2, 1)), ("mixtral", (1, 1))])
+def test_routed_experts_carry_the_routers_group_limit(arch, limit):
+    """DeepSeek-V3's router (8 experts in n_group 2, topk_group 1 at the small size) lies outside
+    the op: use_routed_experts hands its limit to the op, whose MoEFacts carry it."""
+    from cost_model.ops.moe import facts
+    model = build_hf(arch)
+    cfg = model.model.config
+    if arch == "deepseek_v3":
+        assert (cfg.n_group, cfg.topk_group) == limit
+    use_routed_experts(model)
+    tokens = torch.randint(0, 100, (2, 16))
+    captured = capture(model, (tokens, tokens))
+    nodes = [n for n in captured.gm.graph.nodes if "routed_experts" in str(n.target)]
+    assert nodes and all(facts(n).group_limit == limit for n in nodes)
+
+
+def test_routed_experts_without_the_group_arguments_still_run():
+    """Calls written before the op took groups (its trailing arguments default to no limit)."""
+    from runtime.experts.custom_op import routed_experts
+    gen = torch.Generator().manual_seed(0)
+    e, h, f, t, k = 4, 8, 6, 5, 2
+    x, gate_up, down = (torch.randn(t, h, generator=gen), torch.randn(e, 2 * f, h, generator=gen),
+                        torch.randn(e, h, f, generator=gen))
+    weights = torch.rand(t, k, generator=gen)
+    index = torch.randperm(e, generator=gen)[:k].repeat(t, 1)
+    old = routed_experts(x, weights, index, gate_up, down, 1, "moe", e)
+    torch.testing.assert_close(old, routed_experts(x, weights, index, gate_up, down, 1, "moe", e,
+                                                   groups=2, topk_groups=1))
+    with pytest.raises(ValueError, match="3 expert groups must split the 4 experts"):
+        routed_experts(x, weights, index, gate_up, down, 1, "moe", e, groups=3, topk_groups=1)

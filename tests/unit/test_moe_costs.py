@@ -55,3 +55,16 @@ def test_moe_node_flops_equal_formula():
     assert cost.fwd_flops == 2 * t * h * e + 6 * t * k * h * f
     assert cost.bwd_flops == 2 * cost.fwd_flops
     assert dict(cost.saved)[f"{node.name}:experts"] == t * k * (2 * h + 4 * f) * 4
+
+
+@pytest.mark.parametrize("name,limit", [("deepseek-tiny", (4, 2)), ("mixtral-tiny", (1, 1))])
+def test_moe_facts_carry_the_presets_group_limit(name, limit):
+    from passes.capture.trace import capture
+    from planner.models.presets import build_model, get_config
+    from cost_model.ops.moe import facts
+    cfg = get_config(name)
+    model = build_model(cfg.with_(layers=cfg.dense_layers + 1))
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.long)
+    captured = capture(model, (tokens, tokens))
+    (node,) = [n for n in captured.gm.graph.nodes if "moe_ffn" in n.name]
+    assert facts(node).group_limit == limit

@@ -56,17 +56,18 @@ def test_fit_names_are_checked():
 
 
 def test_the_fit_recovers_the_constant_that_made_the_times():
-    """Rows whose 'published' times are fxpar's own at matmul_eff 0.5: the fit finds 0.5 again,
+    """Rows whose 'published' times are fxpar's own at matmul_eff 0.4: the fit finds 0.4 again,
     with nothing left to explain."""
-    truth = dataclasses.replace(get_cluster("h100-sxm-dgx"), matmul_eff=0.5)
+    truth = dataclasses.replace(get_cluster("h100-sxm-dgx"), matmul_eff=0.4)
     rows = [_row(gbs=gbs, pp=pp) for gbs, pp in ((32, 2), (64, 1), (128, 4))]
     rows = [dataclasses.replace(r, step_s=pub.price(r, TINY, truth).predicted_s) for r in rows]
     result, fitted = fit.fit_cluster(rows, "h100-sxm-dgx", ("matmul_eff",),
                                      specs={"Tiny": TINY})
-    assert result.before == (("matmul_eff", 0.65),) and result.rows == 3
-    assert fitted.matmul_eff == pytest.approx(0.5, abs=0.01)
+    start = get_cluster("h100-sxm-dgx").matmul_eff
+    assert result.before == (("matmul_eff", start),) and result.rows == 3
+    assert fitted.matmul_eff == pytest.approx(0.4, abs=0.01)
     assert result.loss_after < 0.01 < result.loss_before
-    assert "matmul_eff 0.650 -> 0.5" in fit.fit_text(result)
+    assert f"matmul_eff {start:.3f} -> 0.4" in fit.fit_text(result)
 
 
 def test_a_run_fxpar_thinks_too_big_is_priced_with_a_memory_note():
