@@ -94,7 +94,7 @@ def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
              imbalance: float | None) -> LayerCost:
     p = pricing(f, ep, imbalance=imbalance)
     a2a = (expert_dispatch_time(cluster, f.tokens, f.top_k, f.hidden * f.dtype_bytes, ep,
-                                stride=tp) if ep > 1 else 0.0)
+                                stride=tp, group_limit=f.group_limit) if ep > 1 else 0.0)
     flop_s = cluster.peak_flops * cluster.matmul_eff
     extra = p.extra_expert_flops / flop_s
     expert_params = p.param_bytes_saved / f.dtype_bytes / 1.0
