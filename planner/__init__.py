@@ -6,7 +6,8 @@ and its subpackages —
   weights/   meta-device models materialised per shard, safetensors per shard, export
   report/    explanations and pictures of a plan
   interop/   torchtitan / Megatron-LM configurations in and out
-  training/  training a plan on local gloo ranks beside one process; resume under any plan
+  training/  training a plan on local gloo ranks beside one process; resume under any plan;
+             `fxpar train` (config, token files, schedule, metrics, torchrun launch)
   bench/     `fxpar bench` and the probes `fxpar calibrate` runs
 
 Floors: planner → cost_model → passes → runtime; imports point downward only, and inside the

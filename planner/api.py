@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 from typing import Callable
 
@@ -139,8 +140,10 @@ class ParallelModel:
     `train_step` runs one 1F1B iteration on this rank's shard."""
 
     def __init__(self, model: torch.nn.Module | None, plan: Plan, alternatives: list[Plan],
-                 example_inputs=None, optimizer=None, weights: str | None = None, seed: int = 0):
+                 example_inputs=None, optimizer=None, weights: str | None = None, seed: int = 0,
+                 options: TrainOptions | None = None):
         self.plan = plan
+        self.options = options   # clipping, precision, ...; zero and dp_shard come from the plan
         self.weights, self.seed = weights, seed   # planner.weights.materialize: values of a meta model
         self.alternatives = alternatives
         self.model = model
@@ -157,7 +160,8 @@ class ParallelModel:
         """Build this rank's stage programs (done on the first train_step)."""
         if self._trainer is None:
             self._trainer = build_trainer(self.model, self.plan, self._example_inputs,
-                                          self._optimizer, weights=self.weights, seed=self.seed)
+                                          self._optimizer, weights=self.weights, seed=self.seed,
+                                          options=self.options)
         return self._trainer
 
     def train_step(self, *batch: torch.Tensor) -> float:
@@ -207,7 +211,8 @@ class ParallelModel:
 
 
 def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
-                  weights: str | None = None, seed: int = 0) -> PipelineTrainer:
+                  weights: str | None = None, seed: int = 0,
+                  options: TrainOptions | None = None) -> PipelineTrainer:
     if model is None or not isinstance(model, torch.nn.Module):
         raise ValueError("training needs the model as an nn.Module")
     world = dist.get_world_size()
@@ -231,7 +236,8 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     give_values(programs, values, captured.tied)  # a meta model, or weights=DIR
     split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
     batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
-    options = TrainOptions(zero=plan.zero, dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
+    options = dataclasses.replace(options or TrainOptions(), zero=plan.zero,
+                                  dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
                            tied=captured.tied, batch=batch, experts=experts, options=options)
 

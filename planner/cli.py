@@ -24,6 +24,10 @@ EXAMPLES = {
     "run": "examples:\n  fxpar run --model gpt-tiny --gpus 8 --steps 3\n"
            "  fxpar run --model llama2-7b --gpus 64 --cluster h100-sxm-dgx --torchrun job/\n"
            "  fxpar run --model llama-tiny --gpus 4 --fix tp=2,pp=2",
+    "train": "examples:\n  fxpar data prepare /usr/lib/python3.11 --out data/stdlib\n"
+             "  fxpar train run.toml --nproc-per-node 4 --training.steps 300\n"
+             "  fxpar train run.toml --check\n"
+             "overrides: --SECTION.KEY VALUE for any key of the config (docs/training.md)",
     "validate": "examples:\n  fxpar validate\n"
                 "  fxpar validate --match deepseek --json > deepseek.json\n"
                 "  fxpar validate --cluster profile.json --csv my-runs.csv\n"
@@ -405,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "SUBSTRING (case-insensitive)")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
     v.set_defaults(func=cmd_validate)
+    _train_parsers(sub)
     sub.add_parser("calibrate", help="measure this machine and write a cluster profile "
                    "(fxpar calibrate --help)")
     return parser
@@ -418,6 +423,52 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(lambda args: calibrate_main(args, runtime=RuntimeProbe()), argv[1:])
     args = build_parser().parse_args(argv)
     return _guarded(args.func, args)
+
+
+def _train_parsers(sub) -> None:
+    """`fxpar train` and `fxpar data` (planner.training.launch, planner.training.prepare)."""
+    t = sub.add_parser("train", help="train on token files from a CONFIG.toml (the ranks "
+                       "started here by torchrun's engine; restarts re-plan)",
+                       epilog=EXAMPLES["train"],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", metavar="CONFIG.toml")
+    t.add_argument("overrides", nargs=argparse.REMAINDER, metavar="--SECTION.KEY VALUE",
+                   help="override any key of the config; also --nproc-per-node N, "
+                        "--max-restarts R, and --check (check config, data and plan only)")
+    t.set_defaults(func=_cmd_train)
+    d = sub.add_parser("data", help="tokenize text into the files fxpar train reads")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", help="text files or folders -> train.bin, val.bin, "
+                           "header.json (uint16 / uint32 token ids)")
+    prep.add_argument("inputs", nargs="+", metavar="TEXT", help="files, or folders searched "
+                      "recursively for --include")
+    prep.add_argument("--out", required=True, metavar="DIR")
+    prep.add_argument("--tokenizer", default="byte", help="byte (built in, vocabulary 256) or "
+                      "a Hugging Face tokenizer folder")
+    prep.add_argument("--val-fraction", type=float, default=0.01,
+                      help="share of the documents held out for validation")
+    prep.add_argument("--include", default="*.txt,*.md,*.rst,*.py",
+                      help="file name patterns to read in folders (comma-separated)")
+    prep.add_argument("--exclude", default="", help="path patterns below the folder to "
+                      "leave out (comma-separated, e.g. '*test*')")
+    prep.add_argument("--max-bytes", type=int, default=0, help="stop after this much text "
+                      "(0: all)")
+    info = dsub.add_parser("info", help="what a token folder holds; checks its files")
+    info.add_argument("folder", metavar="DIR")
+    d.set_defaults(func=_cmd_data)
+
+
+def _cmd_train(args) -> int:
+    from planner.training.config import load
+    from planner.training.launch import launch
+    overrides = [a for a in args.overrides if a != "--check"]
+    return launch(args.config, overrides, load(args.config, overrides),
+                  check=len(overrides) != len(args.overrides))
+
+
+def _cmd_data(args) -> int:
+    from planner.training.prepare import cmd_data
+    return cmd_data(args)
 
 
 def _cmd_export(args) -> int:
