@@ -87,15 +87,15 @@ def _traffic_worker(config, plan_json: str):
     remote = {}
     original = experts._expert_parallel
 
-    def spy(sent, counts, *args):   # counts: this micro-batch's slots per expert
-        ep, group = args[3], experts._EP_GROUP[0]
+    def spy(sent, counts, weights, ep, tag):   # counts: this micro-batch's slots per expert
+        group = experts._EP_GROUP[0]
         me = dist.get_rank(group)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=group)
         out, back = counts.view(ep, -1).sum(1), received.view(ep, -1).sum(1)
         away = int(out.sum() - out[me]) + int(back.sum() - back[me])  # sent + received remotely
-        remote[args[4]] = remote.get(args[4], 0) + away
-        return original(sent, counts, *args)
+        remote[tag] = remote.get(tag, 0) + away
+        return original(sent, counts, weights, ep, tag)
 
     experts._expert_parallel = spy
     with instrument.counting() as traffic:
