@@ -563,28 +563,6 @@ PRESETS: dict[str, Cluster] = {
         comm_sm_share=16 / 132,  # see _GPU_EFFS
         **_GPU_EFFS,
     ),
-    # Meta's Grand Teton hosts (the torchtitan paper's, arXiv 2410.06511, section 3.1): 8 H100
-    # SXM5 per host over NVLink, 400 Gb/s RDMA per GPU, but the 96 GB HBM2e part at 2.4 TB/s and
-    # the 500 W power limit (DGX H100: 80 GB HBM3 at 3.35 TB/s, 700 W). The tensor cores' peak is
-    # the datasheet's; what the lower power limit leaves of it under long GEMMs is in matmul_eff.
-    "h100-grand-teton": Cluster(
-        name="h100-grand-teton",
-        device="cuda",
-        gpus_per_node=8,
-        peak_flops=989e12,
-        mem_bytes=96 * GB,
-        mem_bw=2400 * GB,
-        intra_bw=450 * GB,
-        inter_bw=50 * GB,
-        # fitted on its 4 rows (torchtitan's Llama 3.1 8B), see _H100_FIT; what a 500 W limit
-        # leaves of the tensor cores' peak is in it, and what fxpar does not model of those runs
-        # (selective activation checkpointing recomputing every other matmul)
-        matmul_eff=0.380,
-        attention_eff=0.481,
-        sms=132,
-        comm_sm_share=16 / 132,  # see _GPU_EFFS
-        **_GPU_EFFS,
-    ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with
     # sparsity -> 989 dense (same compute as H100), 141 GB HBM3e at
     # 4.8 TB/s, NVLink 900 GB/s. NVIDIA DGX H200 datasheet: 8 GPUs, 8x
@@ -604,3 +582,13 @@ PRESETS: dict[str, Cluster] = {
         **_GPU_EFFS,
     ),
 }
+
+# Meta's Grand Teton hosts (the torchtitan paper's, arXiv 2410.06511, section 3.1): a DGX H100's
+# GPUs, links and NICs, but the 96 GB HBM2e part at 2.4 TB/s and the 500 W power limit (DGX
+# H100: 80 GB HBM3 at 3.35 TB/s, 700 W). The tensor cores' peak is the datasheet's; matmul_eff and
+# attention_eff are fitted on its 4 rows (torchtitan's Llama 3.1 8B, see _H100_FIT): what the
+# 500 W limit leaves of the peak is in them, and what fxpar does not model of those runs
+# (selective activation checkpointing recomputing every other matmul).
+PRESETS["h100-grand-teton"] = dataclasses.replace(
+    PRESETS["h100-sxm-dgx"], name="h100-grand-teton", mem_bytes=96 * GB, mem_bw=2400 * GB,
+    matmul_eff=0.380, attention_eff=0.481)
