@@ -84,6 +84,11 @@ class ModelCosts:
         # The search asks for the same prices once per mesh and schedule. Per-instance caches:
         # they go with the ModelCosts instead of keeping every instance alive.
         self._price = lru_cache(maxsize=None)(self._price_uncached)
+        self._ep_price = lru_cache(maxsize=None)(self._ep_price_uncached)
+        self._per_param = lru_cache(maxsize=None)(self._per_param_uncached)
+        self._kind_of = {}  # a block's layer name -> its kind (the first kind of that name)
+        for k, layer in reversed(list(enumerate(self.kinds))):
+            self._kind_of[layer.name] = k
         # Expert parallelism (planner.search.experts): the EP size the search is at and the hook
         # that prices a MoE block for it (None: as captured, ep = 1).
         self.ep, self.ep_pricing = 1, None
@@ -120,11 +125,15 @@ class ModelCosts:
 
     def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
                     tp: int, cp: int = 1, kind: int = 0) -> LayerCost:
+        if self.ep_pricing is None:
+            return self._price(strategy, micro_batch, cluster, tp, cp, kind)
+        return self._ep_price(self.ep_pricing, strategy, micro_batch, cluster, tp, cp, kind)
+
+    def _ep_price_uncached(self, pricing, strategy, micro_batch, cluster, tp, cp,
+                           kind) -> LayerCost:
+        """The block priced at the EP size of `pricing` (planner.search.experts.EPPricing)."""
         cost = self._price(strategy, micro_batch, cluster, tp, cp, kind)
-        if self.ep_pricing is not None:
-            cost = self.ep_pricing(cost, micro_batch, cluster, tp if strategy.tp else 1, kind,
-                                   cp)
-        return cost
+        return pricing(cost, micro_batch, cluster, tp if strategy.tp else 1, kind, cp)
 
     def _price_uncached(self, strategy, micro_batch, cluster, tp, cp, kind=0) -> LayerCost:
         return price(self.block_profile(tp if strategy.tp else 1, kind), strategy, micro_batch,
@@ -214,19 +223,27 @@ class ModelCosts:
         weights, opt = self.static_per_param(dp)
         return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
 
-    def block_option(self, cost: LayerCost, dp: int = 1) -> ilp.BlockOption:
-        static = cost.params * sum(self.static_per_param(dp))
+    def _per_param_uncached(self, dp) -> float:
+        """Static bytes per parameter on one rank (`static_per_param`, summed)."""
+        return sum(self.static_per_param(dp))
+
+    def block_static(self, cost: LayerCost, dp=1) -> float:
+        """Static bytes (weights, gradients, optimizer states) one rank holds of a block."""
+        static = cost.params * self._per_param(dp)
         if self.ep_pricing is not None:  # expert weights stay whole under ZeRO (runtime.training.trainer)
-            kind = next(k for k, layer in enumerate(self.kinds) if layer.name == cost.layer)
-            whole = self.ep_pricing.expert_params(kind)
-            static += whole * (sum(self.static_per_param(1)) - sum(self.static_per_param(dp)))
-        return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s, static,
-                               cost.act_bytes, cost.params * self.training.grad_bytes)
+            whole = self.ep_pricing.expert_params(self._kind_of[cost.layer])
+            static += whole * (self._per_param(1) - self._per_param(dp))
+        return static
+
+    def block_option(self, cost: LayerCost, dp: int = 1) -> ilp.BlockOption:
+        return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s,
+                               self.block_static(cost, dp), cost.act_bytes,
+                               cost.params * self.training.grad_bytes)
 
     def end_layer(self, cost: LayerCost | None, dp: int = 1) -> ilp.EndLayer:
         if cost is None:
             return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
-        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * sum(self.static_per_param(dp)),
+        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * self._per_param(dp),
                             cost.act_bytes, cost.params * self.training.grad_bytes)
 
     @cached_property

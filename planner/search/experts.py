@@ -24,6 +24,7 @@ so cp is searched for MoE models like any other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from cost_model.hardware.cluster import Cluster
@@ -64,9 +65,10 @@ def ep_sizes(costs, gpus: int, fixed: int | None = None) -> list[int]:
     return legal
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class EPPricing:
-    """The hook ModelCosts.price_block calls: a MoE kind's LayerCost at this ep."""
+    """The hook ModelCosts.price_block calls: a MoE kind's LayerCost at this ep. Compared and
+    hashed by identity: ModelCosts caches the prices of each instance."""
 
     ep: int
     by_kind: dict
@@ -75,8 +77,12 @@ class EPPricing:
 
     def expert_params(self, kind: int) -> float:
         """Expert weights one rank holds in a block of `kind` (3 E h f / ep per MoE layer)."""
-        return sum(f.expert_param_bytes / f.dtype_bytes / self.ep
-                   for f in self.by_kind.get(kind, ()))
+        return self._expert_params.get(kind, 0)
+
+    @functools.cached_property
+    def _expert_params(self) -> dict[int, float]:
+        return {kind: sum(f.expert_param_bytes / f.dtype_bytes / self.ep for f in layers)
+                for kind, layers in self.by_kind.items()}
 
     def __call__(self, cost: LayerCost, micro_batch: int, cluster: Cluster, tp: int,
                  kind: int, cp: int = 1) -> LayerCost:
@@ -116,35 +122,42 @@ def search_experts(costs, req, search, imbalance: float | None = None) -> list:
         return search(costs, dataclasses.replace(req, fix=_without_ep(req.fix)))
     by_kind = moe_facts(costs)
     plain = dataclasses.replace(req, fix=_without_ep(req.fix))
-    plans = []
+    # One pricing per size, kept: ModelCosts caches prices per pricing, and the candidates
+    # that bound a size are the ones its search goes through.
+    pricings = {ep: EPPricing(ep, by_kind, costs.captured.batch, imbalance) for ep in sizes}
+    found, plans = {}, []
     try:
+        for ep in sizes:
+            found[ep] = _candidates(costs, plain, ep, pricings[ep])
         # Most promising size first (least lower bound); a size whose bound cannot beat the
         # k-th plan found is skipped, and each search stops at that plan's time.
-        for bound, ep in sorted((_bound(costs, plain, ep, by_kind, imbalance), ep)
-                                for ep in sizes):
+        for bound, ep in sorted((_bound(found[ep]), ep) for ep in sizes):
             kth = plans[req.top_k - 1].predicted.iteration_s if len(plans) >= req.top_k \
                 else math.inf
             if bound >= kth:
                 continue
-            _at(costs, ep, by_kind, imbalance)
-            found = search(costs, dataclasses.replace(plain, cutoff_s=kth))
-            plans = sorted(plans + [dataclasses.replace(p, ep=ep) for p in found],
+            _at(costs, ep, pricings[ep])
+            best = search(costs, dataclasses.replace(plain, cutoff_s=kth), found[ep])
+            plans = sorted(plans + [dataclasses.replace(p, ep=ep) for p in best],
                            key=lambda p: (p.predicted.iteration_s, p.ep))
     finally:
         costs.ep, costs.ep_pricing = 1, None
     return plans[: req.top_k]
 
 
-def _at(costs, ep: int, by_kind, imbalance) -> None:
-    costs.ep = ep
-    costs.ep_pricing = EPPricing(ep, by_kind, costs.captured.batch, imbalance)
+def _at(costs, ep: int, pricing: EPPricing) -> None:
+    costs.ep, costs.ep_pricing = ep, pricing
 
 
-def _bound(costs, req, ep: int, by_kind, imbalance) -> float:
-    """The least lower bound of any configuration at this ep (planner.search.meshes.candidates)."""
+def _candidates(costs, req, ep: int, pricing: EPPricing) -> list:
+    """The configurations at this ep, best bound first (planner.search.meshes.candidates)."""
     from planner.search.meshes import candidates
-    _at(costs, ep, by_kind, imbalance)
-    found = candidates(costs, req)
+    _at(costs, ep, pricing)
+    return candidates(costs, req)
+
+
+def _bound(found: list) -> float:
+    """The least lower bound of any configuration."""
     return found[0].lower_bound if found else math.inf
 
 

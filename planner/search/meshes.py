@@ -17,6 +17,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from cost_model.hardware.cluster import Cluster
 from cost_model.hardware.comm import collective_time
@@ -68,8 +69,9 @@ class Candidate:
     dp_shard: int = 0      # ranks per shard group; 0: dp (no hybrid sharding)
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@lru_cache(maxsize=None)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 FIX_NUMBERS = ("dp", "tp", "pp", "cp", "mb", "v", "ep")
@@ -216,47 +218,53 @@ def meshes(costs: ModelCosts, req: Request):
             yield mesh
 
 
-def configurations(costs: ModelCosts, req: Request):
-    """Every candidate the filters let through (memory aside), with lower_bound 0."""
+def _batchings(costs: ModelCosts, req: Request):
+    """(dp, tp, cp, pp, micro-batch, micro-batches, schedules, ZeRO options) in the search's
+    order: the configurations of each mesh and micro-batch are its (schedule, v) pairs times its
+    (level, dp_shard) pairs (planner.search.zero.zero_options)."""
+    schedules, zeros = {}, {}  # both depend on only part of a configuration: work them out once
     for dp, tp, cp, pp in meshes(costs, req):
+        if (dp, cp, tp) not in zeros:
+            zeros[dp, cp, tp] = zero_axis.zero_options(req.fix, dp, cp, tp,
+                                                       req.cluster.gpus_per_node)
         for b in divisors(req.global_batch // dp):
             if "mb" in req.fix and req.fix["mb"] != b:
                 continue
             m = req.global_batch // (dp * b)
-            for name, v in _schedules(req, pp, m, costs.num_blocks):
-                for level, shard in zero_axis.zero_options(req.fix, dp, cp, tp,
-                                                           req.cluster.gpus_per_node):
-                    yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
-                                    shard if shard != dp else 0)
+            if (pp, m) not in schedules:
+                schedules[pp, m] = list(_schedules(req, pp, m, costs.num_blocks))
+            yield dp, tp, cp, pp, b, m, schedules[pp, m], zeros[dp, cp, tp]
+
+
+def configurations(costs: ModelCosts, req: Request):
+    """Every candidate the filters let through (memory aside), with lower_bound 0."""
+    for dp, tp, cp, pp, b, m, schedules, zeros in _batchings(costs, req):
+        for name, v in schedules:
+            for level, shard in zeros:
+                yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
+                                shard if shard != dp else 0)
 
 
 def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
-    result, least, bounds = [], {}, {}
-    for cand in configurations(costs, req):
-        sharding = zero_axis.sharding_of(cand)  # its memory shares only
-        memory = Sharding(sharding.level, sharding.n if sharding.level else 1)
-        key = (cand.tp, cand.cp, cand.micro_batch, memory)
-        if key not in least:
-            least[key] = _least_costs(costs, req, *key)
-        if least[key].static_bytes / cand.pp > req.memory_limit:
-            continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
-        base = (cand.dp, cand.tp, cand.pp, cand.micro_batch, cand.schedule, cand.v, cand.cp)
-        if base not in bounds:  # the ZeRO levels of a configuration differ only in σ
-            plain = replace(cand, zero=0, dp_shard=0)
-            bounds[base] = (_lower_bound(costs, req, plain, least[key]),
-                            _sync_bound(costs, req, plain, least[key]))
-        bound, sync = bounds[base]
-        if cand.zero or cand.dp_shard:
-            bound += _sync_bound(costs, req, cand, least[key]) - sync
-        result.append(replace(cand, lower_bound=bound))
+    """The configurations whose least static memory fits, each with its lower bound, best first."""
+    least, result = _LeastCosts(costs, req), []
+    for dp, tp, cp, pp, b, m, schedules, zeros in _batchings(costs, req):
+        fits = []  # (level, dp_shard) pairs whose least static memory fits
+        for level, shard in zeros:
+            if least.static_bytes(tp, cp, b, level, shard * cp if level else 1) / pp > \
+                    req.memory_limit:
+                continue  # even the least memory-hungry strategy, spread perfectly, cannot fit
+            fits.append((level, shard if shard != dp else 0))
+        for name, v in schedules if fits else ():
+            # the bound without ZeRO, and its σ: the ZeRO levels differ only in σ
+            bound, sync = least.bound(Candidate(dp, tp, pp, b, m, name, v, 0.0, cp))
+            for level, dp_shard in fits:
+                own = bound
+                if level or dp_shard:
+                    own += least.sync_bound(Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
+                                                      dp_shard)) - sync
+                result.append(Candidate(dp, tp, pp, b, m, name, v, own, cp, level, dp_shard))
     return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
-
-
-def _sync_bound(costs: ModelCosts, req: Request, c: Candidate, least: "_Least") -> float:
-    """σ of `_lower_bound`: the data-parallel collectives of the average rank."""
-    _, parts, units = _comm_terms(costs, req, c)
-    grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
-    return _least_sync(parts, units, grads, req.cluster)
 
 
 def _strategies(req: Request, tp: int, costs: ModelCosts | None = None,
@@ -284,39 +292,122 @@ def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1,
 @dataclass(frozen=True)
 class _Least:
     """Per-term minima over a mesh's strategies (each may come from a different strategy) and the
-    end layers' terms: what every plan of the mesh and micro-batch pays at least."""
-    block_s: float        # the least over every kind
-    grad_bytes: float
-    static_bytes: float   # all blocks and both ends
+    end layers' terms: what every plan of the mesh and micro-batch pays at least, whatever its
+    ZeRO level (static bytes, which the level changes, are `_LeastCosts.static_bytes`)."""
+    block_s: float             # the least over every kind
     embed_s: float
     head_s: float
     end_grad_bytes: float
-    blocks_s: float = 0.0          # Σ over the blocks of their own kind's least time
-    blocks_grad_bytes: float = 0.0  # likewise for gradient bytes
+    blocks_s: float            # Σ over the blocks of their own kind's least time
+    blocks_grad_bytes: float   # likewise for gradient bytes
 
 
-def _least_costs(costs: ModelCosts, req: Request, tp: int, cp: int, b: int, dp: int) -> _Least:
-    """Recomputation only adds backward time and never changes the parameters, so the minima
-    over a strategy space are at least those over its recompute-free twins: pricing those (3
+class _LeastCosts:
+    """The least costs behind one request's lower bounds (`_lower_bound`), each worked out once:
+    the bounds of thousands of configurations share a few hundred (tp, cp, micro-batch) prices.
+
+    Recomputation only adds backward time and never changes the parameters, so the minima over a
+    strategy space are at least those over its recompute-free twins: pricing those (3
     strategies rather than 12 at tp > 1) bounds every candidate at a quarter of the cost.
     tests/unit/test_search_bounds.py holds the cost model to that."""
-    twins = sorted({replace(s, recompute="none") for s in _strategies(req, tp, costs, cp)})
-    least = []  # per kind: (time, static bytes, gradient bytes), each at its minimum
-    for kind in range(len(costs.kinds)):
-        options = [costs.block_option(costs.price_block(s, b, req.cluster, tp, cp, kind), dp)
-                   for s in twins]
-        least.append((min(o.time_s for o in options), min(o.static_bytes for o in options),
-                      min(o.grad_bytes for o in options)))
-    embed, head = (costs.end_layer(c, dp)
-                   for c in costs.end_costs(b, req.cluster, padded=True, cp=cp, tp=tp))
-    def total(term: int) -> float:
-        return sum(n * least[kind][term] for kind, n in costs.runs)
-    return _Least(min(t for t, _, _ in least), min(g for _, _, g in least),
-                  total(1) + embed.static_bytes + head.static_bytes, embed.time_s, head.time_s,
-                  embed.grad_bytes + head.grad_bytes, total(0), total(2))
+
+    def __init__(self, costs: ModelCosts, req: Request):
+        self.costs, self.req = costs, req
+        self._twins, self._kinds, self._ends, self._least = {}, {}, {}, {}
+        self._layout_of, self._layouts, self._static = {}, {}, {}
+        self._p2p, self._sync = {}, {}
+
+    def twins(self, tp: int, cp: int) -> list[Strategy]:
+        if (tp, cp) not in self._twins:
+            self._twins[tp, cp] = sorted({replace(s, recompute="none")
+                                          for s in _strategies(self.req, tp, self.costs, cp)})
+        return self._twins[tp, cp]
+
+    def kind(self, tp: int, cp: int, b: int, kind: int) -> tuple[float, LayerCost, float]:
+        """(least time, the twin with the fewest parameters, least gradient bytes) of a block of
+        `kind`. Static bytes grow with the parameters under every ZeRO level (a rank's share of
+        them, plus whole expert weights), so that twin also holds the least static bytes."""
+        key = (tp, cp, b, kind)
+        if key not in self._kinds:
+            costs, cluster = self.costs, self.req.cluster
+            priced = [costs.price_block(s, b, cluster, tp, cp, kind) for s in self.twins(tp, cp)]
+            options = [costs.block_option(cost) for cost in priced]
+            lightest = min(range(len(priced)), key=lambda i: priced[i].params)
+            self._kinds[key] = (min(o.time_s for o in options), priced[lightest],
+                                min(o.grad_bytes for o in options))
+        return self._kinds[key]
+
+    def ends(self, tp: int, cp: int, b: int):
+        if (tp, cp, b) not in self._ends:
+            self._ends[tp, cp, b] = self.costs.end_costs(b, self.req.cluster, padded=True, cp=cp,
+                                                         tp=tp)
+        return self._ends[tp, cp, b]
+
+    def terms(self, tp: int, cp: int, b: int) -> _Least:
+        if (tp, cp, b) not in self._least:
+            costs = self.costs
+            least = [self.kind(tp, cp, b, kind) for kind in range(len(costs.kinds))]
+            embed, head = (costs.end_layer(c) for c in self.ends(tp, cp, b))
+            def total(term: int) -> float:
+                return sum(n * least[kind][term] for kind, n in costs.runs)
+            self._least[tp, cp, b] = _Least(
+                min(t for t, _, _ in least), embed.time_s, head.time_s,
+                embed.grad_bytes + head.grad_bytes, total(0), total(2))
+        return self._least[tp, cp, b]
+
+    def static_bytes(self, tp: int, cp: int, b: int, level: int, n: int) -> float:
+        """The least static bytes of all blocks and both ends at ZeRO `level` over shard groups
+        of n ranks (1 at level 0)."""
+        key = (self.layout(tp, cp, b), level, n)
+        if key not in self._static:
+            (blocks, ends), costs = self._layouts[key[0]], self.costs
+            memory = Sharding(level, n)  # the level's memory shares
+            total = sum(count * costs.block_static(blocks[kind], memory)
+                        for kind, count in costs.runs)
+            embed, head = (costs.end_layer(c, memory) for c in ends)
+            self._static[key] = total + embed.static_bytes + head.static_bytes
+        return self._static[key]
+
+    def layout(self, tp: int, cp: int, b: int) -> tuple:
+        """What static bytes depend on: the parameters (and layer, whose experts stay whole) of
+        each kind's lightest twin and of the end layers. Thousands of configurations share a few
+        layouts, so `static_bytes` works each one out once per ZeRO level and shard group."""
+        if (tp, cp, b) not in self._layout_of:
+            blocks = tuple(self.kind(tp, cp, b, kind)[1] for kind in range(len(self.costs.kinds)))
+            ends = self.ends(tp, cp, b)
+            layout = (tuple((c.params, c.layer) for c in blocks),
+                      tuple(None if c is None else c.params for c in ends))
+            self._layouts.setdefault(layout, (blocks, ends))  # its costs, to price it with
+            self._layout_of[tp, cp, b] = layout
+        return self._layout_of[tp, cp, b]
+
+    def bound(self, c: Candidate) -> tuple[float, float]:
+        """(`_lower_bound`, its σ) of a candidate."""
+        least, (p2p, parts, units) = self.terms(c.tp, c.cp, c.micro_batch), self.comm_terms(c)
+        grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
+        return (_lower_bound(self.costs, self.req, c, least, p2p, parts, units),
+                _least_sync(parts, units, grads, self.req.cluster))
+
+    def sync_bound(self, c: Candidate) -> float:
+        """σ of `_lower_bound`: the data-parallel collectives of the average rank."""
+        least, (_, parts, units) = self.terms(c.tp, c.cp, c.micro_batch), self.comm_terms(c)
+        grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
+        return _least_sync(parts, units, grads, self.req.cluster)
+
+    def comm_terms(self, c: Candidate) -> tuple[float, SyncParts, int]:
+        """`_comm_terms`, its collectives priced once per size and stride."""
+        p2p_key = (c.pp > 1, c.micro_batch, c.cp, c.tp * c.cp * c.dp)
+        if p2p_key not in self._p2p:
+            self._p2p[p2p_key] = _p2p_time(self.costs, self.req, c)
+        sync_key = (c.zero, c.dp_shard, c.dp, c.cp, c.tp, c.pp, c.microbatches, c.schedule) \
+            if c.zero or c.dp_shard else (0, 0, c.dp * c.cp, 1, c.tp, c.pp)
+        if sync_key not in self._sync:
+            self._sync[sync_key] = _sync_parts(self.costs, self.req, c)
+        return (self._p2p[p2p_key], *self._sync[sync_key])
 
 
-def _lower_bound(costs: ModelCosts, req: Request, c: Candidate, least: _Least) -> float:
+def _lower_bound(costs: ModelCosts, req: Request, c: Candidate, least: _Least, p2p: float,
+                 parts: SyncParts, units: int) -> float:
     """A bound no plan of the candidate beats: the ILP objective α·Σ_s T_s + β·ρ + σ with every
     block at its cheapest (t_min, g_min: minima over the strategies), where
 
@@ -327,9 +418,9 @@ def _lower_bound(costs: ModelCosts, req: Request, c: Candidate, least: _Least) -
 
     ρ* is what makes it tight for deep pipelines — 96 blocks on 64 ranks put 2 blocks on some
     rank, not 1.5 — and with it the first candidate is usually the optimum (gpt3-175b on 1024
-    GPUs: within 0.01% of the ILP optimum on sampled candidates)."""
+    GPUs: within 0.01% of the ILP optimum on sampled candidates). (p2p, parts, units):
+    `_comm_terms` of the candidate."""
     blocks, stages = costs.num_blocks, c.pp * c.v
-    p2p, parts, units = _comm_terms(costs, req, c)
     total = (least.blocks_s + least.embed_s + least.head_s
              + 2 * (stages - 1) * p2p)
     floor = ilp.busiest_rank_floor(blocks, c.pp, stages, least.block_s, least.embed_s,
@@ -444,12 +535,20 @@ def _comm_terms(costs, req, c: Candidate) -> tuple[float, SyncParts, int]:
     hold the same weights, tp ranks apart. Where collectives have no stream of their own
     (Cluster.comm_stream false: CPU ranks) the measured share dp_overlap of the hideable part is
     hidden, and the rest exposed."""
+    return (_p2p_time(costs, req, c), *_sync_parts(costs, req, c))
+
+
+def _p2p_time(costs, req, c: Candidate) -> float:
+    if c.pp == 1:
+        return 0.0
     tp, cp, dp = c.tp, c.cp, c.dp
-    if c.pp > 1:
-        boundary = costs.boundary_bytes(c.micro_batch) / cp
-        p2p = 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
-    else:
-        p2p = 0.0
+    boundary = costs.boundary_bytes(c.micro_batch) / cp
+    return 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
+
+
+def _sync_parts(costs, req, c: Candidate) -> tuple[SyncParts, int]:
+    """(the data-parallel collectives of a rank, the layers it holds): `_comm_terms`."""
+    tp, cp, dp = c.tp, c.cp, c.dp
     units = -(-(costs.num_blocks + len(costs.ends)) // c.pp)
     if c.zero or c.dp_shard:  # sharded data parallel: reduce-scatters and all-gathers
         t = costs.training
@@ -463,7 +562,7 @@ def _comm_terms(costs, req, c: Candidate) -> tuple[float, SyncParts, int]:
         parts = SyncParts(0.0, 0.0, alpha, slope, BACKWARD_SHARE)
     if not req.cluster.comm_stream:
         parts = SyncParts(*parts.discounted(req.cluster.dp_overlap))
-    return p2p, parts, units
+    return parts, units
 
 
 def _least_sync(parts: SyncParts, units: int, grads: float, cluster: Cluster) -> float:
@@ -473,8 +572,10 @@ def _least_sync(parts: SyncParts, units: int, grads: float, cluster: Cluster) ->
     return parts.alpha + parts.slope * grads + max(cluster.comm_sm_share, 1 / units) * hideable
 
 
-def search(costs: ModelCosts, req: Request) -> list[Plan]:
-    """The best plans, fastest first (at most req.top_k).
+def search(costs: ModelCosts, req: Request,
+           ordered: list[Candidate] | None = None) -> list[Plan]:
+    """The best plans, fastest first (at most req.top_k); `ordered`: `candidates(costs, req)`,
+    when the caller has them already.
 
     Best first over lower bounds: a candidate enters the queue with `_lower_bound`; when it
     first comes out, its LP relaxation (which sees memory, so it is far tighter) replaces that
@@ -487,7 +588,9 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     start = time.perf_counter()
     found: list[Plan] = []
     open_bound = math.inf  # least proven bound among ILPs a time limit stopped
-    queue = [(c.lower_bound, i, c, None) for i, c in enumerate(candidates(costs, req))]
+    ordered = candidates(costs, req) if ordered is None else ordered
+    queue = [(c.lower_bound, i, c, None) for i, c in enumerate(ordered)]
+    solve = _solver()
     heapq.heapify(queue)  # already sorted, so already a heap; (bound, i) are unique keys
     # A simulated step (planner.search.step_prediction) may come out below the ILP's bounds: no
     # candidate can be ruled out by them, so every one is solved (such clusters are CPU hosts:
@@ -501,11 +604,11 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
             break  # every bound left is at least this one: nothing left can enter the list
         if built is None:
             built = build_problem(costs, req, cand, req.memory_limit)
-            relaxed = ilp.solve(built[0], relax=True, time_limit_s=req.time_limit_s)
+            relaxed = solve(built[0], relax=True, time_limit_s=req.time_limit_s)
             if relaxed.status not in ("infeasible", "cutoff"):
                 heapq.heappush(queue, (max(bound, _finite(relaxed.bound, bound)), i, cand, built))
             continue
-        solution = ilp.solve(built[0], time_limit_s=req.time_limit_s, cutoff=cutoff)
+        solution = solve(built[0], time_limit_s=req.time_limit_s, cutoff=cutoff)
         if solution.status in ("feasible", "unsolved"):
             open_bound = min(open_bound, max(bound, _finite(solution.bound, bound)))
         if solution.status in ("optimal", "feasible"):
@@ -517,6 +620,20 @@ def search(costs: ModelCosts, req: Request) -> list[Plan]:
     seconds = round(time.perf_counter() - start, 4)
     return [replace(_with_search_gap(p, open_bound), timing={**p.timing, "search_s": seconds})
             for p in found]
+
+
+def _solver():
+    """ilp.solve, remembering its answers: configurations the cost model prices alike (cp
+    ranks instead of dp ranks with a larger micro-batch, say) pose the same stage problem, and
+    HiGHS answers a problem asked again as it did the first time (a time limit aside, and then
+    the first answer is as good as a second)."""
+    answers = {}
+    def solve(problem: ilp.StageProblem, **options) -> ilp.Solution:
+        key = (problem, tuple(sorted(options.items())))
+        if key not in answers:
+            answers[key] = ilp.solve(problem, **options)
+        return answers[key]
+    return solve
 
 
 def _finite(x: float, default: float) -> float:

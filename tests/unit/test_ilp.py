@@ -185,6 +185,37 @@ def test_busiest_rank_floor_sees_whole_blocks():
     assert ilp.busiest_rank_floor(5, 1, 1, 1.0, 0.3, 0.2, 0.1) == pytest.approx(5.5)
 
 
+def _scanned_rank_floor(blocks, ranks, stages, t, embed_s, head_s, p2p_s, stage_s):
+    """ρ* of busiest_rank_floor's definition, by scanning j = 0, 1, 2, ... for each kind of rank."""
+    v = stages // ranks
+    fixed = [2 * p2p_s * v - p2p_s * ((r == 0) + (r == ranks - 1)) + embed_s * (r == 0)
+             + head_s * (r == ranks - 1) + stage_s * v for r in range(ranks)]
+    start = max(fixed)
+    def holds(rho):
+        return sum(math.floor((rho - f) / t + 1e-9) for f in fixed if rho >= f)
+    best = math.inf
+    for f in {fixed[0], fixed[-1], fixed[min(1, ranks - 1)]}:
+        j = max(0, math.ceil((start - f) / t - 1e-9))
+        stop = j + blocks
+        while j < stop and holds(f + j * t) < blocks:
+            j += 1
+        best = min(best, f + j * t)
+    return max(start, best) * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_busiest_rank_floor_is_the_least_rho_that_holds_every_block(seed):
+    """Searched out from an even spread of the blocks, ρ* is what scanning finds, to the bit."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        ranks = rng.choice([1, 2, 3, 5, 8, 16])
+        args = (rng.choice([1, 3, 24, 61, 96]), ranks, ranks * rng.choice([1, 2, 3]),
+                rng.uniform(1e-3, 1.0), rng.choice([0.0, rng.uniform(0, 0.5)]),
+                rng.uniform(0, 0.5), rng.choice([0.0, rng.uniform(0, 0.05)]),
+                rng.choice([0.0, rng.uniform(0, 0.01)]))
+        assert ilp.busiest_rank_floor(*args) == _scanned_rank_floor(*args)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_polish_keeps_the_time_and_takes_the_least_total_stage_time(seed):
     """Among every assignment as fast as the optimum (brute force), polish finds the one with
@@ -219,3 +250,4 @@ def test_collectives_beside_compute_are_exposed_only_past_it():
                                  hide_alpha_s=1.0, hide_beside=1.0, hide_least=0.1)
     assert ilp._sync_time(hidden, 0.0, rank_s=5.0) == pytest.approx(0.1)   # λ·H: hidden
     assert ilp._sync_time(hidden, 0.0, rank_s=0.5) == pytest.approx(0.5)   # H − κ·ΣT
+
