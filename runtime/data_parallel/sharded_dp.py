@@ -4,8 +4,11 @@ Levels (Rajbhandari et al. 2020; the names torchtitan and Megatron-Core use in b
 
   0  replicated: whole gradients all-reduced (runtime.training.trainer._GradSync, not this module)
   1  optimizer states sharded [Megatron's distributed optimizer]: gradients accumulate whole over
-     the step's micro-batches; when a stage's backward is complete its gradients are
-     reduce-scattered, each rank steps its shard, and the parameters are all-gathered back
+     the step's micro-batches; each unit's gradients are reduce-scattered as soon as the last
+     micro-batch's backward has produced them (post-accumulate-grad hooks count one accumulation
+     per gradient-producing action of the stage, as runtime.training.trainer._GradSync does for
+     level 0; whatever is left starts when the stage's backward is complete), all of them in
+     flight together, each rank steps its shard, and the parameters are all-gathered back
   2  plus gradients sharded: each unit's gradients are reduce-scattered as soon as one
      micro-batch's backward has produced them (a post-accumulate-grad hook), overlapping the rest
      of the backward, and accumulated into the shard; the whole gradient lives for one
@@ -54,6 +57,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from runtime.comm.mesh import RankGroups
+from runtime.data_parallel.grad_views import attach_views, flat_views, move_into_view, release
 from runtime.data_parallel.zero3_graph import (insert_gathers, param_units, regather_recomputed, register,
                                  unit_order)
 
@@ -178,10 +182,15 @@ class _Bucket:
         self.grad_full = torch.zeros_like(self.full) if level == 1 else None
         self.shard.grad = (self.grad_full[self.lo:self.lo + self.shard_len] if level == 1
                            else torch.zeros_like(self.shard))
+        self.grad_views = []  # level 1: each parameter's gradient as a view of grad_full
+        if level == 1:
+            self.grad_views = flat_views(self.grad_full, params)
         self.gathered = True
         self.pending = None    # an async all-gather into full
         self.accumulated = 0   # gradients accumulated since the last reduce-scatter
         self.inflight = None   # (work, buffer) of an async reduce-scatter
+        self.ready = 0         # level 1: parameters whose gradient of the step is complete
+        self.reduced = False   # level 1: this step's reduce-scatter has started
 
     @property
     def nbytes(self) -> int:
@@ -217,30 +226,42 @@ class _Bucket:
     # gradients
     def flat_grad(self) -> torch.Tensor:
         """The parameters' gradients as one padded flat tensor; the gradients are released."""
-        flat = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
+        flat = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
         offset = 0
         for p, k in zip(self.params, self.numels):
-            if p.grad is not None:
-                flat[offset:offset + k].copy_(p.grad.reshape(-1))
+            if p.grad is not None:  # every element written once: no zeroing pass before
+                flat[offset:offset + k].view_as(p).copy_(p.grad)
+            else:
+                flat[offset:offset + k].zero_()
             p.grad = None
             offset += k
+        flat[offset:].zero_()  # the padding
         return flat
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, attach: bool = True) -> None:
+        """Levels 2-3: the shard's gradient zeroed, the parameters' None. Level 1: the whole
+        buffer zeroed and the parameters' gradients views of it; without `attach`, their
+        gradients None for autograd to create and attach_one to move in (the padding zeroed)."""
         self.finish_reduce()
-        self.accumulated = 0
+        self.accumulated = self.ready = 0
+        self.reduced = False
         if self.grad_full is None:
             self.shard.grad.zero_()
-            for p in self.params:
-                p.grad = None
-            return
-        self.grad_full.zero_()
-        offset = 0
-        for p, k in zip(self.params, self.numels):
-            view = self.grad_full[offset:offset + k].view_as(p)
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view
-            offset += k
+            release(self.params)
+        elif not attach:
+            self.grad_full[sum(self.numels):].zero_()
+            release(self.params)
+        else:
+            self.grad_full.zero_()
+            attach_views(self.params, self.grad_views)
+
+    def attach_one(self, index: int) -> None:
+        """Level 1: parameter `index`'s gradient moved into its view of grad_full."""
+        move_into_view(self.params[index], self.grad_views[index])
+
+    def attach(self) -> None:
+        for p, view in zip(self.params, self.grad_views):
+            move_into_view(p, view)
 
     def reduce_scatter(self, group) -> None:
         """Reduce-scatter the gradients held now into the shard's gradient (asynchronously):
@@ -278,7 +299,8 @@ class ShardedDP:
     _ids = itertools.count()
 
     def __init__(self, programs: dict, params_by_stage: dict[int, list], groups: RankGroups,
-                 spec: ShardingSpec, sharded_ids: set[int], keep_whole: set[int]):
+                 spec: ShardingSpec, sharded_ids: set[int], keep_whole: set[int],
+                 grad_actions: dict[int, int] | None = None):
         self.spec, self.groups, self.level = spec, groups, spec.level
         dp_shard = spec.shard_size(groups.mesh.dp)
         (self.group, self.shard_rank, self.n, self.replicate,
@@ -288,11 +310,20 @@ class ShardedDP:
         self.by_stage: dict[int, list[_Bucket]] = defaultdict(list)
         self.whole: list[torch.nn.Parameter] = []   # replicated, all-reduced over the replicas
         self._by_param: dict[int, _Bucket] = {}
+        self._index: dict[int, int] = {}  # parameter id -> its place in its bucket
         for stage, program in sorted(programs.items()):
             self._bucket_stage(stage, program.gm, params_by_stage[stage], sharded_ids,
                                keep_whole)
         self.units = {(b.unit, b.index): b for b in self.buckets}
-        if self.level >= 2:
+        # Level 1 with grad_actions (stage -> its gradient-producing actions B or W in one
+        # step): a parameter's gradient is complete after that many accumulations.
+        self._expected: dict[int, int] = {}
+        self._seen: dict[int, int] = {}
+        if self.level == 1 and grad_actions is not None and self.group is not None:
+            for stage, buckets in self.by_stage.items():
+                for p in (p for b in buckets for p in b.params):
+                    self._expected[id(p)] = grad_actions.get(stage, 0)
+        if self.level >= 2 or self._expected:
             for bucket in self.buckets:
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -328,8 +359,9 @@ class ShardedDP:
                              ps, self.shard_rank, self.n, self.level, tp_sharded)
             self.buckets.append(bucket)
             self.by_stage[stage].append(bucket)
-            for p in ps:
+            for i, p in enumerate(ps):
                 self._by_param[id(p)] = bucket
+                self._index[id(p)] = i
 
     def optimizer_params(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: one flat shard per bucket, then the whole parameters."""
@@ -350,14 +382,18 @@ class ShardedDP:
 
     # -- the step ---------------------------------------------------------------------------
     def zero(self) -> None:
-        for b in self.buckets:
-            b.zero_grads()
+        for b in self.buckets:  # level 1 with hooks: autograd creates, the hook moves in
+            b.zero_grads(attach=not self._expected)
         for p in self.whole:
             p.grad = None
+        self._seen.clear()
         self.peak = {"params": self.param_bytes(), "grads": self.grad_bytes()}
 
     def _grad_ready(self, param) -> None:
         bucket = self._by_param[id(param)]
+        if self.level == 1:
+            self._level1_ready(bucket, id(param))
+            return
         bucket.accumulated += 1
         self._note()
         if bucket.accumulated == len(bucket.params):
@@ -365,15 +401,37 @@ class ShardedDP:
             if self.level == 3:
                 bucket.free()
 
+    def _level1_ready(self, bucket: _Bucket, key: int) -> None:
+        """Level 1: one more accumulation of a parameter's gradient; a bucket whose parameters
+        are all complete starts its reduce-scatter."""
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if bucket.reduced:
+            raise RuntimeError(f"a gradient of {bucket.unit} was added after its reduce-scatter "
+                               f"started ({seen} accumulations, {self._expected[key]} expected)")
+        if seen == 1:
+            bucket.attach_one(self._index[key])
+        if seen == self._expected[key]:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._reduce(bucket)
+
     def stage_done(self, stage: int) -> None:
         for b in self.by_stage.get(stage, []):
-            if self.level == 1 or b.accumulated:   # level 1 reduces once; 2-3 flush leftovers
+            # level 1 reduces once (unless its hooks started it already); 2-3 flush leftovers
+            if (self.level == 1 and not b.reduced) or (self.level > 1 and b.accumulated):
                 self._note()
                 self._reduce(b)
 
     def _reduce(self, bucket: _Bucket) -> None:
-        """One reduce-scatter in flight at a time: its buffers are the only whole-sized
-        gradient copies alive (gloo runs a group's collectives in order anyway)."""
+        """Levels 2-3: one reduce-scatter in flight at a time: its buffers are the only
+        whole-sized gradient copies alive. Level 1 reduces from the whole gradient buffer that
+        lives anyway, into a shard-sized one: all of them may be in flight together."""
+        if self.level == 1:
+            if self._expected:
+                bucket.attach()  # gradients no hook moved in: none this step
+            bucket.reduced = True
+            bucket.reduce_scatter(self.group)
+            return
         if self._inflight is not None and self._inflight is not bucket:
             self._inflight.finish_reduce()
         bucket.reduce_scatter(self.group)

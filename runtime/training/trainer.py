@@ -4,6 +4,7 @@ clipping, the optimizer step, and the loss made known to every rank."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -14,13 +15,14 @@ from runtime.launch import activity
 from runtime.training import rng
 from runtime.training.batch import BatchSpec, compare_batches
 from runtime.programs.token_split import shard_sequence
-from runtime.pipeline.executor import StageExecutor, wait_or_explain
+from runtime.pipeline.executor import StageExecutor, explained, wait_or_explain
 from runtime.training.loss_tokens import StepTokens
 from runtime.experts.dispatch import ExpertGroups, broadcast_experts, is_expert
 from runtime.training.activation_memory import SavedActivations
 from runtime.comm.mesh import RankGroups
 from runtime.data_parallel.replicas import broadcast_replicas
-from runtime.pipeline.schedule import Schedule
+from runtime.data_parallel.grad_views import attach_views, flat_views, move_into_view, release
+from runtime.pipeline.schedule import Kind, Schedule
 from runtime.programs.shards import shard_specs
 from runtime.data_parallel.sharded_dp import ShardedDP, ShardingSpec
 from runtime.pipeline.simulator import Timeline
@@ -28,6 +30,7 @@ from runtime.programs.stage import StageProgram
 from runtime.training.tied import broadcast_tied, sum_tied_grads, tie
 
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MIN_AUTO_BUCKET, _MAX_AUTO_BUCKET = 2**20, 25 * 2**20  # TrainOptions.bucket_bytes=None
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,9 @@ class TrainOptions:
     precision: "fp32", or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer;
     fp16 adds a dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on
     all ranks and the scale halves; it doubles after `growth_interval` good steps).
-    bucket_bytes: size of the data-parallel all-reduce buckets.
+    bucket_bytes: the most bytes of one data-parallel all-reduce bucket (level 0); None: a
+    quarter of the stage's gradient bytes, between 1 MiB and 25 MiB (DistributedDataParallel's
+    bucket size), so that on a small model too all but the last bucket overlap the backward.
     track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
     recv_ahead: receives posted ahead of need (runtime.pipeline.executor.StageExecutor).
     zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
@@ -44,7 +49,7 @@ class TrainOptions:
 
     max_norm: float | None = None
     precision: str = "fp32"
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int | None = None
     init_scale: float = 2.0**16
     growth_interval: int = 2000
     track_memory: bool = False
@@ -59,7 +64,8 @@ class TrainOptions:
                              f"got {self.precision!r}")
         if self.max_norm is not None and not self.max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
-        if self.bucket_bytes < 1 or self.init_scale <= 0 or self.growth_interval < 1:
+        if (self.bucket_bytes is not None and self.bucket_bytes < 1) or self.init_scale <= 0 \
+                or self.growth_interval < 1:
             raise ValueError("bucket_bytes, init_scale and growth_interval must be positive")
         if self.recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0, got {self.recv_ahead}")
@@ -83,53 +89,141 @@ def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp
 class _Bucket:
     """Parameters whose gradients are views into one flat tensor, all-reduced in one call."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[torch.nn.Parameter], stage: int):
+        self.params, self.stage = params, stage
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                 device=params[0].device)
-        self.views = [v.view_as(p) for v, p in
-                      zip(self.flat.split([p.numel() for p in params]), params)]
+        self.views = flat_views(self.flat, params)
+        self.ready = 0         # parameters whose gradient of this step is complete
+        self.complete = False  # every gradient in: the all-reduce may start
+        self.launched = False
 
-    def zero(self) -> None:
-        """Zero the gradients and (re)attach the views, should anything have replaced them."""
+    def zero(self, attach: bool = True) -> None:
+        """Zero the gradients and (re)attach the views, should anything have replaced them;
+        without `attach`, leave every gradient None for autograd to create (attach_one)."""
+        self.ready, self.complete, self.launched = 0, False, False
+        if not attach:
+            release(self.params)
+            return
         self.flat.zero_()
+        attach_views(self.params, self.views)
+
+    def attach_one(self, index: int) -> None:
+        """Parameter `index`'s gradient, which autograd created, moved into its view."""
+        move_into_view(self.params[index], self.views[index])
+
+    def attach(self) -> None:
+        """Every gradient in its view (zero for a parameter that got none this step)."""
         for p, view in zip(self.params, self.views):
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view
+            move_into_view(p, view)
 
 
 class _GradSync:
-    """Data-parallel gradient sum, bucketed per stage and started as soon as the stage's backward
-    is complete, so it overlaps the backward of later micro-batches on other stages and ranks."""
+    """Data-parallel gradient sum in buckets (parameters in reverse order, as backward roughly
+    finishes them), each all-reduced asynchronously as soon as its gradients of the step are
+    complete, as DistributedDataParallel does, and waited for only before the optimizer step.
 
-    def __init__(self, params: dict[int, list], group, bucket_bytes: int, rank: int):
+    `grad_actions` (stage -> gradient-producing actions B or W of one step on this rank, in the
+    order the stages' last such actions run) turns on the early start: a post-accumulate-grad
+    hook counts each parameter's accumulations, and a bucket is complete when all of its
+    parameters have had one per action, i.e. during the backward of the stage's last
+    micro-batch. A parameter that gets no gradient in some action (unused) never completes its
+    bucket that way; `start(stage)`, called when the stage's last action is done, completes the
+    stage's buckets whatever their count. Buckets start strictly in one order (stages by their
+    last action, then bucket order), the same on every replica, so the replicas' collectives
+    pair up even if autograd finished the buckets in another order. A parameter read by several
+    stages of this rank belongs to the one that finishes last. Without `grad_actions` the
+    buckets start at `start(stage)` only."""
+
+    def __init__(self, params: dict[int, list], group, bucket_bytes: int | None, rank: int,
+                 grad_actions: dict[int, int] | None = None):
         self.group, self.rank = group, rank
-        self.buckets = {stage: self._split(ps, bucket_bytes) for stage, ps in params.items()}
+        order = list(grad_actions) if grad_actions is not None else []
+        order += [s for s in params if s not in order]
+        owner = {}  # id -> the stage finishing last among those reading the parameter
+        for stage in order:
+            for p in params.get(stage, []):
+                owner[id(p)] = stage
+        self.buckets = {stage: self._split([p for p in params.get(stage, [])
+                                            if owner[id(p)] == stage], bucket_bytes, stage)
+                        for stage in order}
+        self._order = [b for stage in order for b in self.buckets[stage]]
+        self._next = 0  # position in _order of the next bucket to start
         self._pending: list[tuple] = []
+        self._bucket_of = {id(p): (b, i) for b in self._order for i, p in enumerate(b.params)}
+        self._expected: dict[int, int] = {}
+        self._seen: dict[int, int] = {}
+        if grad_actions is not None and group is not None:
+            for stage, ps in params.items():
+                for p in ps:
+                    self._expected[id(p)] = self._expected.get(id(p), 0) + \
+                        grad_actions.get(stage, 0)
+            for b in self._order:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(self._accumulated)
 
     @staticmethod
-    def _split(params: list, limit: int) -> list[_Bucket]:
+    def _split(params: list, limit: int | None, stage: int) -> list[_Bucket]:
+        if limit is None:  # TrainOptions.bucket_bytes
+            total = sum(p.numel() * p.element_size() for p in params)
+            limit = min(max(total // 4, _MIN_AUTO_BUCKET), _MAX_AUTO_BUCKET)
         buckets, current, size = [], [], 0
         for p in reversed(params):  # roughly the order backward finishes them
             nbytes = p.numel() * p.element_size()
             if current and (size + nbytes > limit or p.dtype != current[0].dtype):
-                buckets.append(_Bucket(current))
+                buckets.append(_Bucket(current, stage))
                 current, size = [], 0
             current.append(p)
             size += nbytes
-        return buckets + ([_Bucket(current)] if current else [])
+        return buckets + ([_Bucket(current, stage)] if current else [])
 
     def zero(self) -> None:
-        for buckets in self.buckets.values():
-            for bucket in buckets:
-                bucket.zero()
+        # With the hooks, autograd creates each gradient and the hook moves it into the bucket
+        # (as DistributedDataParallel copies them in): cheaper than zeroing and adding.
+        for bucket in self._order:
+            bucket.zero(attach=not self._expected)
+        self._next = 0
+        self._seen.clear()
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: one more gradient of `param` added into its bucket."""
+        key = id(param)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        bucket, index = self._bucket_of[key]
+        if bucket.launched:
+            raise RuntimeError(f"rank {self.rank}: a gradient of stage {bucket.stage} was added "
+                               f"after its data-parallel all-reduce started ({seen} "
+                               f"accumulations of a parameter, {self._expected[key]} expected)")
+        if seen == 1:
+            bucket.attach_one(index)
+        if seen == self._expected[key]:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                bucket.complete = True
+                self._launch()
 
     def start(self, stage: int) -> None:
+        """The stage's backward is complete: start whatever of its buckets has not started."""
         activity.now(f"data-parallel all-reduce of stage {stage}")
-        for bucket in self.buckets[stage]:
-            work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-            self._pending.append((work, f"rank {self.rank} waiting for the data-parallel "
-                                        f"gradient all-reduce of stage {stage}"))
+        for bucket in self.buckets.get(stage, []):
+            bucket.complete = True
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the complete buckets at the head of the order."""
+        while self._next < len(self._order) and self._order[self._next].complete:
+            bucket = self._order[self._next]
+            if self._expected:
+                bucket.attach()  # gradients a hook has not moved in: none this step
+            bucket.launched = True
+            self._next += 1
+            if self.group is None:
+                continue
+            what = (f"rank {self.rank} waiting for the data-parallel gradient all-reduce of "
+                    f"stage {bucket.stage}")
+            with explained(what):  # started inside backward too: a dead peer says so
+                work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            self._pending.append((work, what))
 
     def wait(self) -> None:
         for work, what in self._pending:
@@ -198,8 +292,8 @@ class PipelineTrainer:
         self.last_rank = stage_rank(schedule.num_stages - 1)
         # Ranks holding the same weights (dp x cp) average their gradients.
         dense = {s: [p for p in ps if not is_expert(p)] for s, ps in self.executor.params.items()}
-        self.sync = (_GradSync(dense, groups.replicas, options.bucket_bytes,
-                               groups.rank) if groups.replicas is not None and
+        self.sync = (_GradSync(dense, groups.replicas, options.bucket_bytes, groups.rank,
+                               self._grad_actions()) if groups.replicas is not None and
                      self.sharded is None else None)
         self.executor.sharding = self.sharded
         self.tokens = StepTokens(programs, tuple(c for prog in programs.values()
@@ -220,7 +314,8 @@ class PipelineTrainer:
         by_stage = {s: [p for p in prog.gm.parameters() if p.requires_grad and not is_expert(p)]
                     for s, prog in programs.items()}
         return ShardedDP(programs, by_stage, self.groups,
-                         ShardingSpec(options.zero, options.dp_shard), self._sharded, whole)
+                         ShardingSpec(options.zero, options.dp_shard), self._sharded, whole,
+                         self._grad_actions())
 
     @property
     def loss_scale(self) -> float:
@@ -249,6 +344,7 @@ class PipelineTrainer:
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)
         done = self._sharded_done if self.sharded else self._start_sync if self.sync else None
         loss = self.executor.run(micro, multiplier, done)
+        loss_sum = self._start_loss_sum(loss, pending_loss)
         if self.sharded is not None:
             activity.now("waiting for the sharded data-parallel reduce-scatter")
             self.sharded.wait()
@@ -266,7 +362,16 @@ class PipelineTrainer:
                 activity.now("sharded data-parallel all-gather of the parameters")
                 self.sharded.after_step()
         activity.now("loss broadcast")
-        return self._share_loss(loss, pending_loss)
+        return self._share_loss(pending_loss, loss_sum)
+
+    def _grad_actions(self) -> dict[int, int]:
+        """Per stage of this rank, its gradient-producing actions (B or W) in one step, in the
+        order the stages' last such actions run (runtime.training.trainer._GradSync)."""
+        actions = self.schedule.actions[self.schedule.stage_to_rank(min(self.programs))]
+        kinds = (Kind.B, Kind.W)
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind in kinds}
+        counts = Counter(a.stage for a in actions if a.kind in kinds)
+        return {stage: counts[stage] for stage in sorted(last, key=last.get)}
 
     def _expert_sync(self, options: TrainOptions) -> "_GradSync":
         """Expert gradients are summed over the ranks holding the same experts only (each one
@@ -363,15 +468,27 @@ class PipelineTrainer:
         work = dist.broadcast(value, src=self.last_rank, group=self.groups.pp, async_op=True)
         return value, work
 
-    def _share_loss(self, loss: torch.Tensor | None, pending) -> float:
+    def _start_loss_sum(self, loss: torch.Tensor | None, pending):
+        """On the ranks holding the last stage: the loss's sum over the replicas, started as
+        the schedule ends, behind the gradient collectives on the same group, so that it is
+        done by the end of the optimizer step. (value, work or None); None elsewhere."""
+        if pending is not None:
+            return None
+        value = loss.detach().clone().float()
+        work = (dist.all_reduce(value, group=self.groups.replicas, async_op=True)
+                if self.groups.replicas is not None else None)
+        return value, work
+
+    def _share_loss(self, pending, loss_sum) -> float:
         if pending is not None:
             value, work = pending
             wait_or_explain([work], f"rank {self.groups.rank} waiting for the loss from rank "
                                     f"{self.last_rank}")
             return float(value)
-        value = loss.detach().clone().float()
-        if self.groups.replicas is not None:
-            dist.all_reduce(value, group=self.groups.replicas)
+        value, work = loss_sum
+        if work is not None:
+            wait_or_explain([work], f"rank {self.groups.rank} waiting for the loss all-reduce "
+                                    f"over the replicas")
             value /= self.groups.num_replicas
         if self.groups.pp is not None:
             dist.broadcast(value, src=self.last_rank, group=self.groups.pp)
