@@ -16,12 +16,10 @@ micro-batch) and by torch's data-parallel component each row names, with the sam
   zero 3  vs  FSDP2 fully_shard per block + root, reshard_after_forward=True (parameters
               gathered again for backward, as fxpar's level 3 does) and =False
 
-A pair is `steps` timed training steps of each side (forward, backward, gradient sync,
-optimizer step), interleaved one by one (fxpar, torch, torch, fxpar, fxpar, ...), so the bursts of
-load on a shared machine hit both sides alike; each step starts after a barrier and is measured on
-the slowest rank, and each pair gives one ratio of the two sides' median step times,
-fxpar / torch (below 1: fxpar is faster); the table gives its median over the pairs and its
-spread (min-max). Both sides' first losses (the mean over the global
+A step is one training iteration (forward, backward, gradient sync, optimizer step); the steps
+of both sides are interleaved in pairs as runtime.observe.race describes, each pair giving one
+ratio fxpar / torch (below 1: fxpar is faster); the table gives its median over the pairs and
+its spread (min-max). Both sides' first losses (the mean over the global
 batch) are printed: equal losses say both trained the same model on the same data. fxpar's step
 also returns the loss to every rank (one extra all-reduce of a scalar), which torch's does not.
 
@@ -30,14 +28,13 @@ also returns the loss to every rank (one extra all-reduce of a scalar), which to
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
-import statistics
 
 import torch
 import torch.distributed as dist
-from tabulate import tabulate
+
+from runtime.observe.race import arguments, tables
 
 WORLD = 4
 
@@ -103,7 +100,7 @@ def race(rows: list[str], pairs: int, steps: int, warmup: int):
     from planner.models.presets import build_model, example_batch
     from planner.training.local import make_optimizer
     from runtime.comm.mesh import Mesh, mesh_groups
-    from runtime.observe.measure import timed
+    from runtime.observe.race import interleave
     from runtime.pipeline.generators import make_schedule
     from runtime.training.trainer import TrainOptions
 
@@ -127,16 +124,7 @@ def race(rows: list[str], pairs: int, steps: int, warmup: int):
         dist.all_reduce(loss)
         first["torch"] = float(loss) / WORLD
         runners = {"fxpar": lambda: ours.step(*batch), "torch": lambda: theirs.step(*local)}
-        for run in runners.values():  # warm up both: allocator, autograd, lazy set-ups
-            for _ in range(warmup):
-                run()
-        rounds = []
-        for i in range(pairs):
-            pair = {"fxpar": [], "torch": []}
-            for j in range(steps):  # interleaved step by step, who goes first alternating
-                for who in ("fxpar", "torch") if (i + j) % 2 == 0 else ("torch", "fxpar"):
-                    pair[who].append(timed(runners[who]))
-            rounds.append(pair)
+        rounds = interleave(runners, pairs, steps, warmup)
         results[row] = (rounds, first)
         del ours, theirs, runners
         gc.collect()
@@ -144,19 +132,8 @@ def race(rows: list[str], pairs: int, steps: int, warmup: int):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side and row")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
-    parser.add_argument("--quick", action="store_true", help="2 pairs of 3 steps, 1 warm-up")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.pairs, args.steps, args.warmup = 2, 3, 1
-    rows = args.rows.split(",")
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    args = arguments(__doc__, ROWS, argv)
+    rows = args.rows
     config = _config()
     print(f"{config.name}: {config.layers} blocks, hidden {config.hidden}, {config.heads} heads, "
           f"vocab {config.vocab}, seq {config.seq}, global batch {config.global_batch}; "
@@ -165,27 +142,8 @@ def main(argv=None) -> None:
     from runtime.launch.ranks import run_local
     results = run_local(race, WORLD, (rows, args.pairs, args.steps, args.warmup),
                         timeout_s=600)[0]
-    detail, summary = [], []
-    for row, (rounds, first) in results.items():
-        level, peer = ROWS[row]
-        medians = [{who: [statistics.median(x) for x in zip(*steps)] for who, steps in r.items()}
-                   for r in rounds]
-        ratios = [r["fxpar"][0] / r["torch"][0] for r in medians]
-        cpu = [r["fxpar"][1] / r["torch"][1] for r in medians]
-        for i, r in enumerate(medians):
-            detail.append([row, i + 1, f"{r['fxpar'][0] * 1e3:.1f}", f"{r['torch'][0] * 1e3:.1f}",
-                           f"{ratios[i]:.3f}", f"{cpu[i]:.3f}"])
-        summary.append([f"zero {level}", peer, f"{statistics.median(ratios):.3f}",
-                        f"{min(ratios):.3f}-{max(ratios):.3f}", f"{statistics.median(cpu):.3f}",
-                        f"{first['fxpar']:.6f}", f"{first['torch']:.6f}",
-                        f"{abs(first['fxpar'] - first['torch']):.1e}", len(ratios)])
-    print(tabulate(detail, headers=["row", "pair", "fxpar ms", "torch ms", "fxpar / torch",
-                                    "CPU ratio"], disable_numparse=True))
-    print("\nms: median step time of the round, wall clock of the slowest rank; CPU: all ranks' "
-          "processes together\n")
-    print(tabulate(summary, headers=["fxpar", "torch", "median ratio", "spread (min-max)",
-                                     "median CPU ratio", "first loss fxpar", "first loss torch",
-                                     "|diff|", "pairs"], disable_numparse=True))
+    labels = {row: [f"zero {ROWS[row][0]}", ROWS[row][1]] for row in results}
+    print(tables(results, labels, ["fxpar", "torch"]))
 
 
 if __name__ == "__main__":

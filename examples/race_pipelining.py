@@ -3,9 +3,10 @@
 The same GPT is captured once and cut into the same stage GraphModules; one copy runs under our
 executor (runtime.training.trainer.PipelineTrainer), another inside torch's PipelineStage with
 ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, on the same gloo ranks with the same
-micro-batches and the same optimizer. Rounds alternate (ours, torch, ours, torch, ...); each
-round times several full training steps (pipeline + optimizer step) on the slowest rank, and each
-pair of rounds gives one ratio of median step times, ours / torch (below 1: ours is faster).
+micro-batches and the same optimizer. Full training steps (pipeline + optimizer step) of both
+sides are interleaved in pairs as runtime.observe.race describes, each pair giving one ratio of
+median step times, fxpar / torch (below 1: fxpar is faster); both sides' first losses (the mean
+over the micro-batches) are printed, equal when both trained the same model on the same data.
 Torch's schedules run with return_outputs=False, their cheapest mode; our step also hands the
 loss to every rank, which theirs does not.
 
@@ -16,12 +17,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from tabulate import tabulate
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
@@ -33,7 +32,8 @@ from runtime.pipeline.generators import make_schedule
 from runtime.launch.ranks import run_local
 from passes.stages.program import build_pipeline_trainer
 from runtime.observe.measure import (balanced_stage_sizes, export_timelines, gather_timeline,
-                             simulate_like, timed)
+                                    simulate_like)
+from runtime.observe.race import interleave, tables
 from runtime.comm.mesh import Mesh, mesh_groups
 
 # Big enough that a stage's forward takes milliseconds, small enough for a laptop's CPU.
@@ -76,39 +76,45 @@ class _TorchRunner:
         self.first, self.last = 0 in stages, P * v - 1 in stages
         self.optimizer = make_optimizer([p for mod in self.modules for p in mod.parameters()])
 
-    def step(self, tokens, targets):
+    def step(self, tokens, targets, losses: list | None = None):
         self.optimizer.zero_grad(set_to_none=True)
         args = (tokens,) if self.first else ()
         extra = {"targets": targets} if self.last else {}
         target = torch.zeros(tokens.shape[0]) if self.last else None
-        self.schedule.step(*args, target=target, return_outputs=False, **extra)
+        self.schedule.step(*args, target=target, losses=losses if self.last else None,
+                           return_outputs=False, **extra)
         self.optimizer.step()
+
+    def first_loss(self, tokens, targets) -> float:
+        """One step that keeps the micro-batches' losses: their mean, on every rank."""
+        losses = []
+        self.step(tokens, targets, losses)
+        total = torch.tensor(float(sum(float(l) for l in losses)) / len(losses) if losses else 0.0,
+                             dtype=torch.float64)
+        dist.all_reduce(total)  # only the last stage's rank has the losses
+        return float(total)
 
 
 def race(names: tuple[str, ...], m: int, pairs: int, steps: int):
-    """Runs on every rank; per schedule: per pair {runtime: [(wall s, CPU s) per step]} (wall: the
-    slowest rank; CPU: all ranks together), and our measured timeline of the last step."""
+    """Runs on every rank; per schedule: (rounds of runtime.observe.race.interleave, first
+    losses), and our measured timeline of the last step."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     batch = example_batch(CONFIG, CONFIG.global_batch)
     micro = CONFIG.global_batch // m
     captured = capture(build_model(CONFIG), tuple(x[:micro] for x in batch))
     groups = mesh_groups(Mesh(P, 1, 1))
-    results = {}
+    results, timelines = {}, {}
     for name in names:
         v = 2 if name == "interleaved-1f1b" else 1
         ours = build_pipeline_trainer(copy.deepcopy(captured), make_schedule(name, P, m, v),
                                       groups, make_optimizer)
         theirs = _TorchRunner(copy.deepcopy(captured), name, m, v)
-        runners = {"ours": lambda: ours.step(*batch), "torch": lambda: theirs.step(*batch)}
-        for run in runners.values():  # warm up both: allocator, autograd, first-step set-up
-            for _ in range(2):
-                run()
-        rounds = []
-        for _ in range(pairs):  # A B A B ...: slow drifts of the machine hit both alike
-            rounds.append({who: [timed(run) for _ in range(steps)] for who, run in runners.items()})
-        results[name] = (rounds, gather_timeline(ours))  # our last step, every pipeline rank
-    return results
+        first = {"fxpar": ours.step(*batch), "torch": theirs.first_loss(*batch)}
+        runners = {"fxpar": lambda: ours.step(*batch), "torch": lambda: theirs.step(*batch)}
+        results[name] = (interleave(runners, pairs, steps, warmup=2), first)
+        timelines[name] = gather_timeline(ours)  # our last step, every pipeline rank
+    return results, timelines
 
 
 def main() -> None:
@@ -124,34 +130,17 @@ def main() -> None:
     names = tuple(args.schedules.split(","))
     print(f"{CONFIG.name}: {CONFIG.layers} blocks, hidden {CONFIG.hidden}, seq {CONFIG.seq}, "
           f"batch {CONFIG.global_batch}; p={P} gloo ranks, m={args.microbatches}, fp32\n")
-    results = run_local(race, P, (names, args.microbatches, args.pairs, args.steps),
+    results, timelines = run_local(race, P, (names, args.microbatches, args.pairs, args.steps),
                         timeout_s=600)[0]
-    rows, summary = [], []
-    for name, (rounds, timeline) in results.items():
+    for name, timeline in timelines.items():
         if args.trace:
             schedule = make_schedule(name, P, args.microbatches, 2 if "interleaved" in name else 1)
             os.makedirs(args.trace, exist_ok=True)
             export_timelines(timeline, simulate_like(schedule, timeline),
                              os.path.join(args.trace, f"race-{name}"))
-        medians = [{who: [statistics.median(x) for x in zip(*steps)] for who, steps in r.items()}
-                   for r in rounds]
-        ratios = [r["ours"][0] / r["torch"][0] for r in medians]
-        cpu_ratios = [r["ours"][1] / r["torch"][1] for r in medians]
-        for i, r in enumerate(medians):
-            rows.append([name, i + 1, f"{r['ours'][0] * 1e3:.1f}", f"{r['torch'][0] * 1e3:.1f}",
-                         f"{ratios[i]:.3f}", f"{r['ours'][1] * 1e3:.1f}",
-                         f"{r['torch'][1] * 1e3:.1f}", f"{cpu_ratios[i]:.3f}"])
-        # The fastest step of each runtime: what either can do when the machine leaves it alone.
-        best = {who: min(wall for r in rounds for wall, _ in r[who]) for who in ("ours", "torch")}
-        summary.append([name, f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}",
-                        f"{max(ratios):.3f}", f"{statistics.median(cpu_ratios):.3f}",
-                        f"{best['ours'] / best['torch']:.3f}"])
-    print(tabulate(rows, headers=["schedule", "pair", "ours ms", "torch ms", "ours / torch",
-                                  "ours CPU ms", "torch CPU ms", "CPU ratio"]))
-    print("\nms: median step time in the round, wall clock of the slowest rank; CPU: all ranks' "
-          "processes together\n")
-    print(tabulate(summary, headers=["schedule", "median ratio", "min", "max",
-                                     "median CPU ratio", "fastest-step ratio"]))
+    labels = {name: [name] for name in results}
+    print(tables(results, labels, ["schedule"]))
+
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,7 @@ from planner.training.data import TokenData, open_data
 from planner.training.metrics import Clock, Metrics, peak_memory_bytes, plan_summary, plot_losses
 from planner.training.model_spec import ModelSpec, example_batch, model_spec, parameter_count
 from planner.training.schedule import LRSchedule
+from planner.training.shard_decay import decay_shards, shard_mask
 from runtime.checkpoint import state as checkpoint
 from runtime.launch.ranks import init_from_env
 from runtime.training.evaluate import Evaluator, evaluate
@@ -113,26 +114,30 @@ class Rows:
         return self._place("val", self.data.val_offsets(index, self.batch, self.seq))
 
 
-def name_groups(trainer, model: torch.nn.Module, config, say) -> None:
+def name_groups(trainer, model: torch.nn.Module, config) -> None:
     """Give the trainer's optimizer its decayed and not-decayed groups by parameter name (the
-    trainer built it from parameters alone). Sharded data parallel steps flat shards that mix
-    parameters: there every parameter is decayed, and the log says so."""
-    if trainer.sharded is not None:
-        if config.optimizer.weight_decay:
-            say(f"note: zero={trainer.sharded.level} steps flat shards of many parameters: "
-                f"weight decay applies to every parameter (norms, biases and embeddings too)")
-        return
+    trainer built it from parameters alone). Sharded data parallel's flat shards, which mix
+    parameters, go in the not-decayed group and are decayed by mask (planner.training.shard_decay)."""
     from runtime.training.tied import canonical_names
     canonical = canonical_names(tuple(c.names for c in trainer.tied))
-    wanted = {id(p) for p in trainer.params}
+    embeddings = optim.embedding_names(model)
+    decayed = lambda name, p: optim.decayed(canonical.get(name, name), p, embeddings,  # noqa: E731
+                                            config.optimizer)
+    sharded = trainer.sharded
+    shards = {id(b.shard): b for b in sharded.buckets} if sharded is not None else {}
+    stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    wanted = stepped - set(shards)
     named, seen = [], set()
     for program in trainer.programs.values():
         for name, param in program.gm.named_parameters():
             if id(param) in wanted and id(param) not in seen:
                 seen.add(id(param))
                 named.append((canonical.get(name, name), param))
-    groups = optim.param_groups(named, optim.embedding_names(model), config.optimizer)
+    groups = optim.param_groups(named, embeddings, config.optimizer)
+    groups[1]["params"] += [b.shard for b in shards.values()]
     trainer.optimizer = optim.build(groups, config.optimizer)
+    masks = {key: shard_mask(b, decayed) for key, b in shards.items()}
+    decay_shards(trainer.optimizer, masks, config.optimizer.weight_decay)
 
 
 def join_process_group(timeout_s: float) -> None:
@@ -242,7 +247,7 @@ def run(config, log=print) -> dict:
                        lambda params: optim.build(params, config.optimizer),
                        weights=spec.weights, seed=t.seed, options=options)
     trainer = pm.shard()
-    name_groups(trainer, model, config, say)
+    name_groups(trainer, model, config)
     from planner.weights.materialize import shard_device
     rows = Rows(data, trainer, t.seed, t.global_batch, spec.seq, shard_device())
     trainer.batch_spec.check(rows.train(1))  # the shapes once; the ranks read different rows

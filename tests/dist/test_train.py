@@ -77,6 +77,20 @@ def test_resume_continues_bit_for_bit_or_resharded(pool2, tokens, tmp_path):
     assert start["plan"].startswith("dp=1 tp=1 pp=2")
 
 
+@pytest.mark.dist
+def test_weight_decay_under_zero_spares_what_zero_0_spares(pool2, tokens, tmp_path):
+    """With a decay strong enough to move every loss, sharded data parallel (flat shards that
+    mix norms, embeddings and weight matrices) trains to zero 0's losses: the shards' decay is
+    masked to the weight matrices, as zero 0's parameter groups are."""
+    def losses(zero):
+        v = values(tokens, tmp_path / f"z{zero}", plan=f"dp=2,zero={zero}",
+                   optimizer={"lr": 3e-3, "weight_decay": 30.0})
+        return pool2.run(train_on_pool, v)[0]["losses"]
+    plain = losses(0)
+    for zero in (1, 3):
+        assert losses(zero) == pytest.approx(plain, rel=1e-5, abs=0), f"zero={zero}"
+
+
 def _write_config(path, v: dict) -> None:
     def value(x):
         if isinstance(x, bool):
