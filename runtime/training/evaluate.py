@@ -2,6 +2,8 @@
 programs, mesh and micro-batches, under torch.no_grad — no backward, no gradient sync, no
 optimizer step, and no state left changed (the random generators and the loss programs'
 token-count buffers are put back), so a run that evaluates trains exactly as one that does not.
+Under ZeRO-3 the stage programs' own gather and free calls bring each unit's parameters in
+for its forward and release them after, as in training (no backward is left to gather for).
 
 The schedule is the training schedule with its backward actions taken out: each rank runs its
 forwards and their sends and receives in the training order, which keeps every rank pair's
@@ -51,9 +53,6 @@ class Evaluator:
     on every rank (the training step's loss without the step)."""
 
     def __init__(self, trainer: PipelineTrainer):
-        if trainer.sharded is not None and trainer.sharded.level == 3:
-            raise ValueError("evaluation under zero=3 is not supported: its parameters are "
-                             "gathered by the backward's schedule; plan with zero <= 2")
         self.trainer = trainer
         self.schedule = forward_schedule(trainer.schedule)
         groups = trainer.groups

@@ -56,6 +56,18 @@ def test_evaluation_changes_nothing(pool2, tokens, tmp_path):
 
 
 @pytest.mark.dist
+def test_evaluation_under_zero_3_changes_nothing(pool2, tokens, tmp_path):
+    """Under ZeRO-3 (each unit gathered for its forward, freed after) the losses with a
+    validation pass after every step equal those without, and the validation loss is zero 0's."""
+    def run(folder, zero, every):
+        return pool2.run(train_on_pool, values(tokens, tmp_path / folder, plan=f"dp=2,zero={zero}",
+                                               eval={"every": every, "at_end": True}))[0]
+    plain, evaluated, whole = run("a", 3, 0), run("b", 3, 1), run("c", 0, 1)
+    assert evaluated["losses"] == plain["losses"]
+    assert evaluated["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5, abs=0)
+
+
+@pytest.mark.dist
 def test_resume_continues_bit_for_bit_or_resharded(pool2, tokens, tmp_path):
     """6 steps under dp=2 saving at step 3; from that checkpoint under the same plan steps 4-6
     are the same floats, under pp=2 (other stage programs, no data parallelism) equal to rtol
