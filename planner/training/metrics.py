@@ -73,7 +73,9 @@ class Metrics:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(folder, "tensorboard"))
+                # an earlier attempt's steps from first_step + 1 on are hidden: the latest wins
+                self._tb = SummaryWriter(os.path.join(folder, "tensorboard"),
+                                         purge_step=first_step + 1)
             except ImportError:
                 if tensorboard is True:
                     raise
@@ -89,6 +91,8 @@ class Metrics:
         """To the operating system (a rank killed later loses nothing written before)."""
         if self._file is not None:
             self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
 
     def rates(self, seconds: float) -> dict:
         tflops = self.flops / seconds / self.devices / 1e12
@@ -152,6 +156,7 @@ class Metrics:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._file is not None:
             self.flush()
             self._file.close()

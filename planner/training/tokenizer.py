@@ -28,9 +28,7 @@ class HFTokenizer:
     the tokenizer has one."""
 
     def __init__(self, folder: str):
-        if not os.path.isdir(folder):
-            raise ValueError(f"tokenizer {folder!r}: expected \"byte\" or a folder written by "
-                             f"a Hugging Face tokenizer's save_pretrained")
+        _check_folder(folder)
         try:
             import transformers
         except ImportError:
@@ -40,7 +38,8 @@ class HFTokenizer:
             self.tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except Exception as err:  # noqa: BLE001 - transformers raises assorted types
             first = " ".join(str(err).split())[:300]
-            raise ValueError(f"tokenizer {folder}: transformers cannot load it: {first}") \
+            raise ValueError(f"tokenizer {folder}: transformers cannot load it ({first}); "
+                             f"write the folder again with the tokenizer's save_pretrained") \
                 from None
         self.name = os.path.abspath(folder)
         self.vocab_size = len(self.tok)
@@ -55,6 +54,24 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+# what save_pretrained writes for a fast (tokenizer.json) or a slow tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+_EXPECTED = "expected \"byte\" or a folder written by a Hugging Face tokenizer's save_pretrained"
+
+
+def _check_folder(folder: str) -> None:
+    """A folder that exists and holds a tokenizer's files (hub names are not downloaded)."""
+    if not os.path.exists(folder):
+        raise ValueError(f"tokenizer {folder!r}: no such folder; {_EXPECTED} (a hub name is "
+                         f"not downloaded: save its tokenizer to a folder first)")
+    if not os.path.isdir(folder):
+        raise ValueError(f"tokenizer {folder!r}: a file, not a folder; {_EXPECTED}")
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer {folder!r}: not a tokenizer folder (none of "
+                         f"{', '.join(TOKENIZER_FILES)}); {_EXPECTED}")
 
 
 def load_tokenizer(spec: str):
