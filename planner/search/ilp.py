@@ -50,7 +50,12 @@ range between two of them: stage s holds Σ_{k ∈ K_j} n[s,k] = X[s+1,j] − X[
 in run order (within a run, ordered by strategy, as above). With one run (identical blocks) the
 rows are void and none are added: the problem is the one above with R(S − 1) binaries fewer.
 The middle-stage symmetry breaking (`_add_cover`) is dropped when R > 1: stages that hold
-different kinds are no longer interchangeable. The times, memory and gradient terms are sums over
+different kinds are no longer interchangeable. The LP relaxation (solve(relax=True), the bound
+the outer search orders and prunes configurations by) leaves the contiguity rows and y out:
+fewer rows, so still a lower bound, and with y fractional they seldom raise it (DeepSeek-V3 on
+1024 GPUs: every bound the same to 1e-14; the three-kind model of examples/bench_planner.py:
+some 0.1% lower), while their prefix sums X hold most of the nonzeros, O(S²·R), so the
+relaxation builds and solves in half the time. The times, memory and gradient terms are sums over
 options, whatever their run, so every other row is unchanged; min_k t_k in ρ* is over all kinds.
 
 (α, β) come from the schedule: 1F1B and GPipe (1, m − 1) — one micro-batch flows through every
@@ -254,7 +259,8 @@ def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0)
         return solution
     prob, n = _build(problem, "time", relax=False,
                      cutoff=solution.objective * (1 + 1e-9) + 1e-12)
-    prob.setObjective(pulp.lpSum(_stage_time(problem, n, s) for s in range(problem.stages)))
+    prob.setObjective(_lin_sum(_stage_time(problem, n, s)
+                               for s in range(problem.stages)).affine())
     status, _, _ = _run(prob, "highs", time_limit_s, 1e-6)
     if status not in ("optimal", "feasible"):
         return solution
@@ -267,7 +273,8 @@ def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0)
 
 
 def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = math.inf):
-    """The pulp model of the module docstring, and its n[s,k] variables."""
+    """The pulp model of the module docstring, and its n[s,k] variables. The LP relaxation
+    (relax) leaves out the contiguity rows (`_add_order`): see the module docstring."""
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     cat = "Continuous" if relax else "Integer"
     n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, cat)
@@ -275,22 +282,93 @@ def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = m
     times = [_stage_time(problem, n, s) for s in range(problem.stages)]
     mems = [_rank_memory(problem, n, r) for r in range(problem.ranks)]
     _add_cover(prob, problem, n)
-    _add_order(prob, problem, n, cat)
+    if not relax:
+        _add_order(prob, problem, n, cat)
     if objective == "time":
         rho = _add_bottleneck(prob, problem, times)
-        sigma = _add_sync(prob, problem, n)
+        sigma = _add_sync(prob, problem, n, times)
         _add_memory(prob, problem, mems)
-        prob += _objective(problem, times, rho, sigma)
+        prob.setObjective(_objective(problem, times, rho, sigma).affine())
         if cutoff < math.inf:
             # A row, not HiGHS's objective_bound option, which 1.16 does not always honour.
-            prob += (_objective(problem, times, rho, sigma) <= cutoff / _time_unit(problem),
-                     "cutoff")
+            _add_row(prob, _objective(problem, times, rho, sigma), pulp.LpConstraintLE,
+                     cutoff / _time_unit(problem), "cutoff")
     else:
-        peak = _var(prob, "peak")
+        peak = _Lin({_var(prob, "peak"): 1}, 0)
         for r, mem in enumerate(mems):
-            prob += peak >= mem, f"peak_{r}"
-        prob += peak
+            _add_row(prob, peak, pulp.LpConstraintGE, mem, f"peak_{r}")
+        prob.setObjective(peak.affine())
     return prob, n
+
+
+class _Lin:
+    """A linear expression, {variable: coefficient} in insertion order plus a constant, that the
+    model is built from before pulp gets it.
+
+    pulp's operators cost most of a solve in Python (an LpAffineExpression per product, type
+    checks per term of a sum: 12 ms to build a 32-stage problem, three times what HiGHS takes
+    to solve its LP). These plain dicts do the same arithmetic — the same floating-point
+    operations in the same order as pulp's +, −, scalar × and lpSum, down to a product with 0
+    dropping its terms — so each row pulp hands HiGHS is bit for bit the one its operators would
+    have built (checked on every stage problem, LP and ILP, that the presets of
+    examples/bench_planner.py pose)."""
+
+    __slots__ = ("terms", "constant")
+
+    def __init__(self, terms: dict | None = None, constant: float = 0.0):
+        self.terms = {} if terms is None else terms
+        self.constant = constant
+
+    def add(self, other, sign: int = 1) -> _Lin:
+        """self += sign · other, for another _Lin or a number (pulp's addInPlace)."""
+        if isinstance(other, _Lin):
+            self.constant += other.constant * sign
+            terms = self.terms
+            for v, x in other.terms.items():
+                terms[v] = terms[v] + x * sign if v in terms else x * sign
+        else:
+            self.constant += other * sign
+        return self
+
+    def copy(self) -> _Lin:
+        return _Lin(dict(self.terms), self.constant)
+
+    def __add__(self, other) -> _Lin:
+        return self.copy().add(other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other) -> _Lin:
+        return self.copy().add(other, -1)
+
+    def __rmul__(self, c: float) -> _Lin:
+        """c · self; as in pulp, 0 · self has neither terms nor constant."""
+        if c == 0:
+            return _Lin()
+        return _Lin({v: c * x for v, x in self.terms.items()}, self.constant * c)
+
+    def affine(self) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression(self.terms, self.constant)
+
+
+def _lin_sum(items) -> _Lin:
+    """pulp.lpSum of _Lin expressions and numbers."""
+    total = _Lin()
+    for item in items:
+        total.add(item)
+    return total
+
+
+def _scaled(variables, coefficients) -> dict:
+    """{v: c} over pairs, as pulp's Σ v·c makes it: a product with 0 adds no term."""
+    return {v: c for v, c in zip(variables, coefficients) if c != 0}
+
+
+def _add_row(prob, lhs: _Lin, sense: int, rhs, name: str) -> None:
+    """prob += lhs (sense) rhs, rhs a number or a _Lin, as pulp's comparison operators make it."""
+    if isinstance(rhs, _Lin):
+        lhs, rhs = lhs - rhs, None
+    prob.addConstraint(pulp.LpConstraint(lhs.affine(), sense, name, rhs))
 
 
 @dataclass(frozen=True)
@@ -379,12 +457,13 @@ def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
     return ([problem.embed] if s == 0 else []) + ([problem.head] if s == problem.stages - 1 else [])
 
 
-def _stage_time(problem: StageProblem, n, s: int):
+def _stage_time(problem: StageProblem, n, s: int) -> _Lin:
     """T_s in units of _time_unit."""
     fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
     unit = _time_unit(problem)
-    return (pulp.lpSum(n[s, k] * (o.time_s / unit) for k, o in enumerate(problem.options))
-            + fixed / unit)
+    options = range(len(problem.options))
+    return _Lin(_scaled((n[s, k] for k in options), (o.time_s / unit for o in problem.options)),
+                fixed / unit)
 
 
 def _time_unit(problem: StageProblem) -> float:
@@ -404,25 +483,31 @@ def _byte_unit(problem: StageProblem) -> float:
 def _rank_memory(problem: StageProblem, n, r: int):
     """Peak memory of rank r, in units of _byte_unit."""
     phi, unit = problem.act_factor[r], _byte_unit(problem)
-    terms = []
+    per_block = [(o.static_bytes + phi * o.act_bytes) / unit for o in problem.options]
+    memory = _Lin()
     for s in problem.stages_of(r):
-        terms += [n[s, k] * ((o.static_bytes + phi * o.act_bytes) / unit)
-                  for k, o in enumerate(problem.options)]
-        terms += [(e.static_bytes + phi * e.act_bytes) / unit for e in _ends(problem, s)]
-    return pulp.lpSum(terms)
+        memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
+        for e in _ends(problem, s):
+            memory.add((e.static_bytes + phi * e.act_bytes) / unit)
+    return memory
+
+
+def _count(variables) -> _Lin:
+    """Σ v over the variables: a count of blocks."""
+    return _Lin(dict.fromkeys(variables, 1))
 
 
 def _add_cover(prob, problem: StageProblem, n) -> None:
+    EQ, GE = pulp.LpConstraintEQ, pulp.LpConstraintGE
     for j, (run, ks) in enumerate(zip(problem.block_runs(), problem.run_options())):
-        prob += pulp.lpSum(n[s, k] for s in range(problem.stages) for k in ks) == run.count, \
-            f"all_blocks_placed_{j}"
+        _add_row(prob, _count(n[s, k] for s in range(problem.stages) for k in ks), EQ,
+                 run.count, f"all_blocks_placed_{j}")
     if problem.needs_tp:
-        prob += pulp.lpSum(n[s, k] for s in range(problem.stages)
-                           for k in problem.tp_options()) >= 1, "some_block_uses_tp"
-    size = [pulp.lpSum(n[s, k] for k in range(len(problem.options)))
-            for s in range(problem.stages)]
+        _add_row(prob, _count(n[s, k] for s in range(problem.stages)
+                              for k in problem.tp_options()), GE, 1, "some_block_uses_tp")
+    size = [_count(n[s, k] for k in range(len(problem.options))) for s in range(problem.stages)]
     for s in range(1, problem.stages - 1):
-        prob += size[s] >= 1, f"nonempty_{s}"
+        _add_row(prob, size[s], GE, 1, f"nonempty_{s}")
     # Symmetry breaking: middle stages that are alike (one stage per rank, same activation
     # factor) can be permuted without changing time or memory, so order them by size; without
     # this the solver explores every permutation of equivalent stages.
@@ -430,7 +515,7 @@ def _add_cover(prob, problem: StageProblem, n) -> None:
         if len(problem.block_runs()) > 1:
             break  # stages holding different kinds are not interchangeable
         if problem.stages == problem.ranks and problem.act_factor[s] == problem.act_factor[s + 1]:
-            prob += size[s] >= size[s + 1], f"symmetry_{s}"
+            _add_row(prob, size[s], GE, size[s + 1], f"symmetry_{s}")
 
 
 def _add_order(prob, problem: StageProblem, n, cat: str = "Integer") -> None:
@@ -438,13 +523,16 @@ def _add_order(prob, problem: StageProblem, n, cat: str = "Integer") -> None:
     runs, ranges = problem.block_runs(), problem.run_options()
     if len(runs) == 1:
         return
+    before = [{} for _ in runs]  # X[s,j]: the run-j blocks of the stages before s, as {n: 1}
     for s in range(1, problem.stages):
         y = [_var(prob, f"y_{s}_{j}", 1, cat) for j in range(len(runs))]
-        prob += pulp.lpSum(y) == 1, f"boundary_{s}"
+        _add_row(prob, _count(y), pulp.LpConstraintEQ, 1, f"boundary_{s}")
         for j, (run, ks) in enumerate(zip(runs, ranges)):
-            before = pulp.lpSum(n[q, k] for q in range(s) for k in ks)
-            prob += before <= run.count * pulp.lpSum(y[j:]), f"nothing_of_{j}_before_{s}"
-            prob += before >= run.count * pulp.lpSum(y[j + 1:]), f"all_of_{j}_before_{s}"
+            before[j] = {**before[j], **dict.fromkeys((n[s - 1, k] for k in ks), 1)}
+            _add_row(prob, _Lin(before[j]), pulp.LpConstraintLE,
+                     run.count * _count(y[j:]), f"nothing_of_{j}_before_{s}")
+            _add_row(prob, _Lin(before[j]), pulp.LpConstraintGE,
+                     run.count * _count(y[j + 1:]), f"all_of_{j}_before_{s}")
 
 
 def rank_floor(problem: StageProblem) -> float:
@@ -516,11 +604,12 @@ def _add_bottleneck(prob, problem: StageProblem, times):
     rho = _var(prob, "rho")
     rho.lowBound = rank_floor(problem) / _time_unit(problem)
     for r in range(problem.ranks):
-        prob += rho >= pulp.lpSum(times[s] for s in problem.stages_of(r)), f"bottleneck_{r}"
+        _add_row(prob, _Lin({rho: 1}, 0), pulp.LpConstraintGE,
+                 _lin_sum(times[s] for s in problem.stages_of(r)), f"bottleneck_{r}")
     return rho
 
 
-def _add_sync(prob, problem: StageProblem, n):
+def _add_sync(prob, problem: StageProblem, n, times):
     sigma = _var(prob, "sigma")
     steps = any(o.step_s for o in (*problem.options, problem.embed, problem.head))
     hides = problem.hide_alpha_s or problem.hide_s_per_byte
@@ -528,34 +617,58 @@ def _add_sync(prob, problem: StageProblem, n):
             and not steps and not hides:
         return sigma
     unit, seconds = _byte_unit(problem), _time_unit(problem)
+    # A block's coefficient in the rows is the same on every rank and only the constants (end
+    # layers, τ_r) differ: work the terms out once, over option indices k, and each rank's
+    # constants with `_sync_sides` on constant-only expressions. Terms and constants never mix
+    # in this arithmetic, so the rows are those of `_sync_sides` on each rank's own sums.
+    per_block = _sync_sides(problem, _Lin(_scaled(range(len(problem.options)),
+                                                  (o.grad_bytes / unit for o in problem.options))),
+                            _Lin(_scaled(range(len(problem.options)),
+                                         (o.step_s / seconds for o in problem.options))),
+                            _Lin(_scaled(range(len(problem.options)),
+                                         (o.time_s / seconds for o in problem.options))), 0.0)
+    at_least = _Lin({sigma: 1}, 0)
+    names = ("sync", "sync_least")
     for r in range(problem.ranks):
-        grads, optimizer = [], []
+        grads, optimizer = _Lin(), _Lin()
         for s in problem.stages_of(r):
-            grads += [n[s, k] * (o.grad_bytes / unit) for k, o in enumerate(problem.options)]
-            grads += [e.grad_bytes / unit for e in _ends(problem, s)]
-            optimizer += [n[s, k] * (o.step_s / seconds) for k, o in enumerate(problem.options)]
-            optimizer += [e.step_s / seconds for e in _ends(problem, s)]
-        grads = pulp.lpSum(grads)
+            for e in _ends(problem, s):
+                grads.add(e.grad_bytes / unit)
+                optimizer.add(e.step_s / seconds)
+        rank_time = _lin_sum(times[s].constant for s in problem.stages_of(r))
         alpha = problem.sync_alpha_s + problem.tie_time(r)
-        base = (alpha / seconds + problem.sync_s_per_byte * unit / seconds * grads
-                + pulp.lpSum(optimizer))
-        if not hides:
-            prob += sigma >= base, f"sync_{r}"
-            continue
-        hideable = problem.hide_alpha_s / seconds + problem.hide_s_per_byte * unit / seconds * grads
-        rank_time = pulp.lpSum(_stage_time(problem, n, s) for s in problem.stages_of(r))
-        prob += sigma >= base + hideable - problem.hide_beside * rank_time, f"sync_{r}"
-        prob += sigma >= base + problem.hide_least * hideable, f"sync_least_{r}"
+        constants = _sync_sides(problem, grads, optimizer, _Lin(constant=rank_time.constant),
+                                alpha)
+        for name, terms, constant in zip(names, per_block, constants):
+            side = _Lin({n[s, k]: c for s in problem.stages_of(r) for k, c in terms.terms.items()},
+                        constant.constant)
+            _add_row(prob, at_least, pulp.LpConstraintGE, side, f"{name}_{r}")
     return sigma
+
+
+def _sync_sides(problem: StageProblem, grads: _Lin, optimizer: _Lin, rank_time: _Lin,
+                alpha: float) -> list[_Lin]:
+    """The right-hand sides of a rank's rows σ ≥ ... (`_add_sync`), in units of _time_unit,
+    from its gradient bytes (units of _byte_unit), optimizer seconds and T_s sum (time units)."""
+    unit, seconds = _byte_unit(problem), _time_unit(problem)
+    base = (alpha / seconds + problem.sync_s_per_byte * unit / seconds * grads
+            + optimizer)
+    if not (problem.hide_alpha_s or problem.hide_s_per_byte):
+        return [base]
+    hideable = problem.hide_alpha_s / seconds + problem.hide_s_per_byte * unit / seconds * grads
+    return [base + hideable - problem.hide_beside * rank_time,
+            base + problem.hide_least * hideable]
 
 
 def _add_memory(prob, problem: StageProblem, mems) -> None:
     for r, mem in enumerate(mems):
-        prob += mem <= problem.memory_limit / _byte_unit(problem), f"memory_{r}"
+        _add_row(prob, mem, pulp.LpConstraintLE, problem.memory_limit / _byte_unit(problem),
+                 f"memory_{r}")
 
 
-def _objective(problem: StageProblem, times, rho, sigma):
-    return problem.sum_weight * pulp.lpSum(times) + problem.max_weight * rho + sigma
+def _objective(problem: StageProblem, times, rho, sigma) -> _Lin:
+    return (problem.sum_weight * _lin_sum(times) + problem.max_weight * _Lin({rho: 1}, 0)
+            + _Lin({sigma: 1}, 0))
 
 
 def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
@@ -565,7 +678,7 @@ def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
     is the relative optimality gap at which the search may stop. Returns (status, gap, proven
     lower bound on the objective — nan when the solver cannot say)."""
     if solver == "highs" and pulp.HiGHS().available():
-        backend = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
+        backend = _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
     else:
         backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap)
     with _quiet():
@@ -577,6 +690,55 @@ def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
     if prob.status == pulp.LpStatusNotSolved:  # stopped (time limit) before any solution
         return "unsolved", math.nan, _dual_bound(prob, backend)
     return "infeasible", 0.0, math.inf
+
+
+class _HiGHS(pulp.HiGHS):
+    """pulp's HiGHS interface, handing HiGHS the model in one addCols and one addRows call
+    rather than a call per column and per row, and asking pulp for the variables once per solve
+    rather than three times (each time it walks every row): the same columns in the same
+    (name) order and the same rows, for a third of pulp's share of a small solve."""
+
+    def actualSolve(self, lp):
+        self.createAndConfigureSolver(lp)
+        self.buildSolverModel(lp)
+        self.callSolver(lp)
+        status, sol_status = self.findSolutionValues(lp)
+        lp.assignStatus(status, sol_status)  # (pulp's resolve bookkeeping is not needed)
+        return status
+
+    def buildSolverModel(self, lp):
+        import highspy
+        import numpy as np
+        inf, model = highspy.kHighsInf, lp.solverModel
+        columns = lp.variables()
+        sign = -1 if lp.sense == pulp.LpMaximize else 1
+        for i, var in enumerate(columns):
+            var.index = i
+        model.addCols(len(columns),
+                      np.array([sign * lp.objective.get(v, 0.0) for v in columns], np.float64),
+                      np.array([-inf if v.lowBound is None else v.lowBound for v in columns],
+                               np.float64),
+                      np.array([inf if v.upBound is None else v.upBound for v in columns],
+                               np.float64), 0, [], [], [])
+        integers = [v.index for v in columns if v.cat == pulp.LpInteger] if self.mip else []
+        if integers:
+            model.changeColsIntegrality(len(integers), np.array(integers, np.int32),
+                                        np.full(len(integers), highspy.HighsVarType.kInteger,
+                                                np.uint8))
+        lower, upper, starts, indices, values = [], [], [], [], []
+        for i, constraint in enumerate(lp._constraints.values()):
+            constraint.index = i
+            lb, ub = constraint.getLb(), constraint.getUb()
+            lower.append(-inf if lb is None else lb)
+            upper.append(inf if ub is None else ub)
+            starts.append(len(indices))
+            for var, coefficient in constraint.items():
+                if coefficient != 0:
+                    indices.append(var.index)
+                    values.append(coefficient)
+        model.addRows(len(lower), np.array(lower, np.float64), np.array(upper, np.float64),
+                      len(indices), np.array(starts, np.int32), np.array(indices, np.int32),
+                      np.array(values, np.float64))
 
 
 def _info(prob, backend, name: str) -> float:
