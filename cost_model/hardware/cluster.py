@@ -66,6 +66,8 @@ _RULES: dict[str, tuple] = {
     "sms": _NONNEG,
     "comm_sm_share": _SHARE,
     "fused_pointwise": ("bool",),
+    "dispatch_per_rank": ("bool",),
+    "round_robin_routing": ("bool",),
     "comm_corrections": ("corrections",),
     "matmul_overhead": _NONNEG,
     "pointwise_flops": _NONNEG,
@@ -192,6 +194,15 @@ class Cluster:
     # and leaving a chain move through memory (cost_model.layers.fusion). False: one kernel per
     # op, as eager PyTorch (and fxpar's runtime) runs them.
     fused_pointwise: bool = False
+    # The expert dispatch sends a token once to each GPU that holds any of its experts, and once
+    # across the network to each other node (DeepEP's kernels), not once per routed slot (an
+    # all-to-all of permuted slots, as fxpar's runtime and Megatron's all-to-all dispatcher
+    # run it): cost_model.hardware.comm.dispatch_fanout. A property of the kernels a run used.
+    dispatch_per_rank: bool = False
+    # Tokens routed round-robin over consecutive experts with equal loads (the fake balanced
+    # gate throughput benchmarks run, NeMo AutoModel's FakeBalancedGate), not by a trained
+    # router: a property of the run, for pricing published benchmarks (dispatch_fanout).
+    round_robin_routing: bool = False
     # Seconds each priced matmul (a layer's forward, or its backward) takes on
     # top of flops / (peak_flops * matmul_eff): small GEMMs reach a lower rate
     # than large ones (CPU BLAS packing and blocking), which one efficiency
@@ -482,13 +493,15 @@ _GPU_EFFS = dict(
 )
 
 # matmul_eff and attention_eff of the H100 SXM5 at 700 W: fitted (`fxpar validate --fit
-# matmul_eff,attention_eff`, planner.bench.published_fit) on the 8 published DGX H100 rows
-# (NeMo AutoModel, Megatron-Bridge): mean |ln(predicted/published)| 0.240 at the datasheet-led
-# 0.65 / 0.45 -> 0.200. Both sit inside what the sources above report (large cuBLAS GEMMs
-# 65-75% of peak, FlashAttention-2 35-50% and FlashAttention-3 up to 75% on H100) once the
-# GEMM shape's own efficiency is applied on top (compute.gemm_efficiency); they also carry
-# whatever those runs spend that fxpar does not price, so they are the model's, not the GPU's.
-_H100_FIT = dict(matmul_eff=0.524, attention_eff=0.565)
+# matmul_eff,attention_eff`, planner.bench.published_fit) on the 8 priced published DGX H100 rows
+# (NeMo AutoModel, Megatron-Bridge), each priced as its recipe ran (recomputation, expert
+# parallelism, the benchmark's round-robin gate, DeepEP's per-GPU dispatch, pipeline flushes per
+# step, FlexAttention where used): mean |ln(predicted/published)| 0.103 at the previous
+# 0.524 / 0.565 -> 0.098. matmul_eff sits inside what large cuBLAS GEMMs reach on an H100 (65-75%
+# of peak) once the GEMM shape's own efficiency is applied on top (compute.gemm_efficiency);
+# attention_eff sits at the low end of FlashAttention-2/3's 35-75%: it also carries what those
+# runs spend that fxpar does not price, so both are the model's numbers, not the GPU's.
+_H100_FIT = dict(matmul_eff=0.563, attention_eff=0.360)
 
 PRESETS: dict[str, Cluster] = {
     # This kind of machine: a 2-core x86 VM (AVX2, no AVX-512) running one

@@ -67,6 +67,7 @@ __all__ = [
     "members_per_node",
     "expert_dispatch_time",
     "remote_nodes",
+    "dispatch_fanout",
 ]
 
 def ring_steps(kind: str, n: int) -> int:
@@ -147,29 +148,83 @@ def collective_time(
 
 def expert_dispatch_time(cluster: Cluster, tokens: float, top_k: int, token_bytes: float,
                          ep: int, stride: int = 1,
-                         group_limit: tuple[int, int] = (1, 1)) -> float:
+                         group_limit: tuple[int, int] = (1, 1), experts: int = 0) -> float:
     """Seconds of one expert-parallel dispatch (or combine) of a rank's `tokens`, each to top_k
-    experts spread evenly over the ep ranks of its group (`stride` apart); group_limit = (n, g):
-    the router keeps each token's experts within its g best of n groups of consecutive experts
-    (DeepSeek-V3's group-limited routing, (8, 4); (1, 1): no limit).
+    of `experts` experts spread evenly over the ep ranks of its group (`stride` apart);
+    group_limit = (n, g): the router keeps each token's experts within its g best of n groups of
+    consecutive experts (DeepSeek-V3's group-limited routing, (8, 4); (1, 1): no limit).
 
-    Inside a node it is the all-to-all of its top_k copies. Across rail-optimised nodes it runs
-    hierarchically, as DeepEP's internode kernels do: a token crosses the network once for each
-    other node that holds one of its experts (to the GPU of the same rail there), and NVLink fans
-    it out to that node's experts. Its own NIC carries those copies, `remote_nodes` per token
-    (N nodes in the group), while NVLink carries the (ep − 1)/ep of its copies that change GPU
-    (both at once). The group limit changes only the first: a token still has top_k copies."""
-    buffer = tokens * top_k * token_bytes
+    What a token puts on the links is `dispatch_fanout`'s: its copies for other GPUs (one per
+    routed slot, or one per destination GPU where the kernel deduplicates,
+    `Cluster.dispatch_per_rank`) and the other nodes it reaches. Inside a node it is the
+    all-to-all of those copies. Across rail-optimised nodes it runs hierarchically, as DeepEP's
+    internode kernels do: a token crosses the network once for each other node that holds one
+    of its experts (to the GPU of the same rail there), and NVLink fans it out to that node's
+    experts. Its own NIC carries the copies for other nodes while NVLink carries the copies
+    that change GPU (both at once)."""
+    if ep == 1:
+        return 0.0
+    copies, remote = dispatch_fanout(cluster, ep, stride, top_k, experts, group_limit)
     crosses = crosses_nodes(cluster, "all_to_all", ep, stride)
-    if ep == 1 or not (crosses and cluster.nic_per_gpu):
+    if not (crosses and cluster.nic_per_gpu):
+        # the all-to-all moves (ep - 1)/ep of its buffer: the buffer whose share is `copies`
+        buffer = tokens * copies * token_bytes * ep / (ep - 1)
         return collective_time(cluster, "all_to_all", buffer, ep, stride)
-    members = members_per_node(cluster, ep, stride)
-    remote = remote_nodes(ep / members, top_k, *group_limit)
     latency, bandwidth = cluster.comm_correction("all_to_all")
     nic = tokens * remote * token_bytes / (cluster.inter_bw * cluster.comm_eff)
-    nvlink = buffer * (ep - 1) / ep / (cluster.intra_bw * cluster.comm_eff)
+    nvlink = tokens * copies * token_bytes / (cluster.intra_bw * cluster.comm_eff)
     alpha = (cluster.inter_latency + cluster.intra_latency) * latency
     return alpha + max(nic, nvlink) / bandwidth + cluster.collective_handoff
+
+
+def dispatch_fanout(cluster: Cluster, ep: int, stride: int, top_k: int, experts: int = 0,
+                    group_limit: tuple[int, int] = (1, 1)) -> tuple[float, float]:
+    """(copies of a token that leave its GPU, other nodes it reaches), on average over tokens
+    and source ranks, for the routing and dispatch kernel the cluster names:
+
+    - routing: uniform (each token's top_k distinct experts at random: real routers under a
+      balance loss) or, with `Cluster.round_robin_routing`, token t on experts tk ... tk + k - 1
+      mod E (the fake balanced gate benchmarks run: NeMo AutoModel's FakeBalancedGate), whose
+      consecutive experts sit on one or two neighbouring ranks;
+    - copies: one per routed slot on another rank, k (ep - 1)/ep (an all-to-all of permuted
+      slots: fxpar's runtime, Megatron's all-to-all dispatcher), or with
+      `Cluster.dispatch_per_rank` one per other destination GPU (DeepEP sends a token once to
+      each rank holding any of its experts).
+
+    Under uniform routing a rank of L = E/ep experts holds none of a token's k with chance
+    C(E - L, k)/C(E, k), so a token reaches (ep - 1)(1 - that) other ranks ((1 - 1/ep)^k when E
+    is not known), and `remote_nodes` other nodes. Under round-robin routing the ranks and nodes
+    a token reaches are counted over one period of the pattern (E / gcd(E, k) tokens); every
+    rank sends its token t to the same ranks, so a source is one of a token's R ranks with
+    chance R/ep and the others number R (ep - 1)/ep (nodes likewise)."""
+    members = members_per_node(cluster, ep, stride)
+    nodes = ep / members
+    if cluster.round_robin_routing and experts:
+        ranks, hit_nodes = _round_robin_reach(experts, top_k, ep, members)
+        slots = top_k * (ep - 1) / ep
+        copies = ranks * (ep - 1) / ep if cluster.dispatch_per_rank else slots
+        return copies, hit_nodes * (nodes - 1) / nodes
+    remote = remote_nodes(nodes, top_k, *group_limit)
+    if not cluster.dispatch_per_rank:
+        return top_k * (ep - 1) / ep, remote
+    if experts:
+        missed = math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k)
+    else:
+        missed = (1 - 1 / ep) ** top_k
+    return (ep - 1) * (1 - missed), remote
+
+
+def _round_robin_reach(experts: int, top_k: int, ep: int, members: int) -> tuple[float, float]:
+    """(ranks, nodes) token t's experts tk ... tk + k - 1 (mod E) lie on, averaged over one
+    period of t; ranks hold E/ep consecutive experts, nodes `members` consecutive ranks."""
+    period = experts // math.gcd(experts, top_k)
+    per_rank = experts // ep
+    ranks = nodes = 0
+    for t in range(period):
+        held = {(t * top_k + j) % experts // per_rank for j in range(top_k)}
+        ranks += len(held)
+        nodes += len({r // members for r in held})
+    return ranks / period, nodes / period
 
 
 def remote_nodes(nodes: float, top_k: int, groups: int = 1, topk_groups: int = 1) -> float:

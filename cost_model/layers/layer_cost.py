@@ -297,6 +297,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
                     cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
                     cost.per_element, cost.elements, node.name in ringed, cost.gemm,
                     fused.get(node.name)) for node, cost in costs.items()]
+    ops += [_moe_movement(node) for node in moe_nodes(sub)]
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
@@ -311,6 +312,12 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         tensors=sum(1 for _ in sub.parameters()),
         collectives=_collectives(sub, layer.name), **ring,
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)))
+
+
+def _moe_movement(node: fx.Node) -> OpRecord:
+    """A MoE layer's routed rows moved through memory around its GEMMs (moe.movement_bytes)."""
+    fwd, bwd = moe.movement_bytes(node)
+    return OpRecord("elementwise", 0.0, 0.0, fwd, bwd, 0.0, False)
 
 
 # What each collective of runtime.comm.collectives sends: (forward kind, backward kind), None where

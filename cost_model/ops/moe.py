@@ -159,6 +159,25 @@ def moe_rule(call: Call) -> OpCost:
                                f.experts))
 
 
+def movement_bytes(node) -> tuple[float, float]:
+    """(forward, backward) bytes the routed slots move through memory outside the experts'
+    GEMMs, per micro-batch of T tokens: per slot, its row gathered into expert order and
+    scattered back weighted (read and write h each way: 4h), and the gated activation over
+    the gate and up outputs (forward reads 2f and writes f; backward reads 2f and the output's
+    gradient f and writes 2f):
+
+        forward   T k (4h + 3f) d        backward   T k (4h + 5f) d
+
+    Memory-bound kernels of their own in every implementation (fused permutes, DeepEP's
+    buffers, Transformer Engine's grouped GEMMs between them), so they are priced as their
+    own op at memory bandwidth (cost_model.layers.layer_cost), not inside the GEMMs' roofline,
+    whose arithmetic term would hide them. With fine-grained experts (Qwen3-30B-A3B: h 2048,
+    f 768) they are about a third of the GEMMs' time on an H100."""
+    f = facts(node)
+    slots = f.tokens * f.top_k * f.dtype_bytes
+    return (slots * (4 * f.hidden + 3 * f.ffn), slots * (4 * f.hidden + 5 * f.ffn))
+
+
 def expected_max_load(tokens: int, experts: int, k: int, ep: int) -> float:
     """E[max over ep ranks of the slots a rank receives] / mean, for `tokens` tokens routed
     uniformly at random (k distinct experts each) over `experts` experts in ep equal groups."""

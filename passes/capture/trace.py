@@ -289,7 +289,9 @@ def _make_layer(name: str, index: int, nodes: list[fx.Node], blocks: list[str]) 
 
 
 def _signature(nodes: list[fx.Node], layer: str) -> str:
-    """Ops, targets (with the layer's own prefix removed) and shapes: equal for identical blocks."""
+    """Ops, targets (with the layer's own prefix removed), shapes and the ops' constant
+    arguments: equal for identical blocks. The constants matter: GPT-OSS's sliding and full
+    attention layers differ only in the window an attention op takes."""
     strip = layer.replace(".", "_")
     parts = []
     for n in nodes:
@@ -297,8 +299,19 @@ def _signature(nodes: list[fx.Node], layer: str) -> str:
         target = re.sub(r"lifted_tensor_\d+", "lifted_tensor", target)  # numbered model-wide
         val = n.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        parts.append(f"{n.op}:{target}:{shape}")
+        constants = _constants((n.args, n.kwargs)) if n.op == "call_function" else ()
+        parts.append(f"{n.op}:{target}:{shape}:{constants}")
     return str(hash("|".join(parts)))
+
+
+def _constants(value):
+    """The plain constants in an op's arguments (numbers, strings, dtypes), nodes left out."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_constants(v) for v in value if not isinstance(v, fx.Node))
+    if isinstance(value, dict):
+        return tuple((k, _constants(v)) for k, v in sorted(value.items())
+                     if not isinstance(v, fx.Node))
+    return value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
 
 
 def tensor_bytes(val) -> int:

@@ -10,6 +10,12 @@ planner.api.plan under a cluster profile (default h100-sxm-dgx):
   tp, pp, cp, ep   as published ("-": 1)
   vp               v = vp with schedule interleaved-1f1b when vp > 1; schedule 1f1b when pp > 1
   mbs              mb (the micro-batch); the micro-batches per step follow from gbs, mbs and dp
+  lbs, ga          with pp > 1 and lbs x ga x dp = gbs, the run called its pipeline schedule once
+                   per local batch, ga flushes a step (NeMo AutoModel's loop over
+                   torch.distributed.pipelining): priced as ga steps of gbs / ga (`Row.flushes`);
+                   otherwise one flush of every micro-batch (Megatron-Core's schedule)
+  recompute        optional column: none, selective or full, as the run's recipe says
+                   (recompute=); "-" or no column: the planner's choice
   fsdp             zero=3 with dp_shard = fsdp. The tables' FSDP degree is the data-parallel shard
                    size with cp apart: NeMo AutoModel and torchtitan shard parameters over
                    dp_shard x cp (AutoModel's Llama3 70B row: 64 GPUs = cp 2 x fsdp 32), and so do
@@ -22,11 +28,17 @@ planner.api.plan under a cluster profile (default h100-sxm-dgx):
 
   kernels          "eager": one kernel per op, as fxpar runs; anything else (torch.compile,
                    Transformer Engine, Megatron-Core) prices pointwise chains fused
-                   (Cluster.fused_pointwise)
+                   (Cluster.fused_pointwise); "DeepEP" in it: the expert dispatch sends a token
+                   once per destination GPU and node (Cluster.dispatch_per_rank); "FlexAttn":
+                   attention at FlexAttention's share of the fused kernels' rate
+                   (FLEX_ATTENTION_SHARE)
   cluster          the profile of the hardware, named by the file's "# cluster:" line
+  routing          the file's "# routing:" line: "router" (default; a trained or random router,
+                   priced as uniform routing with its expected load imbalance) or "round-robin"
+                   (a fake balanced gate: equal loads, consecutive experts per token,
+                   Cluster.round_robin_routing)
 
-The rest (recomputation, the stage split) is the planner's choice, and expert load imbalance is
-fxpar's default (the expected maximum of uniform routing). Throughput is compared per GPU:
+The rest (the stage split, recomputation where no recompute is given) is the planner's choice. Throughput is compared per GPU:
 tokens/s per GPU = gbs x seq / (step s x gpus); rows of one model and GPU count are ranked by it.
 """
 from __future__ import annotations
@@ -41,13 +53,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from cost_model.layers.strategy import RECOMPUTE
+
 FOLDER = Path(__file__).with_name("published")
 MODELS_FILE = FOLDER / "models.json"
 DEFAULT_CLUSTER = "h100-sxm-dgx"
 COLUMNS = ("model", "gpus", "gbs", "mbs", "lbs", "ga", "seq", "tp", "pp", "cp", "ep", "vp",
            "fsdp", "kernels", "step_s", "model_tflops_per_gpu", "tokens_per_s_per_gpu")
 _COUNTS = ("gpus", "gbs", "mbs", "seq", "tp", "pp", "cp")
-_OPTIONAL_COUNTS = ("ep", "vp", "fsdp")                     # "-": not used
+_OPTIONAL_COUNTS = ("ep", "vp", "fsdp", "lbs", "ga")       # "-": not used or not published
+ROUTINGS = ("router", "round-robin")
 _TIMES = ("step_s", "tokens_per_s_per_gpu")
 CLOSE = 0.05     # a measured-fastest row predicted within 5% of the predicted fastest
 
@@ -72,6 +87,22 @@ class Row:
     step_s: float
     tokens_per_s_per_gpu: float
     cluster: str = DEFAULT_CLUSTER  # the hardware it ran on: the file's "# cluster:" line
+    lbs: int | None = None       # sequences per data-parallel rank per schedule call
+    ga: int | None = None        # local batches per step
+    recompute: str | None = None  # as the run's recipe says; None: not published
+    routing: str = "router"      # the file's "# routing:" line
+
+    @property
+    def flushes(self) -> int:
+        """Pipeline flushes per step: ga where the run called its schedule once per local batch
+        (lbs x ga x dp = gbs with pp > 1), else one."""
+        ga, lbs = self.ga or 1, self.lbs or 0
+        return ga if self.pp > 1 and ga > 1 and lbs * ga * self.dp == self.gbs else 1
+
+    @property
+    def per_rank_dispatch(self) -> bool:
+        """Whether the run's expert dispatch sends a token once per destination GPU (DeepEP)."""
+        return "deepep" in self.kernels.lower()
 
     @property
     def fused_kernels(self) -> bool:
@@ -90,7 +121,9 @@ class Row:
         parts += [f"cp={self.cp}"] if self.cp > 1 else []
         parts += [f"ep={self.ep}"] if (self.ep or 1) > 1 else []
         parts += [f"fsdp={self.fsdp}" if self.fsdp else "ddp"]
-        return " ".join(parts + [f"mb={self.mbs}", f"gbs={self.gbs}", f"seq={self.seq}"])
+        parts += [f"mb={self.mbs}", f"gbs={self.gbs}", f"seq={self.seq}"]
+        parts += [f"{self.flushes} flushes"] if self.flushes > 1 else []
+        return " ".join(parts + ([f"recompute={self.recompute}"] if self.recompute else []))
 
 
 @dataclass(frozen=True)
@@ -101,6 +134,7 @@ class ModelSpec:
     overrides: tuple[tuple[str, int], ...] = ()
     hf_config: str | None = None  # a path relative to the published folder
     note: str = ""
+    unsupported: str = ""         # why fxpar cannot build it: its rows are listed, not priced
 
 
 @dataclass(frozen=True)
@@ -179,6 +213,9 @@ def read_rows(path: str | Path) -> list[Row]:
     path = Path(path)
     text = _read_text(path)
     cluster = _cluster_line(path, text)
+    routing = _header(path, text, "routing") or "router"
+    if routing not in ROUTINGS:
+        raise ValueError(f"{path}: '# routing: {routing}' is not one of {', '.join(ROUTINGS)}")
     lines = [(n, text) for n, text in enumerate(text.splitlines(), 1)
              if text.strip() and not text.lstrip().startswith("#")]
     if not lines:
@@ -194,19 +231,25 @@ def read_rows(path: str | Path) -> list[Row]:
             raise ValueError(f"{path} line {n}: {len(values)} fields, the header has "
                              f"{len(header)}")
         rows.append(_row(path.name, n, dict(zip(header, (v.strip() for v in values)))))
-    return [dataclasses.replace(r, cluster=cluster) for r in rows]
+    return [dataclasses.replace(r, cluster=cluster, routing=routing) for r in rows]
 
 
 def _cluster_line(path: Path, text: str) -> str:
     from cost_model.hardware.cluster import PRESETS
-    names = [line.split(":", 1)[1].strip() for line in text.splitlines()
-             if line.lstrip("# ").lower().startswith("cluster:") and line.lstrip().startswith("#")]
-    if len(names) > 1:
-        raise ValueError(f"{path}: {len(names)} '# cluster:' lines; give one")
-    if names and names[0] not in PRESETS:
-        raise ValueError(f"{path}: '# cluster: {names[0]}' is not a cluster preset; presets: "
+    name = _header(path, text, "cluster")
+    if name and name not in PRESETS:
+        raise ValueError(f"{path}: '# cluster: {name}' is not a cluster preset; presets: "
                          f"{', '.join(sorted(PRESETS))}")
-    return names[0] if names else DEFAULT_CLUSTER
+    return name or DEFAULT_CLUSTER
+
+
+def _header(path: Path, text: str, key: str) -> str | None:
+    """The value of the file's one "# key: value" comment line, or None."""
+    values = [line.split(":", 1)[1].strip() for line in text.splitlines()
+              if line.lstrip().startswith("#") and line.lstrip("# ").lower().startswith(key + ":")]
+    if len(values) > 1:
+        raise ValueError(f"{path}: {len(values)} '# {key}:' lines; give one")
+    return values[0] if values else None
 
 
 def _read_text(path: Path) -> str:
@@ -226,13 +269,19 @@ def _row(source: str, line: int, cells: dict[str, str]) -> Row:
     values |= {c: None if cells[c] == "-" else _count(cells[c], c, where)
                for c in _OPTIONAL_COUNTS}
     values |= {c: _positive(cells[c], c, where) for c in _TIMES}
-    return Row(source, line, cells["model"], kernels=cells["kernels"], **values)
+    recompute = cells.get("recompute", "-")
+    if recompute not in ("-",) + RECOMPUTE:
+        raise ValueError(f"{where}: recompute must be one of -, {', '.join(RECOMPUTE)}, got "
+                         f"{recompute!r}")
+    return Row(source, line, cells["model"], kernels=cells["kernels"],
+               recompute=None if recompute == "-" else recompute, **values)
 
 
 def _count(text: str, column: str, where: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"{where}: {column} must be a positive integer, got {text!r}"
-                         + (' ("-" is allowed for ep, vp and fsdp only)' if text == "-" else ""))
+                         + (f' ("-" is allowed for {", ".join(_OPTIONAL_COUNTS)} only)'
+                            if text == "-" else ""))
     return int(text)
 
 
@@ -247,7 +296,8 @@ def _positive(text: str, column: str, where: str) -> float:
 
 
 def load_models(path: str | Path = MODELS_FILE) -> dict[str, ModelSpec]:
-    """models.json: {"models": {name: {"preset", "overrides"} or {"hf_config"}, "note"}}."""
+    """models.json: {"models": {name: {"preset", "overrides"} or {"hf_config"} or
+    {"unsupported": why}, "note"}}."""
     try:
         data = json.loads(_read_text(Path(path)))
     except json.JSONDecodeError as err:
@@ -260,15 +310,18 @@ def load_models(path: str | Path = MODELS_FILE) -> dict[str, ModelSpec]:
 def _spec(name: str, entry, path) -> ModelSpec:
     from planner.models.presets import ModelConfig
     where = f"{path}: model {name!r}"
-    if not isinstance(entry, dict) or ("preset" in entry) == ("hf_config" in entry):
-        raise ValueError(f'{where}: give one of "preset" (with "overrides") or "hf_config"')
-    unknown = sorted(set(entry) - {"preset", "overrides", "hf_config", "note"})
+    if not isinstance(entry, dict) or \
+            sum(k in entry for k in ("preset", "hf_config", "unsupported")) != 1:
+        raise ValueError(f'{where}: give one of "preset" (with "overrides"), "hf_config" or '
+                         f'"unsupported"')
+    unknown = sorted(set(entry) - {"preset", "overrides", "hf_config", "note", "unsupported"})
     overrides = entry.get("overrides", {})
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown or not isinstance(overrides, dict) or set(overrides) - fields:
         raise ValueError(f"{where}: unknown keys {unknown or sorted(set(overrides) - fields)}")
     return ModelSpec(name, entry.get("preset"), tuple(sorted(overrides.items())),
-                     entry.get("hf_config"), str(entry.get("note", "")))
+                     entry.get("hf_config"), str(entry.get("note", "")),
+                     str(entry.get("unsupported", "")))
 
 
 # ---- one row -----------------------------------------------------------------------------------
@@ -284,6 +337,8 @@ def fix_of(row: Row) -> dict:
         raise ValueError(f"vp={v} virtual stages need pp > 1")
     if row.pp > 1:
         fix |= {"v": v, "schedule": "interleaved-1f1b" if v > 1 else "1f1b"}
+    if row.recompute:
+        fix |= {"recompute": row.recompute}
     if row.fsdp is None:
         return fix | {"zero": 1}
     if row.dp % row.fsdp:
@@ -334,17 +389,38 @@ def price(row: Row, spec: ModelSpec | None, cluster) -> Result:
     if spec is None:
         return Result(row, tuple(fix.items()), reason=f"no entry for model {row.model!r} in "
                                                       f"{MODELS_FILE.name}")
+    if spec.unsupported:
+        return Result(row, tuple(fix.items()), reason=f"not expressible: {spec.unsupported}")
     try:
-        # the run's kernels, not fxpar's runtime (eager): fused pointwise chains where it fused
-        hw = dataclasses.replace(get_cluster(cluster), fused_pointwise=row.fused_kernels)
-        costs, name, batch, seq = model_costs(spec, row.gbs, row.seq)
+        hw = run_cluster(row, get_cluster(cluster))
+        # a step of `flushes` schedule calls: each one flush of gbs / flushes sequences
+        costs, name, batch, seq = model_costs(spec, row.gbs // row.flushes, row.seq)
         best, note = _best(costs, Request(row.gpus, hw, batch, seq, float(hw.mem_bytes), name,
                                           fix, top_k=1))
     except Exception as err:  # noqa: BLE001 - a row fxpar cannot price is reported, never dropped
         return Result(row, tuple(fix.items()), reason=f"{type(err).__name__}: {_one_line(err)}")
-    p = best.predicted
-    return Result(row, tuple(fix.items()), p.iteration_s, p.compute_s, p.comm_s, p.bubble_s,
-                  memory_note=note)
+    p, n = best.predicted, row.flushes
+    return Result(row, tuple(fix.items()), p.iteration_s * n, p.compute_s * n, p.comm_s * n,
+                  p.bubble_s * n, memory_note=note)
+
+
+# FlexAttention's share of the fused attention kernels the profiles' attention_eff describes
+# (cuDNN's and FlashAttention-3's, which Transformer Engine and torch's SDPA run on an H100):
+# FlexAttention reaches about 90% of FlashAttention-2 forward and 85% backward (PyTorch,
+# "FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention", 2024), and
+# FlashAttention-2 35% of an H100's peak where FlashAttention-3 reaches 75% (Shah et al.,
+# "FlashAttention-3", 2024): 0.875 x 0.35 / 0.75.
+FLEX_ATTENTION_SHARE = 0.875 * 0.35 / 0.75
+
+
+def run_cluster(row: Row, hw):
+    """The profile `hw` with what the row's run did in software: its kernels' fusion (fxpar's
+    runtime is eager), attention kernel and expert dispatch, and its routing."""
+    flex = "flexattn" in row.kernels.lower()
+    return dataclasses.replace(
+        hw, fused_pointwise=row.fused_kernels, dispatch_per_rank=row.per_rank_dispatch,
+        round_robin_routing=row.routing == "round-robin",
+        attention_eff=hw.attention_eff * (FLEX_ATTENTION_SHARE if flex else 1.0))
 
 
 _HEADROOM = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)   # memory limits tried, x the device's

@@ -29,6 +29,7 @@ import math
 
 from cost_model.hardware.cluster import Cluster
 from cost_model.hardware.comm import expert_dispatch_time
+from cost_model.hardware.compute import gemm_efficiency
 from cost_model.layers.layer_cost import LayerCost
 from cost_model.ops.moe import MoEFacts, facts, pricing
 from passes.rewrite.expert_parallel import moe_nodes
@@ -98,11 +99,13 @@ class EPPricing:
 
 def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
              imbalance: float | None) -> LayerCost:
+    if imbalance is None and cluster.round_robin_routing:
+        imbalance = 1.0          # round-robin routing loads every expert equally
     p = pricing(f, ep, imbalance=imbalance)
-    a2a = (expert_dispatch_time(cluster, f.tokens, f.top_k, f.hidden * f.dtype_bytes, ep,
-                                stride=tp, group_limit=f.group_limit) if ep > 1 else 0.0)
+    a2a = expert_dispatch_time(cluster, f.tokens, f.top_k, f.hidden * f.dtype_bytes, ep,
+                               stride=tp, group_limit=f.group_limit, experts=f.experts)
     flop_s = cluster.peak_flops * cluster.matmul_eff
-    extra = p.extra_expert_flops / flop_s
+    extra = p.extra_expert_flops / flop_s + _grouped_gemm_gain(f, ep, cluster)
     expert_params = p.param_bytes_saved / f.dtype_bytes / 1.0
     return dataclasses.replace(
         cost, fwd_s=cost.fwd_s + 2 * a2a + extra, bwd_s=cost.bwd_s + 2 * a2a + 2 * extra,
@@ -111,6 +114,19 @@ def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
         params=int(cost.params - expert_params),
         comm_bytes=cost.comm_bytes + (("all_to_all", p.comm_bytes),) if ep > 1 else
         cost.comm_bytes)
+
+
+def _grouped_gemm_gain(f: MoEFacts, ep: int, cluster: Cluster) -> float:
+    """Forward seconds the experts' grouped GEMMs change by at ep (negative: faster): the ep = 1
+    price (cost_model.ops.moe.moe_rule) runs the rank's T k slots as E GEMMs of T k / E rows,
+    while under ep its E/ep experts take the slots of the whole group, ep times the rows each,
+    which fill the GPU's tiles better (cost_model.hardware.compute.gemm_efficiency)."""
+    if ep == 1 or not cluster.sms:
+        return 0.0
+    rows = float(f.tokens * f.top_k)
+    alone = gemm_efficiency(cluster, rows, f.ffn, f.hidden, f.experts)
+    grouped = gemm_efficiency(cluster, rows, f.ffn, f.hidden, max(1, f.experts // ep))
+    return f.expert_flops / (cluster.peak_flops * cluster.matmul_eff) * (1 / grouped - 1 / alone)
 
 
 def search_experts(costs, req, search, imbalance: float | None = None) -> list:

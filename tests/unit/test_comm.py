@@ -318,3 +318,61 @@ def test_group_limited_dispatch_sends_each_token_to_at_most_its_groups_nodes():
     # inside a node the limit changes nothing: every token still sends its k copies
     assert expert_dispatch_time(A100, tokens, k, nbytes, 8, group_limit=(8, 4)) == \
         expert_dispatch_time(A100, tokens, k, nbytes, 8)
+
+
+# ------------------------------------------------- dispatch fan-out: routing and deduplication
+def _brute_fanout(experts, k, ep, members, choose, tokens):
+    """Brute force: for each token (its experts from `choose`) and each source rank, the other
+    ranks and other nodes its experts lie on; the means over tokens and sources."""
+    per_rank, ranks, nodes = experts // ep, 0, 0
+    for t in range(tokens):
+        held = {e // per_rank for e in choose(t)}
+        for source in range(ep):
+            ranks += len(held - {source})
+            nodes += len({r // members for r in held} - {source // members})
+    return ranks / (tokens * ep), nodes / (tokens * ep)
+
+
+@pytest.mark.parametrize("experts,k,ep,gpus_per_node", [
+    (256, 8, 64, 8),    # DeepSeek-V3 under EP 64: a token's 8 experts on 2 neighbouring ranks
+    (384, 8, 32, 8),    # Kimi K2 under EP 32: 12 experts a rank, 1 or 2 ranks a token
+    (128, 4, 64, 8),    # GPT-OSS 120B under EP 64
+    (128, 8, 8, 8),     # Qwen3-30B-A3B inside a node
+])
+def test_round_robin_fanout_counts_the_gates_pattern(experts, k, ep, gpus_per_node):
+    from cost_model.hardware.comm import dispatch_fanout
+    hw = dataclasses.replace(A100, gpus_per_node=gpus_per_node, round_robin_routing=True,
+                             dispatch_per_rank=True)
+    rr = lambda t: [(t * k + j) % experts for j in range(k)]  # noqa: E731
+    ranks, nodes = _brute_fanout(experts, k, ep, gpus_per_node, rr, experts)
+    copies, remote = dispatch_fanout(hw, ep, 1, k, experts)
+    assert (copies, remote) == pytest.approx((ranks, nodes))
+    # per routed slot without deduplication; the nodes are the pattern's all the same
+    plain = dataclasses.replace(hw, dispatch_per_rank=False)
+    assert dispatch_fanout(plain, ep, 1, k, experts) == pytest.approx((k * (ep - 1) / ep, nodes))
+
+
+def test_deduplicated_uniform_fanout_matches_sampled_routing():
+    import random
+
+    from cost_model.hardware.comm import dispatch_fanout, remote_nodes
+    experts, k, ep = 256, 8, 64
+    rng = random.Random(0)
+    hw = dataclasses.replace(A100, dispatch_per_rank=True)
+    ranks, _ = _brute_fanout(experts, k, ep, 8, lambda t: rng.sample(range(experts), k), 3000)
+    copies, remote = dispatch_fanout(hw, ep, 1, k, experts)
+    assert copies == pytest.approx(ranks, rel=0.01)
+    assert copies < k * (ep - 1) / ep                # fewer copies than slots
+    assert remote == remote_nodes(8, k)              # the nodes as without deduplication
+
+
+def test_round_robin_dispatch_is_cheaper_than_uniform_routing_across_nodes():
+    from cost_model.hardware.comm import expert_dispatch_time
+    deepep = dataclasses.replace(A100, dispatch_per_rank=True)
+    gate = dataclasses.replace(deepep, round_robin_routing=True)
+    args = (4096, 8, 7168 * 2, 64)
+    # DeepSeek-V3's 8 experts of a token reach 2 neighbouring ranks on one node, not 4.6 nodes
+    assert expert_dispatch_time(gate, *args, experts=256) < \
+        expert_dispatch_time(deepep, *args, experts=256) / 4
+    # deduplication spares NVLink copies; across nodes the NIC's copies set the time here
+    assert expert_dispatch_time(deepep, *args, experts=256) <= expert_dispatch_time(A100, *args)

@@ -156,6 +156,9 @@ def test_captured_as_one_node_per_layer_priced_over_the_visible_pairs():
         assert kept[f"{node.name}:logsumexp"] == 4 * HEADS * SEQ
         assert sum(kept.values()) == (q.nbytes + k.nbytes + v.nbytes + q.nbytes
                                       + 4 * HEADS * SEQ)  # q, k, v, the output, the lse
+    # the sliding and the full layer differ only in the window: two kinds of block, each priced
+    # with its own attention
+    assert len({block.signature for block in captured.blocks}) == 2
     for block in captured.blocks:  # and a block profiles whole at tp = 1
         profile = profile_layer(captured, block)
         assert sum(op.op_class == "attention" for op in profile.ops) == 1
