@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--cluster", help="price every row on this cluster preset or profile JSON "
                    "(default: the profile each CSV names, h100-sxm-dgx where it names none)")
     v.add_argument("--fit", metavar="NAMES", help="first fit these constants of each profile "
-                   "on its rows (comma-separated: matmul_eff, attention_eff, bw_eff, comm_eff) "
-                   "and print the fit")
+                   "on its rows (comma-separated: matmul_eff, attention_eff, "
+                   "grouped_gemm_eff, bw_eff, comm_eff) and print the fit")
     v.add_argument("--csv", action="append", metavar="FILE", help="a CSV of runs in the "
                    "columns of planner/bench/published/*.csv (may be repeated; default: every "
                    "CSV of that folder)")

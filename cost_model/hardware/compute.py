@@ -18,7 +18,8 @@ The first factor is the share of the SMs' tile slots doing useful work: a GEMM
 whose tiles fill 1.1 waves runs as long as one that fills 2. The second is the
 main loop's fill and drain against its k / 64 steps of 64-deep tiles: a
 shallow GEMM spends a larger share of its time outside the loop.
-Matmuls add `cluster.matmul_overhead` to their arithmetic term: a calibrated
+A grouped GEMM (groups > 1: a mixture-of-experts layer's experts) keeps
+`cluster.grouped_gemm_eff` of that. Matmuls add `cluster.matmul_overhead` to their arithmetic term: a calibrated
 CPU profile fits it because small GEMMs run well below the large-GEMM rate
 (it is 0 in the presets, which keeps the plain roofline).
 """
@@ -88,6 +89,8 @@ def compute_time(cluster: Cluster, flops: float, nbytes: float, op_class: str,
     eff = cluster.attention_eff if op_class == "attention" else cluster.matmul_eff
     if op_class == "matmul" and gemm:
         eff *= gemm_efficiency(cluster, *gemm)
+        if gemm[3] > 1:   # one GEMM per expert in a grouped kernel
+            eff *= cluster.grouped_gemm_eff
     t_math = flops / (cluster.peak_flops * eff)
     if op_class == "elementwise" and cluster.pointwise_flops:
         t_math = flops / cluster.pointwise_flops

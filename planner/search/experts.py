@@ -29,7 +29,8 @@ import math
 
 from cost_model.hardware.cluster import Cluster
 from cost_model.hardware.comm import expert_dispatch_time
-from cost_model.hardware.compute import gemm_efficiency
+from cost_model.hardware.compute import compute_time
+from cost_model.ops.graph_facts import BWD_FACTOR
 from cost_model.layers.layer_cost import LayerCost
 from cost_model.ops.moe import MoEFacts, facts, pricing
 from passes.rewrite.expert_parallel import moe_nodes
@@ -93,22 +94,26 @@ class EPPricing:
         scale = micro_batch / self.captured_batch / cp   # a rank routes its 1/cp of the tokens
         for f in layers:
             cost = _with_ep(cost, dataclasses.replace(f, tokens=int(f.tokens * scale)), self.ep,
-                            tp, cluster, self.imbalance)
+                            tp, cluster, self.imbalance, scale)
         return cost
 
 
 def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
-             imbalance: float | None) -> LayerCost:
+             imbalance: float | None, scale: float = 1.0) -> LayerCost:
     if imbalance is None and cluster.round_robin_routing:
         imbalance = 1.0          # round-robin routing loads every expert equally
     p = pricing(f, ep, imbalance=imbalance)
     a2a = expert_dispatch_time(cluster, f.tokens, f.top_k, f.hidden * f.dtype_bytes, ep,
                                stride=tp, group_limit=f.group_limit, experts=f.experts)
     flop_s = cluster.peak_flops * cluster.matmul_eff
-    extra = p.extra_expert_flops / flop_s + _grouped_gemm_gain(f, ep, cluster)
+    extra = p.extra_expert_flops / flop_s
+    gemm_fwd, gemm_bwd = _expert_gemm_change(f, ep, cluster, scale)
+    if cost.strategy.recompute == "full":
+        gemm_bwd += gemm_fwd      # the backward runs the experts' forward again
     expert_params = p.param_bytes_saved / f.dtype_bytes / 1.0
     return dataclasses.replace(
-        cost, fwd_s=cost.fwd_s + 2 * a2a + extra, bwd_s=cost.bwd_s + 2 * a2a + 2 * extra,
+        cost, fwd_s=cost.fwd_s + 2 * a2a + extra + gemm_fwd,
+        bwd_s=cost.bwd_s + 2 * a2a + 2 * extra + gemm_bwd,
         comm_s=cost.comm_s + 4 * a2a,
         act_bytes=cost.act_bytes + p.extra_activation_bytes,
         params=int(cost.params - expert_params),
@@ -116,17 +121,28 @@ def _with_ep(cost: LayerCost, f: MoEFacts, ep: int, tp: int, cluster: Cluster,
         cost.comm_bytes)
 
 
-def _grouped_gemm_gain(f: MoEFacts, ep: int, cluster: Cluster) -> float:
-    """Forward seconds the experts' grouped GEMMs change by at ep (negative: faster): the ep = 1
-    price (cost_model.ops.moe.moe_rule) runs the rank's T k slots as E GEMMs of T k / E rows,
-    while under ep its E/ep experts take the slots of the whole group, ep times the rows each,
-    which fill the GPU's tiles better (cost_model.hardware.compute.gemm_efficiency)."""
-    if ep == 1 or not cluster.sms:
-        return 0.0
+def _expert_gemm_change(f: MoEFacts, ep: int, cluster: Cluster,
+                        scale: float) -> tuple[float, float]:
+    """(forward, backward) seconds the experts' grouped GEMMs change by at ep (negative: faster).
+    The ep = 1 price (cost_model.ops.moe.moe_rule, scaled to the micro-batch by `scale` as
+    layer_cost.price scales every op, its bytes included) runs the rank's T k slots as E GEMMs of
+    T k / E rows and reads every expert's weights; under ep its E/ep experts take the slots of
+    the whole group, ep times the rows each, which fill the GPU's tiles better
+    (compute.gemm_efficiency), and it reads 1/ep of the weights, once: a layer of many experts
+    that one rank's slots leave memory-bound at ep = 1 (Kimi K2's 384, 34 GB) is compute-bound
+    at its ep. Both sides are the op's roofline (compute.compute_time), backward BWD_FACTOR
+    times the forward's FLOPs and bytes, as moe_rule counts them."""
+    if ep == 1:
+        return 0.0, 0.0
     rows = float(f.tokens * f.top_k)
-    alone = gemm_efficiency(cluster, rows, f.ffn, f.hidden, f.experts)
-    grouped = gemm_efficiency(cluster, rows, f.ffn, f.hidden, max(1, f.experts // ep))
-    return f.expert_flops / (cluster.peak_flops * cluster.matmul_eff) * (1 / grouped - 1 / alone)
+    token_bytes = 2.0 * f.tokens * f.hidden * f.dtype_bytes * (1 + f.top_k)
+
+    def seconds(groups: int, weights: float, factor: float) -> float:
+        return compute_time(cluster, factor * f.expert_flops, factor * (token_bytes + weights),
+                            "matmul", gemm=(rows, f.ffn, f.hidden, groups))
+    local = max(1, f.experts // ep)
+    return tuple(seconds(local, f.expert_param_bytes / ep, k)
+                 - seconds(f.experts, f.expert_param_bytes * scale, k) for k in (1.0, BWD_FACTOR))
 
 
 def search_experts(costs, req, search, imbalance: float | None = None) -> list:

@@ -114,3 +114,30 @@ def test_plan_json_round_trips_ep():
     assert again == best and again.layout().ep == 4
     dense = dataclasses.replace(best, ep=1)
     assert "ep" not in dense.to_json() and "ep" not in dense.to_json()["mesh"]
+
+
+def test_ep_reprices_the_expert_gemms_at_the_groups_rows_and_weights():
+    """At ep = 1 a rank's slots spread over all 256 experts (128 rows each) and it reads all 22.5
+    GB of expert weights: memory-bound. Under ep its E/ep experts take the whole group's slots
+    and it reads 1/ep of the weights: the GEMMs' roofline, compute-bound. No mesh prices a block
+    below zero (cp and larger micro-batches scale the ep = 1 price, bytes included)."""
+    from cost_model.hardware.compute import gemm_efficiency
+    costs, *_ = api._model_costs("deepseek-v3", None, None, None)
+    cluster = get_cluster(H100)
+    (facts,) = expert_search.moe_facts(costs)[1]
+    t, h, k, f, d = facts.tokens, facts.hidden, facts.top_k, facts.ffn, facts.dtype_bytes
+    base = costs.price_block(Strategy(), 1, cluster, 1, 1, 1)
+    weights = facts.expert_param_bytes
+    memory_bound = (2 * t * h * d * (1 + k) + weights) / (cluster.mem_bw * cluster.bw_eff)
+    for ep, cp, mb in [(64, 1, 1), (8, 1, 2), (128, 16, 1), (16, 4, 2), (256, 4, 4)]:
+        costs.ep_pricing = expert_search.EPPricing(ep, expert_search.moe_facts(costs), 1, 1.0)
+        try:
+            priced = costs.price_block(Strategy(), mb, cluster, 1, cp, 1)
+        finally:
+            costs.ep_pricing = None
+        assert priced.fwd_s > 0 and priced.bwd_s > 0, (ep, cp, mb)
+        if (ep, cp, mb) == (64, 1, 1):
+            compute = 6 * t * k * h * f / (cluster.peak_flops * cluster.matmul_eff
+                                           * gemm_efficiency(cluster, t * k, f, h, 256 // ep))
+            a2a = (priced.comm_s - base.comm_s) / 4
+            assert priced.fwd_s - base.fwd_s == pytest.approx(2 * a2a + compute - memory_bound)

@@ -80,3 +80,12 @@ def test_a_run_fxpar_thinks_too_big_is_priced_with_a_memory_note():
     best, note = pub._best(costs, tight)
     assert free[1] == "" and best.predicted.iteration_s == free[0].predicted.iteration_s
     assert f"{need / GiB:.1f} GiB per device, above the {need / 1.2 / GiB:.1f} GiB" in note
+
+
+def test_the_simplex_follows_a_valley_one_constant_at_a_time_would_stop_in():
+    """Two constants that trade against each other (a diagonal valley): the simplex reaches the
+    minimum at (0.6, 0.75) from (0.45, 1.0), inside the bounds."""
+    valley = lambda p: abs(p[0] + p[1] - 1.35) + 0.2 * abs(p[0] - 0.6)  # noqa: E731
+    best = fit._simplex(valley, [0.45, 1.0], [(0.3, 0.9), (0.4, 1.0)], evaluations=120)
+    assert best == pytest.approx([0.6, 0.75], abs=0.02)
+    assert valley(best) < 0.01
