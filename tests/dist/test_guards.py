@@ -151,4 +151,8 @@ def test_a_head_reading_the_embedding_weight_stays_tied(pool4, mesh):
     if chosen.tp > 1:
         chosen = chosen.with_ends("vocab-tp")
     parallel = run_parallel(spec, chosen, STEPS, pool4)
-    assert_same_run(parallel, reference_run(spec, STEPS), what=str(mesh))
+    # Under tp the tied weight's gradient sums the vocabulary-parallel head's share and the
+    # embedding's in another order than one process: float32 rounding, which two steps at
+    # lr 0.5 carry into later gradients (1.3e-6 on one of 2048 at step 3 on an AMD EPYC)
+    assert_same_run(parallel, reference_run(spec, STEPS), what=str(mesh),
+                    atol=2e-6 if chosen.tp > 1 else 1e-6)
