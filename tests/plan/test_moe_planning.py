@@ -41,7 +41,9 @@ def test_dense_first_blocks_then_moe_plan_in_order():
 
 def test_ep_prices_all_to_all_weights_and_imbalance_by_formula():
     costs, *_ = api._model_costs("mixtral-8x7b", None, None, None)
-    cluster, ep, b = get_cluster(H100), 8, 1
+    # grouped kernels at a dense GEMM's rate: one expert a rank then runs the same GEMMs as the
+    # ep = 1 price (their repricing is the next test's)
+    cluster, ep, b = dataclasses.replace(get_cluster(H100), grouped_gemm_eff=1.0), 8, 1
     (facts,) = expert_search.moe_facts(costs)[0]
     base = costs.price_block(Strategy(), b, cluster, 1)
     costs.ep_pricing = expert_search.EPPricing(ep, expert_search.moe_facts(costs), 1, 1.25)
@@ -138,6 +140,7 @@ def test_ep_reprices_the_expert_gemms_at_the_groups_rows_and_weights():
         assert priced.fwd_s > 0 and priced.bwd_s > 0, (ep, cp, mb)
         if (ep, cp, mb) == (64, 1, 1):
             compute = 6 * t * k * h * f / (cluster.peak_flops * cluster.matmul_eff
-                                           * gemm_efficiency(cluster, t * k, f, h, 256 // ep))
+                                           * gemm_efficiency(cluster, t * k, f, h, 256 // ep)
+                                           * cluster.grouped_gemm_eff)   # 4 experts a rank
             a2a = (priced.comm_s - base.comm_s) / 4
             assert priced.fwd_s - base.fwd_s == pytest.approx(2 * a2a + compute - memory_bound)
