@@ -291,7 +291,8 @@ def cmd_bench(args) -> int:
 def cmd_validate(args) -> int:
     """Price every published measured run (planner.bench.published) and compare; with --fit,
     fit the named constants of each row's profile first (planner.bench.published_fit)."""
-    from planner.bench.published import csv_files, read_rows, report, select, to_json, validate
+    from planner.bench.published import csv_files, read_rows, select, validate
+    from planner.bench.published_report import report, to_json
     from planner.bench.published_fit import fit_cluster, fit_text, parse_names
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     fitted, fits = {}, []

@@ -9,6 +9,7 @@ import tomllib
 import pytest
 
 from planner.bench import published as pub
+from planner.bench import published_report as report_of
 from planner.cli import main
 from cost_model.hardware.cluster import get_cluster
 from planner.models.presets import PRESETS, get_config
@@ -186,7 +187,7 @@ def test_summary_counts_priced_rows_only():
     assert (s.rows, s.priced, s.within_10, s.within_20) == (4, 3, 1, 2)
     assert s.median_abs_error_pct == pytest.approx(15.0)
     assert s.max_abs_error_pct == pytest.approx(25.0)
-    assert "3 of 4 rows priced: median |error| 15.0%, max |error| 25.0%" in pub.summary_text(s)
+    assert "3 of 4 rows priced: median |error| 15.0%, max |error| 25.0%" in report_of.summary_text(s)
     assert pub.summarize([]).median_abs_error_pct is None
 
 
@@ -203,7 +204,7 @@ def test_ranking_measured_against_predicted():
     assert ranking.measured == (a, b, c) and ranking.predicted == (b, a, c)
     assert ranking.verdict.startswith("the measured fastest is predicted 25.0% slower")
     assert ranking.verdict.endswith("not within 5%")
-    text = "\n".join(pub.ranking_text(ranking))
+    text = "\n".join(report_of.ranking_text(ranking))
     assert "measured:  #1 (100) > #2 (90) > #3 (80)" in text
     assert "predicted: #2 (" in text
 
@@ -215,7 +216,7 @@ def test_ranking_within_five_percent_and_ties():
     assert ranking.verdict == "the measured fastest is predicted fastest"
     ranking, _ = _ranked([(100, 2.0), (90, 2.0)])
     assert ranking.verdict == "the measured fastest is predicted fastest (tied with 1 other row)"
-    assert "predicted: #1 (1,024) = #2 (1,024)" in "\n".join(pub.ranking_text(ranking))
+    assert "predicted: #1 (1,024) = #2 (1,024)" in "\n".join(report_of.ranking_text(ranking))
 
 
 def test_ranking_lists_rows_not_priced():
@@ -223,16 +224,16 @@ def test_ranking_lists_rows_not_priced():
     (ranking,) = pub.rankings(results)
     assert ranking.unpriced == (results[1],)
     assert ranking.verdict == "fewer than two rows priced: no ranking"
-    assert "#2 not priced" in "\n".join(pub.ranking_text(ranking))
+    assert "#2 not priced" in "\n".join(report_of.ranking_text(ranking))
 
 
 def test_report_lists_every_row_and_why_one_is_not_priced():
     results = (_priced(10, 11), pub.Result(_row(model="X"), (), reason="no entry for model 'X'"))
     v = pub.Validation("h100-sxm-dgx", results, pub.summarize(results), (), (("M", "a note"),))
-    text = pub.report(v)
+    text = report_of.report(v)
     assert "not priced: t:9 X on 8 GPUs" in text and "no entry for model 'X'" in text
     assert "+10.0" in text and "M: a note" in text
-    data = pub.to_json(v)
+    data = report_of.to_json(v)
     assert data["rows"][1]["reason"] and data["rows"][0]["error_pct"] == pytest.approx(10.0)
 
 
