@@ -8,6 +8,9 @@ What ep changes in a MoE block's per-micro-batch price (cost_model.ops.moe.Exper
                  the rank's T k h d bytes over an EP group of ep ranks at stride tp (the EP group
                  is consecutive dp x cp ranks; crosses nodes when (ep - 1) tp >= GPUs per node)
                + (imbalance - 1) x the experts' compute: the most loaded rank sets the pace
+                 (1 under a benchmark's round-robin gate, Cluster.round_robin_routing)
+               + the experts' grouped GEMMs repriced: E/ep experts of ep times the rows each,
+                 1/ep of the weights read (`_expert_gemm_change`)
   memory       - expert weights: a rank holds E/ep experts (their gradients and optimizer states
                  too), whole under every ZeRO level (the runtime keeps them out of the sharded
                  buckets: ModelCosts.block_option adds back what the level's shares took off);
