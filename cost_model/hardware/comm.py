@@ -49,6 +49,7 @@ are far from 1 and for reasons that are known:
 
 from __future__ import annotations
 
+import functools
 import math
 
 from runtime.comm.wire import KINDS, check_count, check_kind, bytes_on_wire, ring_volume
@@ -214,6 +215,7 @@ def dispatch_fanout(cluster: Cluster, ep: int, stride: int, top_k: int, experts:
     return (ep - 1) * (1 - missed), remote
 
 
+@functools.lru_cache(maxsize=None)   # a pure function of four counts, asked once per block price
 def _round_robin_reach(experts: int, top_k: int, ep: int, members: int) -> tuple[float, float]:
     """(ranks, nodes) token t's experts tk ... tk + k - 1 (mod E) lie on, averaged over one
     period of t; ranks hold E/ep consecutive experts, nodes `members` consecutive ranks."""
