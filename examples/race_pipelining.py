@@ -17,14 +17,17 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from passes.capture.trace import capture
+from planner.interop.emit import schedule_csv
 from passes.stages.program import Layout, rank_programs
 from planner.models.presets import build_model, example_batch, get_config
 from planner.training.local import make_optimizer
@@ -41,7 +44,16 @@ CONFIG = get_config("gpt-tiny").with_(layers=6, hidden=128, heads=4, vocab=512, 
                                       global_batch=32, name="gpt-race")
 P = 4
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                   "interleaved-1f1b": ScheduleInterleaved1F1B}
+                   "interleaved-1f1b": ScheduleInterleaved1F1B, "zb-h1": _PipelineScheduleRuntime}
+
+
+def _load_ours(schedule: _PipelineScheduleRuntime, name: str, m: int) -> None:
+    """Torch has no ZB-H1 class; its action runtime runs ours, read from the compute-only CSV
+    both write alike (planner.interop.emit.schedule_csv), and adds the transfers itself."""
+    with tempfile.NamedTemporaryFile("w", suffix=".csv") as f:
+        f.write(schedule_csv(name, P, m))
+        f.flush()
+        schedule._load_csv(f.name)
 
 
 class _TorchStage(nn.Module):
@@ -72,7 +84,10 @@ class _TorchRunner:
         pipeline = [PipelineStage(mod, s, P * v, torch.device("cpu"))
                     for mod, s in zip(self.modules, stages)]
         build = TORCH_SCHEDULES[name]
-        self.schedule = build(pipeline if v > 1 else pipeline[0], m, loss_fn=_loss_is_the_output)
+        runtime = issubclass(build, _PipelineScheduleRuntime)  # takes a list of stages
+        self.schedule = build(pipeline if runtime else pipeline[0], m, loss_fn=_loss_is_the_output)
+        if build is _PipelineScheduleRuntime:
+            _load_ours(self.schedule, name, m)
         self.first, self.last = 0 in stages, P * v - 1 in stages
         self.optimizer = make_optimizer([p for mod in self.modules for p in mod.parameters()])
 
@@ -122,7 +137,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
     parser.add_argument("--trace", metavar="DIR", default="out",
                         help="write our measured and the simulated timeline of each schedule "
                              "here (Chrome trace .json and .png); '' to skip")

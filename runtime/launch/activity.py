@@ -41,15 +41,6 @@ def detail(text: str) -> None:
     now(f"{_doing} ({text})")
 
 
-def action(act, peer: int | None = None) -> None:
-    """A pipeline action starts; sends name the rank they go to."""
-    kind = getattr(getattr(act, "kind", None), "value", "")
-    if peer is not None and kind.startswith("SEND"):
-        now(f"action {act} (to rank {peer})")
-    else:
-        now(f"action {act}")
-
-
 def start_step(owner) -> int:
     """A training step of `owner` (a trainer) starts; steps are counted per owner, from 1."""
     global _step, _doing

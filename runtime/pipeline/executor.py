@@ -39,6 +39,7 @@ from runtime.pipeline.schedule import Action, Kind, Schedule
 from runtime.pipeline.simulator import Event, Timeline
 
 _MAX_TENSORS = 64  # tensors per boundary message; part of the p2p tag arithmetic
+_NOTHING = contextlib.nullcontext()  # a forward with no context to enter
 
 
 class PeerError(RuntimeError):
@@ -60,10 +61,15 @@ def explained(what: str | Callable[[], str]):
     try:
         yield
     except Exception as err:  # noqa: BLE001 - backends raise assorted types, all mean this
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        what = what() if callable(what) else what
-        raise PeerError(f"{what} failed: {reason}. The peer rank probably died or is stuck; "
-                        "look for its own error above or in its log") from err
+        raise peer_error(err, what) from err
+
+
+def peer_error(err: Exception, what: str | Callable[[], str]) -> PeerError:
+    """The PeerError saying that what this rank was doing with a peer failed, and why."""
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    what = what() if callable(what) else what
+    return PeerError(f"{what} failed: {reason}. The peer rank probably died or is stuck; "
+                     "look for its own error above or in its log")
 
 
 @dataclass
@@ -87,6 +93,8 @@ class _Step:
     peer: int | None
     finishes_stage: int | None
     recv_index: int | None  # position among this rank's receives, for RECV_* actions
+    compute: bool
+    doing: str  # what runtime.launch.activity says while it runs, built once
 
 
 class StageExecutor:
@@ -142,8 +150,10 @@ class StageExecutor:
             other = self.schedule.counterpart(action)  # the peer's matching SEND/RECV
             peer = None if other is None else self.stage_rank(other.stage)
             is_recv = action.kind in (Kind.RECV_F, Kind.RECV_B)
+            doing = (f"action {action} (to rank {peer})" if action.kind.is_send else
+                     f"action {action}")
             steps.append(_Step(handlers[action.kind], action, peer, finishing.get(i),
-                               receives if is_recv else None))
+                               receives if is_recv else None, action.kind.is_compute, doing))
             receives += is_recv
         self._recv_steps = [step for step in steps if step.recv_index is not None]
         return steps
@@ -165,16 +175,17 @@ class StageExecutor:
         self._posted = 0  # receives posted so far, in schedule order
         self.events = []
         self.waits: list[tuple[str, float, float]] = []  # (what, start, end) of p2p waits
+        receives, ahead, sharding = len(self._recv_steps), self.recv_ahead, self.sharding
         for step in self._steps:
             if step.recv_index is not None:  # posted here unless posted ahead already
                 self._post_receives(step.recv_index + 1)
                 continue
-            if self.recv_ahead and step.action.is_compute:
-                self._post_receives(self._posted + self.recv_ahead - len(self._recvs))
-            activity.action(step.action, step.peer)
+            if ahead and step.compute and self._posted < receives:
+                self._post_receives(self._posted + ahead - len(self._recvs))
+            activity.now(step.doing)
             step.run(step.action, step.peer)
-            if self.sharding is not None and step.action.is_compute:
-                self.sharding.action_done(step.action)
+            if sharding is not None and step.compute:
+                sharding.action_done(step.action)
             if step.finishes_stage is not None and on_stage_done is not None:
                 on_stage_done(step.finishes_stage)
         activity.now("the end of the schedule (waiting for sends)")
@@ -208,9 +219,12 @@ class StageExecutor:
 
     def _post_recv(self, action: Action, peer: int, specs, boundary: int, direction: int) -> None:
         bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-        with explained(lambda: f"rank {self.rank} waiting for {action} from rank {peer}"):
-            works = [dist.irecv(b, src=peer, tag=self._tag(boundary, action.mb, direction, i))
-                     for i, b in enumerate(bufs)]
+        tag = self._tag(boundary, action.mb, direction, 0)
+        try:  # not `explained`: a context manager per receive costs more than the rest
+            works = [dist.irecv(b, src=peer, tag=tag + i) for i, b in enumerate(bufs)]
+        except Exception as err:  # noqa: BLE001 - see explained
+            raise peer_error(err, f"rank {self.rank} waiting for {action} from rank "
+                                  f"{peer}") from err
         self._recvs[action] = (works, bufs, peer)
 
     def _take(self, action: Action) -> list[torch.Tensor]:
@@ -222,15 +236,18 @@ class StageExecutor:
         return bufs
 
     def _post_send(self, action: Action, peer: int, tensors, boundary: int, direction: int):
-        self._reap_sends()
+        if self._sends:
+            self._reap_sends()
 
         def what() -> str:
             return f"rank {self.rank} waiting for {action} to rank {peer} to complete"
 
+        tag = self._tag(boundary, action.mb, direction, 0)
         for i, t in enumerate(tensors):
-            with explained(what):
-                work = dist.isend(t.detach().contiguous(), dst=peer,
-                                  tag=self._tag(boundary, action.mb, direction, i))
+            try:  # not `explained`, as in _post_recv
+                work = dist.isend(t.detach().contiguous(), dst=peer, tag=tag + i)
+            except Exception as err:  # noqa: BLE001 - see explained
+                raise peer_error(err, what) from err
             self._sends.append((work, what))
 
     def _reap_sends(self) -> None:
@@ -286,6 +303,8 @@ class StageExecutor:
         self.events.append(Event(self.pp_rank, action, start, time.perf_counter()))
 
     def _forward_context(self, stage: int, data):
+        if self.autocast_dtype is None and self.memory is None and self.sharding is None:
+            return _NOTHING
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
