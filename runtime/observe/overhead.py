@@ -31,7 +31,8 @@ STEP = "step"
 class Overhead:
     """Per (side, kind): actions counted and overhead seconds, summed over the traced steps."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.thread_time):
+        self.clock = clock
         self.count: dict[tuple[str, str], float] = defaultdict(float)
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.side: str | None = None  # whose step is running; None: not tracing
@@ -50,11 +51,11 @@ class Overhead:
             kinds = kind_of(*args, **kwargs)
             outside, self._excluded = self._excluded, 0.0
             self._span_depth += 1
-            start = time.thread_time()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                wall = time.thread_time() - start
+                wall = self.clock() - start
                 self._span_depth -= 1
                 own, self._excluded = wall - self._excluded, outside
                 self._spans_wall += wall
@@ -73,11 +74,11 @@ class Overhead:
                                                                                  **kwargs)):
                 return fn(*args, **kwargs)
             self._inner_depth += 1
-            start = time.thread_time()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._excluded += time.thread_time() - start
+                self._excluded += self.clock() - start
                 self._inner_depth -= 1
         return traced
 
@@ -96,11 +97,11 @@ class Overhead:
     def step(self, side: str, fn: Callable[[], object]):
         """Run one training step of `side` under the tracer."""
         self.side, self._excluded, self._spans_wall = side, 0.0, 0.0
-        start = time.thread_time()
+        start = self.clock()
         try:
             return fn()
         finally:
-            wall = time.thread_time() - start
+            wall = self.clock() - start
             self.count[side, STEP] += 1
             self.seconds[side, STEP] += wall - self._spans_wall - self._excluded
             self.side = None

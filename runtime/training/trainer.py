@@ -30,7 +30,9 @@ from runtime.programs.stage import StageProgram
 from runtime.training.tied import broadcast_tied, sum_tied_grads, tie
 
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-_MIN_AUTO_BUCKET, _MAX_AUTO_BUCKET = 2**20, 25 * 2**20  # TrainOptions.bucket_bytes=None
+# DistributedDataParallel's bucket sizes (its first bucket and bucket_cap_mb), used when
+# TrainOptions.bucket_bytes is None.
+_FIRST_BUCKET, _BUCKET = 2**20, 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,8 @@ class TrainOptions:
     precision: "fp32", or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer;
     fp16 adds a dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on
     all ranks and the scale halves; it doubles after `growth_interval` good steps).
-    bucket_bytes: the most bytes of one data-parallel all-reduce bucket (level 0); None: a
-    quarter of the stage's gradient bytes, between 1 MiB and 25 MiB (DistributedDataParallel's
-    bucket size), so that on a small model too all but the last bucket overlap the backward.
+    bucket_bytes: the most bytes of one data-parallel all-reduce bucket (level 0); None:
+    DistributedDataParallel's defaults, 1 MiB for a stage's first bucket, 25 MiB for the others.
     track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
     recv_ahead: receives posted ahead of need (runtime.pipeline.executor.StageExecutor).
     zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
@@ -164,13 +165,13 @@ class _GradSync:
 
     @staticmethod
     def _split(params: list, limit: int | None, stage: int) -> list[_Bucket]:
-        if limit is None:  # TrainOptions.bucket_bytes
-            total = sum(p.numel() * p.element_size() for p in params)
-            limit = min(max(total // 4, _MIN_AUTO_BUCKET), _MAX_AUTO_BUCKET)
+        """Buckets of at most `limit` bytes (TrainOptions.bucket_bytes); None: DDP's defaults,
+        a first bucket of 1 MiB (its all-reduce starts early in the backward), then 25 MiB."""
         buckets, current, size = [], [], 0
         for p in reversed(params):  # roughly the order backward finishes them
             nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > limit or p.dtype != current[0].dtype):
+            cap = limit or (_FIRST_BUCKET if not buckets else _BUCKET)
+            if current and (size + nbytes > cap or p.dtype != current[0].dtype):
                 buckets.append(_Bucket(current, stage))
                 current, size = [], 0
             current.append(p)

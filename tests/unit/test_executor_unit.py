@@ -108,3 +108,18 @@ def test_balanced_stage_sizes():
     assert balanced_stage_sizes(10, 8) == (2, 2, 1, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError):
         balanced_stage_sizes(3, 4)
+
+
+def test_gradient_buckets_default_to_distributed_data_parallels_sizes():
+    """1 MiB for the first bucket (the last parameters: backward finishes them first), then up to
+    25 MiB each, in reverse order; a set bucket_bytes caps every bucket."""
+    from runtime.training.trainer import _GradSync
+
+    mib = 2**20 // 4  # float32 elements in a MiB
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in
+              (10 * mib, 10 * mib, 10 * mib, mib // 2, mib // 2, mib // 2)]
+    buckets = _GradSync._split(params, None, 0)
+    assert [[p.numel() // (mib // 2) for p in b.params] for b in buckets] == [[1, 1], [1, 20, 20],
+                                                                              [20]]
+    capped = _GradSync._split(params, 11 * 2**20, 0)
+    assert [len(b.params) for b in capped] == [3, 1, 1, 1]
