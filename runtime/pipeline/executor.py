@@ -11,13 +11,11 @@ F runs a stage program on one micro-batch, B back-propagates it, and a split bac
 tensors are detached on arrival and marked requires_grad, so each (stage, micro-batch) owns a
 separate autograd graph whose input gradients are what SEND_B ships upstream.
 
-Split backward cost: I calls torch.autograd.grad towards the boundary inputs with the graph
-retained; W then runs backward towards the parameters only. Autograd keeps no intermediate
-gradients between the two calls, so W re-traverses the part of the graph that lies on both paths
-(for a transformer block, the residual stream's gradients): the split backward costs up to about
-one extra input-gradient pass per micro-batch, and the activations live until W, not until I.
-Gradients are exactly those of a full backward. Stage 0 has no boundary input, so its I is free
-and its W is a plain backward.
+Split backward (runtime.pipeline.split_backward): I computes the boundary inputs' gradients and
+records the gradient arriving where each parameter's path joins theirs; W starts from those
+records towards the parameters, so it runs only the weights' halves of those nodes, not the path
+I already took. The activations live until W, not until I. Gradients are those of a full
+backward. Stage 0 has no boundary input, so its I is free and its W is a plain backward.
 
 Every wait is wrapped: a peer that died (or hangs past the process-group timeout) surfaces as a
 PeerError naming this rank, the action and the peer, instead of a hang or a bare transport error.
@@ -37,6 +35,7 @@ from runtime.programs.stage import StageProgram
 from runtime.launch import activity
 from runtime.pipeline.schedule import Action, Kind, Schedule
 from runtime.pipeline.simulator import Event, Timeline
+from runtime.pipeline.split_backward import Deferred, input_backward, weight_backward
 
 _MAX_TENSORS = 64  # tensors per boundary message; part of the p2p tag arithmetic
 _NOTHING = contextlib.nullcontext()  # a forward with no context to enter
@@ -81,6 +80,7 @@ class _Slot:
     loss: torch.Tensor | None = None
     roots: list[torch.Tensor] | None = None  # set by I: where W starts its backward from
     root_grads: list[torch.Tensor] | None = None
+    deferred: Deferred | None = None  # set by I: W's part (runtime.pipeline.split_backward)
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,7 @@ class StageExecutor:
         self._float_inputs = {s: [spec.floating for spec in prog.input_specs]
                               for s, prog in programs.items()}
         self._steps = self._compile()
+        self._accumulators: dict = {}  # parameters' AccumulateGrad nodes, for the split backward
         self.events: list[Event] = []
         self.waits: list[tuple[str, float, float]] = []
         self.sharding = None  # runtime.data_parallel.sharded_dp.ShardedDP, set by the trainer
@@ -351,8 +352,8 @@ class StageExecutor:
         wanted = [t for t in floats if t.requires_grad]
         got = {}
         if wanted and slot.roots:
-            grads = torch.autograd.grad(slot.roots, wanted, slot.root_grads, retain_graph=True,
-                                        allow_unused=True)
+            grads, slot.deferred = input_backward(slot.roots, slot.root_grads, wanted,
+                                                  self.params[stage], self._accumulators)
             got = {id(t): g for t, g in zip(wanted, grads) if g is not None}
         self._keep_input_grads(stage, mb, [got[id(t)] if id(t) in got else torch.zeros_like(t)
                                            for t in floats])
@@ -362,7 +363,9 @@ class StageExecutor:
         slot = self._slots.pop((action.stage, action.mb))
         start = time.perf_counter()
         params = self.params[action.stage]
-        if slot.roots and params:
+        if slot.deferred is not None:
+            weight_backward(slot.deferred)
+        elif slot.roots and params:  # no input gradient was wanted: a plain backward
             torch.autograd.backward(slot.roots, slot.root_grads, inputs=params)
         self.events.append(Event(self.pp_rank, action, start, time.perf_counter()))
 

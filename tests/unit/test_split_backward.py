@@ -1,0 +1,94 @@
+"""runtime.pipeline.split_backward: I then W give exactly the gradients of one full backward,
+whatever the shape of the graph, and W does not run the input path again."""
+import pytest
+import torch
+import torch.nn as nn
+
+from runtime.pipeline.split_backward import input_backward, weight_backward
+
+
+class Shapes(nn.Module):
+    """Paths the grouping must get right: a weight used at two heights of the input path (two
+    joins of one group, one below the other), a parameter reaching the output on its own (no
+    join), a parameter both joining and reaching the output on its own, a parameter the forward
+    never reads, a norm, and an attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.alone = nn.Parameter(torch.randn(16))
+        self.unused = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(x))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        h = self.shared(self.norm(h))  # the same weight again, higher up
+        # A second output that no input reaches: the norm's weight joins and also goes alone.
+        return h * 2, self.alone.exp() + self.norm.weight
+
+
+def _outputs(model, x) -> list[torch.Tensor]:
+    out = model(x)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _full_grads(model, x, grads):
+    x = x.detach().requires_grad_()
+    torch.autograd.backward(_outputs(model, x), grads)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return x.grad, grads
+
+
+@pytest.mark.parametrize("make", [Shapes, lambda: nn.TransformerEncoderLayer(
+    16, 2, 32, dropout=0.0, batch_first=True)], ids=["shapes", "transformer-block"])
+def test_input_then_weight_gradients_equal_one_backward(make):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(2, 5, 16)
+    grads = [torch.randn_like(t) for t in _outputs(model, x)]
+    want_x, want = _full_grads(model, x, grads)
+    cache = {}
+    for microbatch in range(2):  # the second accumulates, with the parameters' nodes kept
+        x_in = x.detach().requires_grad_()
+        (got_x,), deferred = input_backward(_outputs(model, x_in), grads, [x_in],
+                                            list(model.parameters()), cache)
+        if microbatch == 0:
+            assert all(p.grad is None for p in model.parameters())  # I: no weight gradient
+        weight_backward(deferred)
+        torch.testing.assert_close(got_x, want_x)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], 2 * want[name], msg=name)
+
+
+def test_weight_step_runs_only_the_weights_halves():
+    """W from the joins: the input path's nodes (here a tanh between two linears) do not run
+    again, where a backward from the outputs to the weights would run them."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    calls = []
+
+    class Tanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h):
+            out = h.tanh()
+            ctx.save_for_backward(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append("tanh")
+            (out,) = ctx.saved_tensors
+            return g * (1 - out * out)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    out = second(Tanh.apply(first(x)))
+    params = [*first.parameters(), *second.parameters()]
+    _, deferred = input_backward([out], [torch.ones_like(out)], [x], params, {})
+    assert calls == ["tanh"]
+    weight_backward(deferred)
+    assert calls == ["tanh"] and all(p.grad is not None for p in params)
