@@ -9,7 +9,9 @@ blocking waits on transfers); what is left is each runtime's own cost per action
 
   F, B     forward and full backward (1F1B: torch's Schedule1F1B)
   I, W     the split backward's input and weight halves (ZB-H1: torch's action runtime runs
-           fxpar's ZB-H1 order, as in examples/race_pipelining.py)
+           fxpar's ZB-H1 order, as in examples/race_pipelining.py; "zb-h1/record": fxpar's W
+           from the gradients its I recorded, whose walk over the graph is overhead here and
+           whose saving, a second pass of compute, is not)
   send     posting a boundary tensor to the next or previous stage (fxpar: SEND_F / SEND_B;
            torch: get_*_send_ops and its share of the batched isend/irecv)
   recv     posting a receive (fxpar: RECV_F / RECV_B; torch: get_*_recv_ops and its share)
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from race_pipelining import P, _TorchRunner
+from race_pipelining import P, _TorchRunner, row_schedule
 
 from runtime.observe.overhead import STEP, Overhead
 
@@ -114,6 +116,7 @@ def race(names: tuple[str, ...], steps: int):
     from planner.training.local import make_optimizer
     from runtime.comm.mesh import Mesh, mesh_groups
     from runtime.pipeline.generators import make_schedule
+    from runtime.training.trainer import TrainOptions
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -123,9 +126,10 @@ def race(names: tuple[str, ...], steps: int):
     groups = mesh_groups(Mesh(P, 1, 1))
     results = {}
     for name in names:
-        ours = build_pipeline_trainer(copy.deepcopy(captured), make_schedule(name, P, M), groups,
-                                      make_optimizer)
-        theirs = _TorchRunner(copy.deepcopy(captured), name, M, 1)
+        schedule, split = row_schedule(name)
+        ours = build_pipeline_trainer(copy.deepcopy(captured), make_schedule(schedule, P, M),
+                                      groups, make_optimizer, TrainOptions(split_backward=split))
+        theirs = _TorchRunner(copy.deepcopy(captured), schedule, M, 1)
         first = {"fxpar": ours.step(*batch), "torch": theirs.first_loss(*batch)}
         runners = {"fxpar": lambda: ours.step(*batch), "torch": lambda: theirs.step(*batch)}
         tracer = Overhead()
@@ -177,14 +181,15 @@ def _fmt(value, spec: str = ".1f") -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="traced steps per side")
-    parser.add_argument("--schedules", default="1f1b,zb-h1")
+    parser.add_argument("--schedules", default="1f1b,zb-h1,zb-h1/record")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     names = tuple(args.schedules.split(","))
-    unknown = [n for n in names if n not in ("1f1b", "zb-h1", "gpipe")]
+    known = ("1f1b", "gpipe", "zb-h1", "zb-h1/record")
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown schedules {unknown}; choose from 1f1b, zb-h1, gpipe")
+        parser.error(f"unknown schedules {unknown}; choose from {', '.join(known)}")
     config = _config()
     print(f"{config.name}: {config.layers} blocks, hidden {config.hidden}, seq {config.seq}; "
           f"p={P} gloo ranks, m={M} micro-batches of 1, fp32, one thread each; "

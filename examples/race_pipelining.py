@@ -10,6 +10,9 @@ over the micro-batches) are printed, equal when both trained the same model on t
 Torch's schedules run with return_outputs=False, their cheapest mode; our step also hands the
 loss to every rank, which theirs does not.
 
+fxpar's ZB-H1 runs twice: with its default split backward (W walks the graph from the outputs
+again) and with split_backward="record" (W from the gradients I recorded, as torch's does).
+
     python examples/race_pipelining.py [--pairs 5] [--steps 5] [--microbatches 8] [--trace out]
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ from runtime.observe.measure import (balanced_stage_sizes, export_timelines, gat
                                     simulate_like)
 from runtime.observe.race import interleave, tables
 from runtime.comm.mesh import Mesh, mesh_groups
+from runtime.training.trainer import TrainOptions
 
 # Big enough that a stage's forward takes milliseconds, small enough for a laptop's CPU.
 CONFIG = get_config("gpt-tiny").with_(layers=6, hidden=128, heads=4, vocab=512, seq=64,
@@ -45,6 +49,13 @@ CONFIG = get_config("gpt-tiny").with_(layers=6, hidden=128, heads=4, vocab=512, 
 P = 4
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                    "interleaved-1f1b": ScheduleInterleaved1F1B, "zb-h1": _PipelineScheduleRuntime}
+
+
+def row_schedule(row: str) -> tuple[str, str]:
+    """A row's schedule and fxpar's split backward: "zb-h1/record" is ZB-H1 with
+    TrainOptions(split_backward="record"), any other row the default."""
+    schedule, _, split = row.partition("/")
+    return schedule, split or "retraverse"
 
 
 def _load_ours(schedule: _PipelineScheduleRuntime, name: str, m: int) -> None:
@@ -121,10 +132,11 @@ def race(names: tuple[str, ...], m: int, pairs: int, steps: int):
     groups = mesh_groups(Mesh(P, 1, 1))
     results, timelines = {}, {}
     for name in names:
-        v = 2 if name == "interleaved-1f1b" else 1
-        ours = build_pipeline_trainer(copy.deepcopy(captured), make_schedule(name, P, m, v),
-                                      groups, make_optimizer)
-        theirs = _TorchRunner(copy.deepcopy(captured), name, m, v)
+        schedule, split = row_schedule(name)
+        v = 2 if schedule == "interleaved-1f1b" else 1
+        ours = build_pipeline_trainer(copy.deepcopy(captured), make_schedule(schedule, P, m, v),
+                                      groups, make_optimizer, TrainOptions(split_backward=split))
+        theirs = _TorchRunner(copy.deepcopy(captured), schedule, m, v)
         first = {"fxpar": ours.step(*batch), "torch": theirs.first_loss(*batch)}
         runners = {"fxpar": lambda: ours.step(*batch), "torch": lambda: theirs.step(*batch)}
         results[name] = (interleave(runners, pairs, steps, warmup=2), first)
@@ -137,19 +149,24 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1,zb-h1/record",
+                        help="'zb-h1/record': fxpar's W from the gradients its I recorded")
     parser.add_argument("--trace", metavar="DIR", default="out",
                         help="write our measured and the simulated timeline of each schedule "
                              "here (Chrome trace .json and .png); '' to skip")
     args = parser.parse_args()
     names = tuple(args.schedules.split(","))
+    known = (*TORCH_SCHEDULES, "zb-h1/record")
+    if unknown := [n for n in names if n not in known]:
+        parser.error(f"unknown schedules {unknown}; choose from {', '.join(known)}")
     print(f"{CONFIG.name}: {CONFIG.layers} blocks, hidden {CONFIG.hidden}, seq {CONFIG.seq}, "
           f"batch {CONFIG.global_batch}; p={P} gloo ranks, m={args.microbatches}, fp32\n")
     results, timelines = run_local(race, P, (names, args.microbatches, args.pairs, args.steps),
                         timeout_s=600)[0]
     for name, timeline in timelines.items():
         if args.trace:
-            schedule = make_schedule(name, P, args.microbatches, 2 if "interleaved" in name else 1)
+            schedule = make_schedule(row_schedule(name)[0], P, args.microbatches,
+                                     2 if "interleaved" in name else 1)
             os.makedirs(args.trace, exist_ok=True)
             export_timelines(timeline, simulate_like(schedule, timeline),
                              os.path.join(args.trace, f"race-{name}"))

@@ -14,8 +14,7 @@ on a CPU host its ranks may share cores. Calibration measures each part on its o
   action_overhead  the step's "overhead" part (outside the actions) grows with the number of
   step_overhead    actions: slope and intercept over the two micro-batch counts
   split_backward   a transformer block's backward run whole (B) and split the way ZB-H1's
-                   executor splits it (I recording the joins' gradients, then W from them):
-                   (I + W) / B - 1
+                   executor splits it by default (I, keeping the graph, then W): (I + W) / B - 1
   send_overhead    two ranks, two stages, one micro-batch (every message waited for): the time
   p2p_handoff      a rank spends posting a message, and from the end of the sender's action to
                    the end of the receiver's wait (post, wire, wake-up), medians over the steps
@@ -420,16 +419,13 @@ def per_tensor_and_param(one: tuple[int, int], t_one: float, two: tuple[int, int
 
 def measure_split_backward(rounds: int = 31) -> float:
     """How much longer I + W take than B on a transformer block, as ZB-H1's executor runs them
-    (runtime.pipeline.split_backward: the input gradient recording the joins' gradients, then
-    the weights' backward from them): (I + W) / B - 1."""
-    from runtime.pipeline.split_backward import input_backward, weight_backward
-
+    by default (runtime.pipeline.executor: autograd.grad to the input keeping the graph, then
+    backward to the weights): (I + W) / B - 1."""
     torch.manual_seed(0)
     block = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
     params = list(block.parameters())
     x = torch.randn(4, 32, 64, requires_grad=True)
     grad = torch.randn(4, 32, 64)
-    cache: dict = {}  # the executor's AccumulateGrad nodes, kept from one I to the next
 
     def full() -> float:
         out = block(x)
@@ -440,7 +436,8 @@ def measure_split_backward(rounds: int = 31) -> float:
     def split() -> float:
         out = block(x)
         start = time.perf_counter()
-        weight_backward(input_backward([out], [grad], [x], params, cache)[1])
+        torch.autograd.grad([out], [x], [grad], retain_graph=True)
+        torch.autograd.backward([out], [grad], inputs=params)
         return time.perf_counter() - start
 
     def ratio(i: int) -> float:  # one of each, back to back, in turns of order

@@ -11,11 +11,16 @@ F runs a stage program on one micro-batch, B back-propagates it, and a split bac
 tensors are detached on arrival and marked requires_grad, so each (stage, micro-batch) owns a
 separate autograd graph whose input gradients are what SEND_B ships upstream.
 
-Split backward (runtime.pipeline.split_backward): I computes the boundary inputs' gradients and
-records the gradient arriving where each parameter's path joins theirs; W starts from those
-records towards the parameters, so it runs only the weights' halves of those nodes, not the path
-I already took. The activations live until W, not until I. Gradients are those of a full
-backward. Stage 0 has no boundary input, so its I is free and its W is a plain backward.
+Split backward: I calls torch.autograd.grad towards the boundary inputs with the graph retained.
+By default ("retraverse") W then runs backward from the stage's outputs towards the parameters
+only; autograd keeps no intermediate gradients between the two calls, so W walks again the part
+of the graph on both paths (for a transformer block, the residual stream's gradients): up to
+about one more input-gradient pass per micro-batch. With split_backward="record"
+(runtime.pipeline.split_backward) I records the gradient arriving where each parameter's path
+joins the input's and W starts from those records, running only the weights' halves of those
+nodes; the records, about the size of a micro-batch's activations, live from I until W. Either
+way the activations live until W, not until I, and the gradients are those of a full backward.
+Stage 0 has no boundary input, so its I is free and its W is a plain backward.
 
 Every wait is wrapped: a peer that died (or hangs past the process-group timeout) surfaces as a
 PeerError naming this rank, the action and the peer, instead of a hang or a bare transport error.
@@ -109,11 +114,15 @@ class StageExecutor:
     them. With gloo a send moves data only once its receive is posted, so an early post lets the
     transfer run while this rank computes; each costs one boundary-sized buffer held early.
     0 posts receives exactly where the schedule does.
+
+    `split_backward`: "retraverse" (W is a backward from the stage's outputs to the weights,
+    walking again the path I took) or "record" (runtime.pipeline.split_backward: W starts from
+    the gradients I recorded where the weights' paths join the input's).
     """
 
     def __init__(self, programs: dict[int, StageProgram], schedule: Schedule, rank: int,
                  stage_rank: Callable[[int], int], *, autocast_dtype: torch.dtype | None = None,
-                 memory=None, recv_ahead: int = 2):
+                 memory=None, recv_ahead: int = 2, split_backward: str = "retraverse"):
         self.programs = programs
         self.schedule = schedule
         self.rank = rank
@@ -126,6 +135,7 @@ class StageExecutor:
         self.autocast_dtype = autocast_dtype
         self.memory = memory
         self.recv_ahead = recv_ahead
+        self.record = split_backward == "record"
         first = next(iter(programs.values())).gm
         self.device = next((p.device for p in first.parameters()), torch.device("cpu"))
         self.params = {s: [p for p in prog.gm.parameters() if p.requires_grad]
@@ -351,9 +361,13 @@ class StageExecutor:
         floats = [t for t in slot.inputs if t.dtype.is_floating_point]
         wanted = [t for t in floats if t.requires_grad]
         got = {}
-        if wanted and slot.roots:
+        if wanted and slot.roots and self.record:
             grads, slot.deferred = input_backward(slot.roots, slot.root_grads, wanted,
                                                   self.params[stage], self._accumulators)
+            got = {id(t): g for t, g in zip(wanted, grads) if g is not None}
+        elif wanted and slot.roots:
+            grads = torch.autograd.grad(slot.roots, wanted, slot.root_grads, retain_graph=True,
+                                        allow_unused=True)
             got = {id(t): g for t, g in zip(wanted, grads) if g is not None}
         self._keep_input_grads(stage, mb, [got[id(t)] if id(t) in got else torch.zeros_like(t)
                                            for t in floats])
@@ -365,7 +379,7 @@ class StageExecutor:
         params = self.params[action.stage]
         if slot.deferred is not None:
             weight_backward(slot.deferred)
-        elif slot.roots and params:  # no input gradient was wanted: a plain backward
+        elif slot.roots and params:  # retraverse, or no input gradient was wanted
             torch.autograd.backward(slot.roots, slot.root_grads, inputs=params)
         self.events.append(Event(self.pp_rank, action, start, time.perf_counter()))
 

@@ -16,7 +16,10 @@ gradient is pinned by a pre-hook while W runs. A parameter with a path that reac
 without meeting the input path is left to one backward from the stage's outputs, as before.
 
 Memory: the recorded gradients (one per join: for a transformer block about the size of its
-matmuls' outputs) live from I until W, beside the activations that live until W anyway.
+matmuls' outputs, 0.8 of its saved activations for torch's TransformerEncoderLayer) live from I
+until W, beside the activations that live until W anyway; on rank r of ZB-H1, whose W trails its
+I by r micro-batches, that is up to r sets more. The planner's memory model does not count them
+yet, so the executor takes this way only when asked (TrainOptions.split_backward="record").
 
 The walk over the autograd graph costs a few microseconds per node, once per micro-batch.
 """
@@ -26,6 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+# How W gets the weight gradients (runtime.pipeline.executor.StageExecutor): "retraverse" runs
+# a backward from the stage's outputs again, "record" this module's way.
+SPLIT_BACKWARDS = ("retraverse", "record")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from runtime.training import rng
 from runtime.training.batch import BatchSpec, compare_batches
 from runtime.programs.token_split import shard_sequence
 from runtime.pipeline.executor import StageExecutor, explained, wait_or_explain
+from runtime.pipeline.split_backward import SPLIT_BACKWARDS
 from runtime.training.loss_tokens import StepTokens
 from runtime.experts.dispatch import ExpertGroups, broadcast_experts, is_expert
 from runtime.training.activation_memory import SavedActivations
@@ -45,6 +46,9 @@ class TrainOptions:
     DistributedDataParallel's defaults, 1 MiB for a stage's first bucket, 25 MiB for the others.
     track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
     recv_ahead: receives posted ahead of need (runtime.pipeline.executor.StageExecutor).
+    split_backward: how ZB-H1's W gets its weight gradients (runtime.pipeline.split_backward):
+    "retraverse" (a backward from the stage's outputs again; the memory the planner prices) or
+    "record" (from gradients I records: no second pass, more memory until W).
     zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
     (runtime.data_parallel.sharded_dp)."""
 
@@ -55,6 +59,7 @@ class TrainOptions:
     growth_interval: int = 2000
     track_memory: bool = False
     recv_ahead: int = 2
+    split_backward: str = "retraverse"
     zero: int = 0
     dp_shard: int | None = None
 
@@ -70,6 +75,9 @@ class TrainOptions:
             raise ValueError("bucket_bytes, init_scale and growth_interval must be positive")
         if self.recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0, got {self.recv_ahead}")
+        if self.split_backward not in SPLIT_BACKWARDS:
+            raise ValueError(f"split_backward must be one of {', '.join(SPLIT_BACKWARDS)}, "
+                             f"got {self.split_backward!r}")
 
 
 def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp_index: int,
@@ -289,7 +297,8 @@ class PipelineTrainer:
         stage_rank = lambda stage: groups.stage_rank(schedule.stage_to_rank(stage))  # noqa: E731
         self.executor = StageExecutor(programs, schedule, groups.rank, stage_rank,
                                       autocast_dtype=_PRECISIONS[options.precision],
-                                      memory=self.memory, recv_ahead=options.recv_ahead)
+                                      memory=self.memory, recv_ahead=options.recv_ahead,
+                                      split_backward=options.split_backward)
         self.last_rank = stage_rank(schedule.num_stages - 1)
         # Ranks holding the same weights (dp x cp) average their gradients.
         dense = {s: [p for p in ps if not is_expert(p)] for s, ps in self.executor.params.items()}

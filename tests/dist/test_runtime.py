@@ -120,6 +120,20 @@ def test_schedule_matches_one_process(matrix, case):
     assert_same_run(RunResult(losses, state), _reference(case.batch), what=str(case))
 
 
+RECORDED = [(Case("zb-h1", 4, 8), 0), (Case("zb-h1", 2, 4, tp=2), 0),
+            (Case("zb-h1", 2, 4, dp=2), 3)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case,zero", RECORDED, ids=lambda x: str(x))
+def test_recorded_split_backward_matches_one_process(case, zero):
+    """ZB-H1 whose W starts from the gradients I recorded (runtime.pipeline.split_backward),
+    also under tensor parallelism and ZeRO-3 (its units gathered again for W's backward)."""
+    options = TrainOptions(split_backward="record", zero=zero)
+    losses, _, state = rank_pool(4).run(_train, [case], options, STEPS)[0][0]
+    assert_same_run(RunResult(losses, state), _reference(case.batch), what=f"record {case}")
+
+
 def _clipped_reference(batch: int, max_norm: float, steps: int):
     torch.manual_seed(0)
     model = build_model(CFG)
