@@ -98,14 +98,13 @@ memory instead, which is how an infeasible request learns the smallest memory th
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, replace
 
 import pulp
+
+from planner.search import highs
 
 
 @dataclass(frozen=True)
@@ -232,7 +231,7 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
     cutoff = cutoff if objective == "time" and not relax else math.inf
     prob, n = _build(problem, objective, relax, cutoff)
     unit = _byte_unit(problem) if objective == "memory" else _time_unit(problem)
-    status, gap, bound = _run(prob, solver, time_limit_s, gap)
+    status, gap, bound = highs.run(prob, solver, time_limit_s, gap)
     bound *= unit
     if status == "infeasible" and cutoff < math.inf:
         status, bound = "cutoff", cutoff
@@ -261,7 +260,7 @@ def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0)
                      cutoff=solution.objective * (1 + 1e-9) + 1e-12)
     prob.setObjective(_lin_sum(_stage_time(problem, n, s)
                                for s in range(problem.stages)).affine())
-    status, _, _ = _run(prob, "highs", time_limit_s, 1e-6)
+    status, _, _ = highs.run(prob, "highs", time_limit_s, 1e-6)
     if status not in ("optimal", "feasible"):
         return solution
     counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
@@ -669,103 +668,3 @@ def _add_memory(prob, problem: StageProblem, mems) -> None:
 def _objective(problem: StageProblem, times, rho, sigma) -> _Lin:
     return (problem.sum_weight * _lin_sum(times) + problem.max_weight * _Lin({rho: 1}, 0)
             + _Lin({sigma: 1}, 0))
-
-
-def _run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
-         gap: float) -> tuple[str, float, float]:
-    """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it).
-    HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback. `gap`
-    is the relative optimality gap at which the search may stop. Returns (status, gap, proven
-    lower bound on the objective — nan when the solver cannot say)."""
-    if solver == "highs" and pulp.HiGHS().available():
-        backend = _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
-    else:
-        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap)
-    with _quiet():
-        prob.solve(backend)
-    if prob.sol_status == pulp.LpSolutionOptimal:
-        return "optimal", 0.0, math.nan
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "feasible", _info(prob, backend, "mip_gap"), _dual_bound(prob, backend)
-    if prob.status == pulp.LpStatusNotSolved:  # stopped (time limit) before any solution
-        return "unsolved", math.nan, _dual_bound(prob, backend)
-    return "infeasible", 0.0, math.inf
-
-
-class _HiGHS(pulp.HiGHS):
-    """pulp's HiGHS interface, handing HiGHS the model in one addCols and one addRows call
-    rather than a call per column and per row, and asking pulp for the variables once per solve
-    rather than three times (each time it walks every row): the same columns in the same
-    (name) order and the same rows, for a third of pulp's share of a small solve."""
-
-    def actualSolve(self, lp):
-        self.createAndConfigureSolver(lp)
-        self.buildSolverModel(lp)
-        self.callSolver(lp)
-        status, sol_status = self.findSolutionValues(lp)
-        lp.assignStatus(status, sol_status)  # (pulp's resolve bookkeeping is not needed)
-        return status
-
-    def buildSolverModel(self, lp):
-        import highspy
-        import numpy as np
-        inf, model = highspy.kHighsInf, lp.solverModel
-        columns = lp.variables()
-        sign = -1 if lp.sense == pulp.LpMaximize else 1
-        for i, var in enumerate(columns):
-            var.index = i
-        model.addCols(len(columns),
-                      np.array([sign * lp.objective.get(v, 0.0) for v in columns], np.float64),
-                      np.array([-inf if v.lowBound is None else v.lowBound for v in columns],
-                               np.float64),
-                      np.array([inf if v.upBound is None else v.upBound for v in columns],
-                               np.float64), 0, [], [], [])
-        integers = [v.index for v in columns if v.cat == pulp.LpInteger] if self.mip else []
-        if integers:
-            model.changeColsIntegrality(len(integers), np.array(integers, np.int32),
-                                        np.full(len(integers), highspy.HighsVarType.kInteger,
-                                                np.uint8))
-        lower, upper, starts, indices, values = [], [], [], [], []
-        for i, constraint in enumerate(lp._constraints.values()):
-            constraint.index = i
-            lb, ub = constraint.getLb(), constraint.getUb()
-            lower.append(-inf if lb is None else lb)
-            upper.append(inf if ub is None else ub)
-            starts.append(len(indices))
-            for var, coefficient in constraint.items():
-                if coefficient != 0:
-                    indices.append(var.index)
-                    values.append(coefficient)
-        model.addRows(len(lower), np.array(lower, np.float64), np.array(upper, np.float64),
-                      len(indices), np.array(starts, np.int32), np.array(indices, np.int32),
-                      np.array(values, np.float64))
-
-
-def _info(prob, backend, name: str) -> float:
-    model = getattr(backend, "solverModel", None) or getattr(prob, "solverModel", None)
-    try:
-        return float(getattr(model.getInfo(), name))
-    except Exception:  # noqa: BLE001 - a solver without the query reports an unknown value
-        return math.nan
-
-
-def _dual_bound(prob, backend) -> float:
-    """HiGHS's proven lower bound, plus the constant term pulp keeps out of the solver."""
-    bound = _info(prob, backend, "mip_dual_bound")
-    if not math.isfinite(bound):
-        return math.nan
-    return bound + (prob.objective.constant if prob.objective is not None else 0.0)
-
-
-@contextlib.contextmanager
-def _quiet():
-    """HiGHS prints a banner from C++ even with output off: silence fd 1 around the solve."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
