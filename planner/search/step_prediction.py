@@ -20,6 +20,7 @@ from planner.search.plan import Plan, Predicted
 from runtime.pipeline.generators import make_schedule
 from runtime.pipeline.schedule import Action, Kind, Schedule
 from runtime.pipeline.step_sim import StepCosts, StepTimeline, simulate_step
+from runtime.training.loss_tokens import LOCAL_COUNTS
 
 COMPUTE = tuple(k.value for k in (Kind.F, Kind.B, Kind.I, Kind.W))
 
@@ -72,15 +73,17 @@ def _tp_wake_up(plan: Plan, stage, cluster: Cluster) -> float:
 def _step_syncs(plan: Plan, cluster: Cluster, replicas: int) -> tuple[float, float]:
     """(start, finish): the all-reduce checking every rank got the same batch
     (runtime.training.batch.compare_batches) and, over the replicas, the one counting the step's targets
-    for a mean loss (runtime.training.loss_tokens); the loss's way from the last stage to every rank
+    for a mean loss, where there are too many replicas' micro-batches for each rank to count them
+    all in the batch it checked (runtime.training.loss_tokens.LOCAL_COUNTS); the loss's way from the last stage to every rank
     (the trainer's broadcast over the pipeline, an all-reduce over the replicas). Each side
     wakes groups that idled through the step (sync_handoff) unless sync_latency, measured as a
     step reaches them, already holds that."""
     world, group = replicas * plan.pp, plan.dp * plan.cp
     start = _small_all_reduce(cluster, 16, world)
     finish = _small_all_reduce(cluster, 4, plan.pp, stride=replicas)
-    if group > 1:
+    if group > 1 and group * plan.num_microbatches > LOCAL_COUNTS:
         start += _small_all_reduce(cluster, 4, group, stride=plan.tp)
+    if group > 1:
         finish += _small_all_reduce(cluster, 4, group, stride=plan.tp)
     return (start, finish) if cluster.sync_latency else _woken((start, finish), cluster)
 

@@ -13,6 +13,7 @@ equal-weight average of the m·R losses is Σ sums / N, the mean one process tak
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,13 @@ class LossCount:
         return torch.stack(counts).float().sum()
 
 
+# Counting every replica's targets on this rank runs the small counter graphs R·m times; the
+# all-reduce of the counts that it replaces makes every replica wait for the slowest before any
+# can start its forward. Up to this many runs counting here is cheaper; beyond it (hundreds of
+# replicas) the collective is.
+LOCAL_COUNTS = 8
+
+
 class StepTokens:
     """Before each step, sets every rewritten loss's buffer on this rank to N / (m·R)."""
 
@@ -61,12 +69,22 @@ class StepTokens:
         self.programs, self.counts = programs, counts
         self.replicas, self.num_replicas = replicas, num_replicas
 
-    def before_step(self, micro: list[dict[str, torch.Tensor]]) -> None:
+    def before_step(self, micro: list[dict[str, torch.Tensor]],
+                    every: Callable[[], list[list[dict]]] | None = None) -> None:
+        """`micro`: this rank's micro-batches. `every`, where the step has checked that every
+        rank holds the same global batch: every replica's micro-batches, in one order on all
+        ranks, to count without a collective when there are at most LOCAL_COUNTS of them (each
+        rank then sums the same numbers in the same order, so all agree). Without it the ranks
+        may hold only their own rows (fxpar train's loader), and the counts are all-reduced."""
         means = [c for c in self.counts if c.counter is not None]
         totals = {c.buffer: 1.0 for c in self.counts if c.counter is None}
         if means:
-            local = torch.stack([c.local(micro) for c in means])
-            if self.replicas is not None:  # every replica holds the same stages: one sum
+            if self.replicas is None:
+                local = _count(means, micro)
+            elif every is not None and self.num_replicas * len(micro) <= LOCAL_COUNTS:
+                local = torch.stack([_count(means, share) for share in every()]).sum(0)
+            else:  # every replica holds the same stages: one sum
+                local = _count(means, micro)
                 dist.all_reduce(local, group=self.replicas)
             totals.update((c.buffer, float(n)) for c, n in zip(means, local))
         for c in self.counts:
@@ -76,3 +94,8 @@ class StepTokens:
                                  f"its mean would be 0/0; give each batch a target to learn")
             getattr(self.programs[c.stage].gm, c.buffer).fill_(
                 totals[c.buffer] / (len(micro) * self.num_replicas))
+
+
+def _count(means: list[LossCount], micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Each loss's count of targets over `micro`, one tensor."""
+    return torch.stack([c.local(micro) for c in means])

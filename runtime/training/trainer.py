@@ -95,6 +95,15 @@ def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp
     return [dict(zip(names, parts)) for parts in zip(*(t.chunk(microbatches) for t in local))]
 
 
+def every_replica(batch: Sequence[torch.Tensor], names: Sequence[str], mesh,
+                  microbatches: int) -> Callable[[], list[list[dict[str, torch.Tensor]]]]:
+    """Every replica's micro-batches (split_batch's, dp index outer, cp inner), on demand, for a
+    rank that holds the whole global batch (compare_batches checked it) to count every
+    replica's targets itself."""
+    return lambda: [split_batch(batch, names, mesh.dp, d, microbatches, mesh.cp, c)
+                    for d in range(mesh.dp) for c in range(mesh.cp)]
+
+
 class _Bucket:
     """Parameters whose gradients are views into one flat tensor, all-reduced in one call."""
 
@@ -348,7 +357,12 @@ class PipelineTrainer:
             self.expert_sync.zero()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        self.tokens.before_step(micro)  # a mean loss's count of the step's targets
+        # A mean loss's count of the step's targets; once the ranks are known to hold the same
+        # global batch, each can count every replica's share itself.
+        checked = self.batch_spec is not None
+        self.tokens.before_step(micro, every_replica(batch, self.input_names, mesh,
+                                                     self.schedule.num_microbatches)
+                                if checked else None)
         pending_loss = self._await_loss()
         # The mean over replicas is folded into the loss, so the all-reduce is a plain sum.
         multiplier = self.loss_scale / (len(micro) * self.groups.num_replicas)

@@ -9,6 +9,7 @@ import torch
 from planner.api import plan
 from planner.models.presets import build_model, example_batch, get_config
 from planner.training.local import HFSpec, assert_same_run, reference_run, run_parallel
+from runtime.training.loss_tokens import LOCAL_COUNTS
 
 STEPS = 2
 
@@ -24,11 +25,11 @@ def _ignored(targets: torch.Tensor, seed: int = 1) -> torch.Tensor:
 class _Preset:
     """A preset model with ignored targets (its forward takes the mean cross-entropy)."""
 
-    def __init__(self, name: str):
-        self.config = get_config(name, layers=2)
+    def __init__(self, name: str, rows: int = 8):
+        self.config, self.rows = get_config(name, layers=2), rows
 
     def build(self):
-        tokens, targets = example_batch(self.config, 8)
+        tokens, targets = example_batch(self.config, self.rows)
         return build_model(self.config), (tokens, _ignored(targets))
 
 
@@ -81,6 +82,15 @@ def _train(pool, spec, mesh: dict, vocab_parallel: bool = False, steps: int = ST
                                   {"tp": 2, "pp": 2}], ids=["dp2-pp2", "cp2-pp2", "tp2-pp2"])
 def test_a_mean_over_targets_that_do_not_all_count(pool4, mesh):
     _train(pool4, _Preset("gpt-tiny"), mesh, vocab_parallel="tp" in mesh)
+
+
+@pytest.mark.dist
+def test_counts_summed_by_a_collective_beyond_local_counts(pool4):
+    """More replicas' micro-batches than each rank counts itself (loss_tokens.LOCAL_COUNTS):
+    the counts are all-reduced over the replicas instead."""
+    rows, micro_batch = 16, 1  # dp=2: 2 replicas of 8 micro-batches each
+    assert rows // micro_batch > LOCAL_COUNTS  # replicas x micro-batches per replica
+    _train(pool4, _Preset("gpt-tiny", rows=rows), {"dp": 2, "pp": 2, "mb": micro_batch})
 
 
 @pytest.mark.dist

@@ -11,6 +11,7 @@ from planner.api import plan
 from planner.models.presets import get_config
 from planner.search.step_prediction import _step_syncs, predicted_step, step_costs
 from runtime.pipeline.schedule import Action, Kind
+from runtime.training.loss_tokens import LOCAL_COUNTS
 
 CPU = PRESETS["cpu-gloo"]
 TINY = get_config("gpt-tiny")
@@ -69,12 +70,13 @@ def test_the_steps_own_collectives_pay_the_sync_handoff_once_each(fix, woken):
 def test_measured_step_syncs_are_priced_per_ring_step_wake_up_included():
     """With sync_latency calibrated each of the step's own all-reduces over n ranks takes
     2 (n - 1) of it, its wake-up included (sync_handoff no longer added): on dp=2 x pp=2, the
-    world's check (6 ring steps) and the replicas' count (2) open the step; the loss over the
-    stages (2) and the replicas (2) close it."""
+    world's check (6 ring steps) opens the step (each rank counts the replicas' targets itself);
+    the loss over the stages (2) and the replicas (2) close it."""
     cluster = dataclasses.replace(CPU, sync_latency=1e-3, sync_handoff=5e-3)
     p = _plan(cluster, dp=2, pp=2, schedule="1f1b")
+    assert 2 * p.num_microbatches <= LOCAL_COUNTS
     start, finish = _step_syncs(p, cluster, 2)
-    assert (start, finish) == (pytest.approx(8e-3), pytest.approx(4e-3))
+    assert (start, finish) == (pytest.approx(6e-3), pytest.approx(4e-3))
 
 
 def test_the_step_sync_fit_is_least_squares_through_the_origin():
@@ -85,14 +87,18 @@ def test_the_step_sync_fit_is_least_squares_through_the_origin():
     assert slope_through_origin(xs, ys) == pytest.approx(best, abs=1e-7)
 
 
-def test_replicas_count_the_steps_targets_at_the_start():
-    """With replicas a mean loss's target count is all-reduced over them as the step starts
+@pytest.mark.parametrize("micro_batch", [1, 4])
+def test_replicas_count_the_steps_targets_at_the_start(micro_batch):
+    """A mean loss's target count: each rank counts every replica's micro-batches itself up to
+    LOCAL_COUNTS of them, beyond that it is all-reduced over the replicas as the step starts
     (runtime.training.loss_tokens): one more small all-reduce than the batch check alone."""
     from cost_model.hardware.comm import collective_time
-    p = _plan(CPU, dp=4)
+    p = _plan(CPU, dp=4, mb=micro_batch)
     start, _ = _step_syncs(p, CPU, 4)
-    assert start == pytest.approx(collective_time(CPU, "all_reduce", 16, 4)
-                                  + collective_time(CPU, "all_reduce", 4, 4))
+    check = collective_time(CPU, "all_reduce", 16, 4)
+    counted_apart = 4 * p.num_microbatches > LOCAL_COUNTS
+    assert counted_apart == (micro_batch == 1)  # both cases are met
+    assert start == pytest.approx(check + counted_apart * collective_time(CPU, "all_reduce", 4, 4))
 
 
 def test_ranks_sharing_cores_slow_each_other():
