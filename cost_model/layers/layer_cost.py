@@ -131,6 +131,10 @@ class LayerCost:
     # sequence-parallel re-gather in backward (runtime.comm.instrument counts them apart too)
     repeated_bytes: tuple[tuple[str, float], ...] = ()
     tensors: int = 0               # parameter tensors
+    # ZB-H1's split as the executor runs it by default (runtime.pipeline.executor): W is a
+    # backward from the outputs again, all of B, and I is B but the weight gradients, so
+    # I + W = (1 + this) x B, this = 1 - dW / B by flops
+    retraverse_share: float = 0.0
 
     def optimizer_s(self, cluster) -> float:
         """The optimizer step over this layer's parameters on one device (cluster's terms)."""
@@ -460,7 +464,9 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      flops=model_flops + recompute_flops, model_flops=model_flops,
                      act_bytes=_activations(profile, strategy, tp) * scale,
                      params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated,
-                     tensors=profile.tensors)
+                     tensors=profile.tensors,
+                     retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops
+                                                        + recompute_flops))
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
@@ -496,6 +502,16 @@ def _plus(pairs: tuple, kind: str, nbytes: float) -> tuple:
     merged = dict(pairs)
     merged[kind] = merged.get(kind, 0.0) + nbytes
     return tuple(sorted(merged.items()))
+
+
+def _retraverse_share(profile: LayerProfile, scale: float, backward_flops: float) -> float:
+    """1 - dW / B by flops (LayerCost.retraverse_share): B the backward, recompute included; dW
+    the weight gradients, one product per forward matmul outside the attention core (the rest,
+    scores and fused attention, multiply activations and have no weight half)."""
+    if backward_flops <= 0:
+        return 0.0
+    weights = sum(op.matmul_flops for op in profile.ops if op.op_class == "matmul" and not op.core)
+    return max(0.0, 1.0 - weights * scale / backward_flops)
 
 
 def _recompute(profile, strategy, scale, cluster, fwd_s, fwd_flops, ring_fwd):

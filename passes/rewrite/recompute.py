@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from passes.rewrite.sharding import LAYER, is_attention, nodes_by_layer, tag_layers
 from runtime.context.ring_attention import ring_attention
+from runtime.pipeline.split_backward import RECOMPUTED
 from runtime.comm import collectives
 from runtime.comm import instrument
 from runtime.training import rng
@@ -202,4 +203,6 @@ def _shell(body: fx.GraphModule, names: list[str], name: str) -> fx.GraphModule:
     graph = fx.Graph()
     args = [graph.placeholder(n) for n in names]
     graph.output(graph.call_function(checkpointed, (graph.get_attr("body"), *args)))
-    return fx.GraphModule(root, graph, "".join(p.title() for p in name.split("_")))
+    shell = fx.GraphModule(root, graph, "".join(p.title() for p in name.split("_")))
+    setattr(shell, RECOMPUTED, True)  # what the executor's split backward looks for
+    return shell

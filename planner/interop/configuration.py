@@ -23,8 +23,8 @@ from cost_model.layers.strategy import Strategy
 from planner.search import ilp
 from planner.search.plan import Plan, gib
 from planner.search.refusals import why_nothing_plans
-from planner.search.meshes import (Request, check_fix, configurations, make_plan, search, stage_problem,
-                             transient_bytes)
+from planner.search.meshes import (Request, check_fix, configurations, make_plan, runtime_terms,
+                             search, stage_problem, transient_bytes)
 
 ENDS = ("auto", "vocab-tp", "none")
 
@@ -227,7 +227,8 @@ def _layout_problem(costs, req, cand, names, stages, ends):
     priced = {(k, n): costs.price_block(Strategy.parse(n), cand.micro_batch, req.cluster,
                                         cand.tp, cand.cp, k) for k, _ in runs for n in names}
     blocks = [priced[k, n] for k, _ in runs for n in names]
-    option = [tuple(costs.block_option(priced[k, n], cand.dp) for n in names) for k, _ in runs]
+    option = [tuple(runtime_terms(costs.block_option(priced[k, n], cand.dp), priced[k, n], req,
+                                  cand) for n in names) for k, _ in runs]
     run_of = []
     for j, (_, count) in enumerate(runs):
         run_of += [j] * count

@@ -493,13 +493,16 @@ def actions_per_microbatch(schedule: str) -> int:
 
 
 def runtime_terms(option, cost, req: Request, c: Candidate):
-    """An ILP option (ilp.BlockOption or EndLayer) with the runtime's own costs on this cluster
-    (0 in the presets): ZB-H1's second backward traversal (I and W each walk the graph) and the
-    optimizer step over the share of the parameters' states the rank holds."""
+    """An ILP option (ilp.BlockOption or EndLayer) with the runtime's own costs on this cluster:
+    ZB-H1's second backward traversal (I and W each walk the graph: as calibration measured it
+    where it measured the runtime, else from the layer's flops, LayerCost.retraverse_share; the
+    first stage, whose I has nothing to do, is priced alike) and the optimizer step over the
+    share of the parameters' states the rank holds (0 in the presets)."""
     if cost is None:
         return option
     cluster = req.cluster
-    split = cost.bwd_s * cluster.split_backward if c.schedule == "zb-h1" else 0.0
+    share = cluster.split_backward if cluster.runtime_priced else cost.retraverse_share
+    split = cost.bwd_s * share if c.schedule == "zb-h1" else 0.0
     share = zero_axis.sharding_of(c).fractions()[2]
     return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
 

@@ -18,7 +18,9 @@ of the graph on both paths (for a transformer block, the residual stream's gradi
 about one more input-gradient pass per micro-batch. With split_backward="record"
 (runtime.pipeline.split_backward) I records the gradient arriving where each parameter's path
 joins the input's and W starts from those records, running only the weights' halves of those
-nodes; the records, about the size of a micro-batch's activations, live from I until W. Either
+nodes; the records, about the size of a micro-batch's activations, live from I until W. A
+stage with recomputed layers retraverses all the same: W's backwards from the records are graph
+tasks of their own, and non-reentrant checkpointing recomputes a region once per task. Either
 way the activations live until W, not until I, and the gradients are those of a full backward.
 Stage 0 has no boundary input, so its I is free and its W is a plain backward.
 
@@ -40,7 +42,7 @@ from runtime.programs.stage import StageProgram
 from runtime.launch import activity
 from runtime.pipeline.schedule import Action, Kind, Schedule
 from runtime.pipeline.simulator import Event, Timeline
-from runtime.pipeline.split_backward import Deferred, input_backward, weight_backward
+from runtime.pipeline.split_backward import Deferred, input_backward, recomputes, weight_backward
 
 _MAX_TENSORS = 64  # tensors per boundary message; part of the p2p tag arithmetic
 _NOTHING = contextlib.nullcontext()  # a forward with no context to enter
@@ -135,7 +137,10 @@ class StageExecutor:
         self.autocast_dtype = autocast_dtype
         self.memory = memory
         self.recv_ahead = recv_ahead
-        self.record = split_backward == "record"
+        # A checkpointed region would be recomputed once per backward W runs from its records
+        # (each is a graph task of its own), so stages holding one retraverse: one recompute.
+        self.record = {s for s, prog in programs.items()
+                       if split_backward == "record" and not recomputes(prog.gm)}
         first = next(iter(programs.values())).gm
         self.device = next((p.device for p in first.parameters()), torch.device("cpu"))
         self.params = {s: [p for p in prog.gm.parameters() if p.requires_grad]
@@ -361,7 +366,7 @@ class StageExecutor:
         floats = [t for t in slot.inputs if t.dtype.is_floating_point]
         wanted = [t for t in floats if t.requires_grad]
         got = {}
-        if wanted and slot.roots and self.record:
+        if wanted and slot.roots and stage in self.record:
             grads, slot.deferred = input_backward(slot.roots, slot.root_grads, wanted,
                                                   self.params[stage], self._accumulators)
             got = {id(t): g for t, g in zip(wanted, grads) if g is not None}

@@ -19,7 +19,11 @@ Memory: the recorded gradients (one per join: for a transformer block about the 
 matmuls' outputs, 0.8 of its saved activations for torch's TransformerEncoderLayer) live from I
 until W, beside the activations that live until W anyway; on rank r of ZB-H1, whose W trails its
 I by r micro-batches, that is up to r sets more. The planner's memory model does not count them
-yet, so the executor takes this way only when asked (TrainOptions.split_backward="record").
+yet, so the executor takes this way only when asked (TrainOptions.split_backward="record"), and
+never for a stage that recomputes layers (`recomputes`): each of W's backwards is a graph task of
+its own, and non-reentrant checkpointing recomputes a region once per task that reaches it, so a
+checkpointed block would run its forward again per group (twice for two linears) where the plain
+backward from the outputs runs it once.
 
 The walk over the autograd graph costs a few microseconds per node, once per micro-batch.
 """
@@ -33,6 +37,15 @@ from torch.autograd.graph import GradientEdge, Node
 # How W gets the weight gradients (runtime.pipeline.executor.StageExecutor): "retraverse" runs
 # a backward from the stage's outputs again, "record" this module's way.
 SPLIT_BACKWARDS = ("retraverse", "record")
+
+# The attribute marking a module that runs a region under activation checkpointing
+# (passes.rewrite.recompute): W's backwards from records would each recompute it again.
+RECOMPUTED = "fxpar_recomputed"
+
+
+def recomputes(module: torch.nn.Module) -> bool:
+    """Whether `module` (a stage program) recomputes a region in its backward."""
+    return any(getattr(m, RECOMPUTED, False) for m in module.modules())
 
 
 @dataclass

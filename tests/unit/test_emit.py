@@ -50,7 +50,8 @@ def gpt3():
 @pytest.fixture(scope="module")
 def llama70():
     pricer = Pricer(get_config("llama2-70b"), 64, cluster="h100-sxm-dgx")
-    return pricer, pricer.best()[0], facts_of_config(get_config("llama2-70b"))
+    return (pricer, pricer.best(fix={"schedule": "zb-h1"})[0],
+            facts_of_config(get_config("llama2-70b")))
 
 
 def _flags(text: str) -> dict:
@@ -129,7 +130,6 @@ def test_megatron_export_field_by_field(case, request):
     assert label == "Megatron-LM"
     assert float(ours) == pytest.approx(plan.predicted.iteration_s, rel=1e-3)
     assert float(theirs) == pytest.approx(one_f.iteration_s, rel=1e-3)
-    assert one_f.iteration_s > plan.predicted.iteration_s
 
 
 def test_plan_layout_prices_to_the_plan_itself(gpt3):

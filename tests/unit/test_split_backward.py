@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from runtime.pipeline.split_backward import input_backward, weight_backward
+from runtime.pipeline.split_backward import input_backward, recomputes, weight_backward
 
 
 class Shapes(nn.Module):
@@ -92,3 +92,45 @@ def test_weight_step_runs_only_the_weights_halves():
     assert calls == ["tanh"]
     weight_backward(deferred)
     assert calls == ["tanh"] and all(p.grad is not None for p in params)
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin2(torch.tanh(self.lin1(x)))
+
+
+def _recomputed() -> torch.fx.GraphModule:
+    from passes.rewrite.recompute import recompute
+    gm = torch.fx.symbolic_trace(TwoLinears())
+    region = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    return recompute(gm, {"block": region}, full={"block"})
+
+
+def test_a_recomputing_stage_is_known_and_its_records_would_recompute_per_group():
+    """Why the executor retraverses a stage with recomputed layers: each of W's backwards from
+    records is a graph task of its own, and the checkpointed region runs its forward again in
+    each (two groups: twice), where one backward from the outputs runs it once."""
+    gm = _recomputed()
+    assert recomputes(gm) and not recomputes(torch.fx.symbolic_trace(TwoLinears()))
+    params = list(gm.parameters())
+    runs = {}
+    for mode in ("record", "retraverse"):
+        calls = []
+        hook = gm.get_submodule("lin1").register_forward_hook(lambda *_: calls.append(1))
+        x = torch.randn(4, 8, requires_grad=True)
+        y = gm(x)
+        if mode == "record":
+            _, deferred = input_backward([y], [torch.ones_like(y)], [x], params, {})
+            before_w = len(calls)
+            weight_backward(deferred)
+        else:
+            torch.autograd.grad([y], [x], [torch.ones_like(y)], retain_graph=True)
+            before_w = len(calls)
+            torch.autograd.backward([y], [torch.ones_like(y)], inputs=params)
+        hook.remove()
+        runs[mode] = len(calls) - before_w
+    assert runs == {"record": 2, "retraverse": 1}
