@@ -23,8 +23,8 @@ from cost_model.layers.strategy import Strategy
 from planner.search import ilp
 from planner.search.plan import Plan, gib
 from planner.search.refusals import why_nothing_plans
-from planner.search.meshes import (Request, check_fix, configurations, make_plan, runtime_terms,
-                             search, stage_problem, transient_bytes)
+from planner.search.meshes import Request, check_fix, configurations, make_plan, search
+from planner.search.problem import runtime_terms, stage_problem, transient_bytes
 
 ENDS = ("auto", "vocab-tp", "none")
 

@@ -15,7 +15,7 @@ def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.
     """The plan of a solved candidate; `solver` says how it was solved: "optimal" or
     "feasible" (stopped by the time limit) and the gap to the proven bound; the seconds go to
     `timing`, which equality and the JSON without timing leave out. `transient`: the whole-
-    layer buffers ZeRO levels 2-3 hold for a moment (planner.search.meshes.transient_bytes)."""
+    layer buffers ZeRO levels 2-3 hold for a moment (planner.search.problem.transient_bytes)."""
     parts = ilp.breakdown(problem, solution.counts)
     stages, index = [], 0
     prefix = costs.block_prefix

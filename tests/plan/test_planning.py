@@ -74,7 +74,8 @@ def test_prime_and_odd_gpu_counts(gpus):
 
 
 def test_pruned_search_equals_exhaustive_search():
-    from planner.search.meshes import ModelCosts, Request, build_problem, candidates, search
+    from planner.search.meshes import ModelCosts, Request, candidates, search
+    from planner.search.problem import build_problem
     from planner.api import _model_costs
     from cost_model.hardware.cluster import get_cluster
     from planner.search import ilp
@@ -122,7 +123,8 @@ def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
 def test_pruned_top_three_equal_exhaustive_search_under_memory_pressure():
     """The best plan of each of the three fastest kinds (mesh and schedule), with a memory
     limit that forces recomputation, equals what solving every candidate's ILP finds."""
-    from planner.search.meshes import Request, build_problem, candidates, search
+    from planner.search.meshes import Request, candidates, search
+    from planner.search.problem import build_problem
     from planner.api import _model_costs
     from cost_model.hardware.cluster import get_cluster
     from planner.search import ilp

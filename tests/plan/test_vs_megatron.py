@@ -9,7 +9,8 @@ from cost_model.hardware.cluster import get_cluster
 from planner.search import ilp
 from planner.api import _model_costs
 from planner.models.presets import PRESETS
-from planner.search.meshes import Candidate, Request, build_problem, search, tp_sizes
+from planner.search.meshes import Candidate, Request, search, tp_sizes
+from planner.search.problem import build_problem
 
 
 def _even(blocks: int, stages: int) -> list[int]:

@@ -46,18 +46,18 @@ def _reference_candidates(costs, req):
     """planner.search.meshes.candidates as first written: each configuration's least costs and
     bound worked out afresh, from the strategies' prices (the search memoises them)."""
     from cost_model.layers.sharding import Sharding
-    from planner.search import meshes
+    from planner.search import meshes, problem
 
     def sync(c, least):
-        _, parts, units = meshes._comm_terms(costs, req, c)
+        _, parts, units = problem.comm_terms(costs, req, c)
         grads = (least.blocks_grad_bytes + least.end_grad_bytes) / c.pp
-        return meshes._least_sync(parts, units, grads, req.cluster)
+        return problem.least_sync(parts, units, grads, req.cluster)
 
     found = []
     for c in meshes.configurations(costs, req):
         memory = Sharding(c.zero, (c.dp_shard or c.dp) * c.cp if c.zero else 1)
         twins = sorted({replace(s, recompute="none")
-                        for s in meshes._strategies(req, c.tp, costs, c.cp)})
+                        for s in problem.strategies(req, c.tp, costs, c.cp)})
         kinds = []
         for kind in range(len(costs.kinds)):
             options = [costs.block_option(costs.price_block(s, c.micro_batch, req.cluster, c.tp,
@@ -73,7 +73,7 @@ def _reference_candidates(costs, req):
         least = meshes._Least(min(k[0] for k in kinds), embed.time_s, head.time_s,
                               embed.grad_bytes + head.grad_bytes, total(0), total(2))
         plain = replace(c, zero=0, dp_shard=0)
-        bound = meshes._lower_bound(costs, req, plain, least, *meshes._comm_terms(costs, req,
+        bound = meshes._lower_bound(costs, req, plain, least, *problem.comm_terms(costs, req,
                                                                                    plain))
         if c.zero or c.dp_shard:
             bound += sync(c, least) - sync(plain, least)

@@ -1,0 +1,219 @@
+"""A candidate's stage problem: what the outer search (planner.search.meshes) asks the stage ILP
+(planner.search.ilp) for one configuration. Its blocks priced under each strategy the request
+allows (dominated ones pruned), the end layers, the runtime's own terms (ZB-H1's second backward
+traversal, the optimizer step), the pipeline's p2p and the data-parallel collectives of a rank,
+and the schedule's weights and activation factors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from cost_model.hardware.cluster import Cluster
+from cost_model.hardware.comm import collective_time
+from cost_model.layers.layer_cost import LayerCost
+from cost_model.layers.sharding import BACKWARD_SHARE, SyncParts
+from cost_model.layers.sharding import transient_bytes as zero_transient
+from cost_model.layers.strategy import Strategy, strategy_space
+from planner.search import ilp
+from planner.search import zero as zero_axis
+from planner.search.costs import ModelCosts
+from runtime.pipeline.generators import peak_inflight
+
+# (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int
+    cluster: Cluster
+    global_batch: int
+    seq: int
+    memory_limit: float
+    model_name: str = "model"
+    fix: dict = field(default_factory=dict)
+    top_k: int = 5
+    time_limit_s: float = 1.0      # per ILP: a stopped search reports its plan with the gap
+    schedules: tuple[tuple[str, int], ...] = SCHEDULES
+    cutoff_s: float = math.inf     # plans no faster than this are not wanted (expert_search)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    microbatches: int
+    schedule: str
+    v: int
+    lower_bound: float
+    cp: int = 1
+    zero: int = 0          # sharded data parallel level (planner.search.zero)
+    dp_shard: int = 0      # ranks per shard group; 0: dp (no hybrid sharding)
+
+
+def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
+                cp: int = 1) -> list[Strategy]:
+    """The block strategies to consider at tp (and, given the model's costs, cp): the fix's, and
+    with sequence parallelism only where the model's sequence admits it."""
+    space = strategy_space(tp)
+    if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
+        fixed = Strategy.parse(req.fix["strategy"])
+        space = [fixed if tp > 1 or not fixed.tp else Strategy(recompute=fixed.recompute)]
+    if "recompute" in req.fix:
+        space = [s for s in space if s.recompute == req.fix["recompute"]] or \
+                [Strategy(recompute=req.fix["recompute"])]
+    if costs is not None and any(s.sp for s in space) and not costs.supports_sp(tp, cp, req.seq):
+        space = [s for s in space if not s.sp]
+    return space
+
+
+def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1,
+                kind: int = 0) -> list[LayerCost]:
+    return [costs.price_block(s, b, req.cluster, tp, cp, kind)
+            for s in strategies(req, tp, costs, cp)]
+
+
+def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
+    """Indices of options no other option beats (≤ on every term, < on one)."""
+    def key(o):
+        return (o.time_s, o.static_bytes, o.act_bytes, o.grad_bytes)
+    keep = []
+    for i, o in enumerate(options):
+        dominated = any(all(a <= b for a, b in zip(key(q), key(o))) and key(q) != key(o)
+                        or (key(q) == key(o) and j < i) for j, q in enumerate(options))
+        if not dominated:
+            keep.append(i)
+    return keep
+
+
+def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: float):
+    """The stage ILP for a candidate, and the LayerCost behind each (non-dominated) option; with
+    blocks of several kinds, one ilp.BlockRun per run and the LayerCosts in the problem's
+    (flattened) option order."""
+    per_kind = []
+    for kind in range(len(costs.kinds)):
+        blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp, kind)
+        options = [runtime_terms(costs.block_option(cost, zero_axis.sharding_of(c)), cost, req, c)
+                   for cost in blocks]
+        keep = _prune_dominated(options)
+        per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
+    ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
+    memory_limit -= transient_bytes(costs, req, c)  # whole-sized buffers of levels 2-3
+    if len(costs.runs) == 1:
+        options, blocks = per_kind[0]
+        return stage_problem(costs, req, c, tuple(options), ends, memory_limit), blocks
+    runs = tuple(ilp.BlockRun(costs.kinds[kind].name, n, tuple(per_kind[kind][0]))
+                 for kind, n in costs.runs)
+    blocks = [cost for kind, _ in costs.runs for cost in per_kind[kind][1]]
+    return stage_problem(costs, req, c, (), ends, memory_limit, runs), blocks
+
+
+def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple, ends,
+                  memory_limit: float, runs: tuple = ()) -> ilp.StageProblem:
+    """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
+    ilp.BlockRun) and end-layer costs (embed, head)."""
+    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
+                   for cost in ends)
+    p2p, parts, units = comm_terms(costs, req, c)
+    weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
+    phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
+    cluster = req.cluster
+    return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
+                            p2p, memory_limit, parts.alpha, parts.slope,
+                            phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
+                            stage_s=actions_per_microbatch(c.schedule) *
+                            (cluster.action_floor + cluster.action_overhead),
+                            hide_alpha_s=parts.hide_alpha, hide_s_per_byte=parts.hide_slope,
+                            hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
+                            hide_least=max(cluster.comm_sm_share, 1 / units))
+
+
+def actions_per_microbatch(schedule: str) -> int:
+    """Compute actions of one stage per micro-batch: F and B, or F, I and W."""
+    return 3 if schedule == "zb-h1" else 2
+
+
+def runtime_terms(option, cost, req: Request, c: Candidate):
+    """An ILP option (ilp.BlockOption or EndLayer) with the runtime's own costs on this cluster:
+    ZB-H1's second backward traversal (I and W each walk the graph: as calibration measured it
+    where it measured the runtime, else from the layer's flops, LayerCost.retraverse_share; the
+    first stage, whose I has nothing to do, is priced alike) and the optimizer step over the
+    share of the parameters' states the rank holds (0 in the presets)."""
+    if cost is None:
+        return option
+    cluster = req.cluster
+    share = cluster.split_backward if cluster.runtime_priced else cost.retraverse_share
+    split = cost.bwd_s * share if c.schedule == "zb-h1" else 0.0
+    share = zero_axis.sharding_of(c).fractions()[2]
+    return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
+
+
+def transient_bytes(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """Whole-sized buffers of one or two layers that ZeRO levels 2-3 hold for a moment
+    (cost_model.layers.sharding.transient_bytes), for the largest layers the candidate may have."""
+    if c.zero < 2:
+        return 0.0
+    layers = [cost.params for cost in block_costs(costs, req, c.tp, c.micro_batch, c.cp)]
+    layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
+                                                       tp=c.tp)]
+    t = costs.training
+    return zero_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
+
+
+def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """τ of the ILP: the all-reduce summing the gradients of weights the embedding and the head
+    share over the first and the last pipeline rank, after the data-parallel sum (exposed)."""
+    if c.pp == 1 or not costs.tied_end_params:
+        return 0.0
+    shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
+    nbytes = costs.tied_end_params * costs.training.grad_bytes / shard
+    return collective_time(req.cluster, "all_reduce", nbytes, 2,
+                           stride=(c.pp - 1) * c.tp * c.cp * c.dp)
+
+
+def comm_terms(costs, req, c: Candidate) -> tuple[float, SyncParts, int]:
+    """(p2p seconds per stage boundary and micro-batch, forward + backward; the data-parallel
+    collectives of a rank (cost_model.layers.sharding.SyncParts); the layers a rank holds, for
+    the share of them nothing hides). Ranks are laid out tp innermost, then cp, dp, pp: a
+    pipeline neighbour is tp·cp·dp ranks away; gradients are averaged over the dp·cp ranks that
+    hold the same weights, tp ranks apart. Where collectives have no stream of their own
+    (Cluster.comm_stream false: CPU ranks) the measured share dp_overlap of the hideable part is
+    hidden, and the rest exposed."""
+    return (p2p_time(costs, req, c), *sync_parts(costs, req, c))
+
+
+def p2p_time(costs, req, c: Candidate) -> float:
+    if c.pp == 1:
+        return 0.0
+    tp, cp, dp = c.tp, c.cp, c.dp
+    boundary = costs.boundary_bytes(c.micro_batch) / cp
+    return 2 * collective_time(req.cluster, "p2p", boundary, 2, stride=tp * cp * dp)
+
+
+def sync_parts(costs, req, c: Candidate) -> tuple[SyncParts, int]:
+    """(the data-parallel collectives of a rank, the layers it holds): `comm_terms`."""
+    tp, cp, dp = c.tp, c.cp, c.dp
+    units = -(-(costs.num_blocks + len(costs.ends)) // c.pp)
+    if c.zero or c.dp_shard:  # sharded data parallel: reduce-scatters and all-gathers
+        t = costs.training
+        parts = zero_axis.comm_terms(req.cluster, c, zero_axis.sharding_of(c),
+                                     t.weight_bytes / t.grad_bytes, units)
+    else:
+        group = dp * cp
+        alpha = collective_time(req.cluster, "all_reduce", 0.0, group, stride=tp)
+        slope = (collective_time(req.cluster, "all_reduce", 2.0**30, group, stride=tp)
+                 - alpha) / 2**30
+        parts = SyncParts(0.0, 0.0, alpha, slope, BACKWARD_SHARE)
+    if not req.cluster.comm_stream:
+        parts = SyncParts(*parts.discounted(req.cluster.dp_overlap))
+    return parts, units
+
+
+def least_sync(parts: SyncParts, units: int, grads: float, cluster: Cluster) -> float:
+    """The least exposed seconds of a rank's data-parallel collectives for `grads` gradient
+    bytes: the exposed part and the least share of the hideable one (ilp._sync_time)."""
+    hideable = parts.hide_alpha + parts.hide_slope * grads
+    return parts.alpha + parts.slope * grads + max(cluster.comm_sm_share, 1 / units) * hideable
