@@ -72,6 +72,7 @@ class OpRecord:
     # a pointwise op's forward bytes when pointwise chains run fused (cost_model.layers.fusion);
     # None: not a pointwise op
     fused_bytes: float | None = None
+    weighted: bool = False         # a matmul with a parameter operand: its backward has a dW half
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,8 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     ops = [OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
                     cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
                     cost.per_element, cost.elements, node.name in ringed, cost.gemm,
-                    fused.get(node.name)) for node, cost in costs.items()]
+                    fused.get(node.name), cost.op_class == "matmul" and _weighted(node, modules))
+           for node, cost in costs.items()]
     ops += [_moe_movement(node) for node in moe_nodes(sub)]
     saved = _saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
@@ -316,6 +318,13 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         tensors=sum(1 for _ in sub.parameters()),
         collectives=_collectives(sub, layer.name), **ring,
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)))
+
+
+def _weighted(node: fx.Node, modules: dict) -> bool:
+    """Whether an op reads a parameter: a module's own, or an input made of parameters only."""
+    if node.op == "call_module" and next(modules[node.target].parameters(), None) is not None:
+        return True
+    return any(op_graph.kind(a) == "param" for a in node.all_input_nodes)
 
 
 def _moe_movement(node: fx.Node) -> OpRecord:
@@ -506,11 +515,11 @@ def _plus(pairs: tuple, kind: str, nbytes: float) -> tuple:
 
 def _retraverse_share(profile: LayerProfile, scale: float, backward_flops: float) -> float:
     """1 - dW / B by flops (LayerCost.retraverse_share): B the backward, recompute included; dW
-    the weight gradients, one product per forward matmul outside the attention core (the rest,
-    scores and fused attention, multiply activations and have no weight half)."""
+    the weight gradients, one product as large as the forward's per matmul with a parameter
+    operand (attention's products of activations have no weight half)."""
     if backward_flops <= 0:
         return 0.0
-    weights = sum(op.matmul_flops for op in profile.ops if op.op_class == "matmul" and not op.core)
+    weights = sum(op.matmul_flops for op in profile.ops if op.weighted)
     return max(0.0, 1.0 - weights * scale / backward_flops)
 
 

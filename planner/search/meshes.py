@@ -234,7 +234,6 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
     return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
 
 
-
 @dataclass(frozen=True)
 class _Least:
     """Per-term minima over a mesh's strategies (each may come from a different strategy) and the

@@ -95,6 +95,22 @@ def test_selective_recompute_reruns_only_the_attention_core(gpt_layer):
     assert selective.flops - plain.flops == pytest.approx(qk + per_score)
 
 
+def test_zb_h1s_second_traversal_is_the_backward_less_its_weight_half(gpt_layer):
+    """retraverse_share = 1 - dW/B (the executor's default ZB-H1 split runs I + W = (1 + it)·B):
+    dW is one product per weight matmul, 2 FLOPs per multiply-add of the block's 12h² weights per
+    position (a count by hand; the attention's products of activations have none), B the
+    backward, with full recompute the forward again."""
+    cfg, _, profiles = gpt_layer
+    weights = 2 * 12 * cfg.hidden ** 2 * cfg.seq
+    plain = price(profiles[1], Strategy(), 1, CLUSTER)
+    full = price(profiles[1], Strategy(recompute="full"), 1, CLUSTER)
+    forward = full.flops - full.model_flops  # what full recompute runs again
+    backward = plain.model_flops - forward
+    assert (1 - plain.retraverse_share) * backward == pytest.approx(weights, rel=1e-3)
+    assert (1 - full.retraverse_share) * (backward + forward) == pytest.approx(weights, rel=1e-3)
+    assert 0.45 < plain.retraverse_share < full.retraverse_share < 0.75
+
+
 # ---------------------------------------------------------------- Llama-style layer FLOPs
 
 LLAMA = ModelConfig("llama", 1, 256, 8, 512, 64, kv_heads=2, ffn=384, attention="math")
