@@ -134,3 +134,15 @@ def test_a_recomputing_stage_is_known_and_its_records_would_recompute_per_group(
         hook.remove()
         runs[mode] = len(calls) - before_w
     assert runs == {"record": 2, "retraverse": 1}
+
+
+@pytest.mark.parametrize("recomputing", [False, True])
+def test_the_executor_records_only_for_stages_that_recompute_nothing(recomputing):
+    from runtime.pipeline.executor import StageExecutor
+    from runtime.pipeline.generators import make_schedule
+    from runtime.programs.stage import StageProgram
+    gm = _recomputed() if recomputing else torch.fx.symbolic_trace(TwoLinears())
+    programs = {1: StageProgram(1, gm, (), ("x",), ("__loss__",), (), ())}
+    executor = StageExecutor(programs, make_schedule("zb-h1", 2, 2), 1, lambda s: s,
+                             split_backward="record")
+    assert executor.record == (set() if recomputing else {1})
