@@ -47,9 +47,9 @@ class TrainOptions:
     track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
     recv_ahead: receives posted ahead of need (runtime.pipeline.executor.StageExecutor).
     split_backward: how ZB-H1's W gets its weight gradients (runtime.pipeline.split_backward):
-    "retraverse" (a backward from the stage's outputs again; the memory the planner prices) or
-    "record" (from gradients I records: no second pass, more memory until W; a stage with
-    recomputed layers retraverses all the same).
+    "retraverse" (a backward from the stage's outputs again, I + W about 1.5 B: what the
+    planner prices, time and memory) or "record" (from gradients I records: no second pass,
+    more memory until W; a stage with recomputed layers retraverses all the same).
     zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
     (runtime.data_parallel.sharded_dp)."""
 
