@@ -110,6 +110,7 @@ class LayerProfile:
     # Under tp+sp, from the sequence-parallel rewrite; None when it does not apply (tp == 1, an
     # end layer, or a ShardingError) and Megatron's swap of each all-reduce is priced instead.
     sp_collectives: tuple[Collective, ...] | None = None
+    sp_error: str | None = None    # why that rewrite does not apply (the op it stops at)
     tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
 
 
@@ -167,7 +168,7 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile
     rewrite does not divide it)."""
     sub = _extract(captured, layer)
     inputs = _fake_inputs(sub)
-    replicated_names, sp = None, None
+    replicated_names, sp, sp_error = None, None, None
     if tp > 1:
         base_saved = _saved(sub)
         _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
@@ -175,11 +176,12 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile
         # A tensor the rewrite did not shrink is held whole on every rank: sequence parallel is
         # what shards it.
         replicated_names = {k for k, v in _saved(sub).items() if base_saved.get(k) == v}
-        sp = _sp_collectives(captured, layer, tp) if layer.kind == "block" else None
+        if layer.kind == "block":
+            sp, sp_error = _sp_collectives(captured, layer, tp)
     else:
         propagate_shapes(sub, inputs)
     profile = _profile(sub, layer, tp, replicated_names, captured.batch, captured.seq)
-    return dataclasses.replace(profile, sp_collectives=sp)
+    return dataclasses.replace(profile, sp_collectives=sp, sp_error=sp_error)
 
 
 def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
@@ -195,9 +197,10 @@ def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: b
 _OUTSIDE = "<outside>"  # tag of the stand-ins for the neighbouring layers
 
 
-def _sp_collectives(captured: Captured, layer: Layer, tp: int) -> tuple[Collective, ...] | None:
+def _sp_collectives(captured: Captured, layer: Layer, tp: int
+                    ) -> tuple[tuple[Collective, ...] | None, str | None]:
     """The layer's collectives under tp+sp, read off the real sequence-parallel rewrite of a
-    fresh copy. Its inputs come through stand-ins for a layer that is not sequence parallel (as
+    fresh copy (or None, and the rewrite's reason). Its inputs come through stand-ins for a layer that is not sequence parallel (as
     the first block's come from the embedding), so the rewrite shards them there; that
     resharding, like the gather before the output, belongs to the neighbour, as at run time."""
     sub = _extract(captured, layer)
@@ -206,9 +209,9 @@ def _sp_collectives(captured: Captured, layer: Layer, tp: int) -> tuple[Collecti
         tensor_parallel(sub, layers, tp, 0, localize=False)
         sequence_parallel(sub, layers, {layer.name}, tp, localize=False)
         localize_shapes(sub)  # a rewrite that does not run on its shapes: no sp either
-    except ShardingError:
-        return None
-    return _collectives(sub, layer.name)
+    except ShardingError as err:
+        return None, str(err)
+    return _collectives(sub, layer.name), None
 
 
 def _stand_in_neighbours(sub: fx.GraphModule) -> list[str]:

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.rewrite.expert_parallel import sequence_refusal
+from passes.capture.trace import CONSTANT
 from passes.rewrite.sharding import LAYER, ShardingError, is_attention, localize_shapes, tag_layers
 from runtime.comm import collectives as c
 
@@ -82,6 +83,8 @@ class _Walk:
         self.sharded: set[fx.Node] = set()
         self.scattered: dict[fx.Node, fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
+        self.summed: dict[fx.Node, fx.Node] = {}
+        self.seq: dict[str, tuple | None] = {}  # the shape of each SP layer's output
 
     def visit(self, node: fx.Node) -> None:
         if node.op in ("placeholder", "get_attr"):
@@ -94,7 +97,7 @@ class _Walk:
             return
         for arg in node.all_input_nodes:
             if (arg.meta.get(LAYER) not in self.sp and arg.op not in ("placeholder", "get_attr")
-                    and _floating(arg)):
+                    and _floating(arg) and self._carries_sequence(arg, layer)):
                 self._check(arg, layer, self.dim)  # named after the SP layer that needs it
                 node.replace_input_with(arg, self._scatter(arg, arg.meta.get(LAYER)))
         if node.target is c.tp_copy and node.args[0] in self.sharded:
@@ -146,20 +149,46 @@ class _Walk:
                                 f"tensor-parallel region")
         return isinstance(node.meta.get("val"), torch.Tensor)
 
+    def _carries_sequence(self, value: fx.Node, layer: str) -> bool:
+        """Whether a value entering `layer` from outside is the stream the layer continues (shaped
+        as its output: the hidden state), to be split along the sequence as it enters. Any other
+        - a conditioning vector every block reads, rotary tables, a cross-attention context -
+        enters whole and meets the sequence shards only where _align takes it."""
+        if layer not in self.seq:
+            outs = (n.meta.get("val") for n in self.gm.graph.nodes if n.meta.get(LAYER) == layer
+                    and n.op not in ("placeholder", "get_attr") and any(u.op == "output" or u.meta.get(LAYER) != layer for u in n.users))
+            self.seq[layer] = next((tuple(v.shape) for v in outs if isinstance(
+                v, torch.Tensor) and v.is_floating_point() and v.dim() > self.dim), None)
+        shape = self.seq[layer]
+        return shape is None or tuple(value.meta["val"].shape) == shape
+
     def _align(self, node: fx.Node, layer: str) -> None:
-        """Scatter replicated operands that carry the sequence dimension of the output."""
+        """Scatter replicated operands that carry the sequence dimension of the output; those
+        broadcast along it are read through tp_grad_sum, for each rank's part of their gradient
+        comes from its own tokens only (as for the replicated parameters)."""
         out = node.meta["val"]
         for arg in node.all_input_nodes:
             val = arg.meta.get("val")
             if arg in self.sharded or not isinstance(val, torch.Tensor) or not val.dim():
                 continue
             seq_dim = self.dim - (out.dim() - val.dim())
-            if seq_dim < 0 or val.shape[seq_dim] == 1:
-                continue  # broadcast along the sequence: the same on every shard
+            if seq_dim < 0 or val.shape[seq_dim] == 1:  # the same on every shard
+                if val.is_floating_point() and arg.op != "get_attr" and \
+                        not arg.meta.get(CONSTANT):
+                    node.replace_input_with(arg, self._grad_summed(arg, layer, node))
+                continue
             if val.shape[seq_dim] != out.shape[self.dim]:
                 raise ShardingError(f"layer {layer}: {node.name} combines sequence shards with "
                                     f"{arg.name}, whose dim {seq_dim} is not the sequence")
             node.replace_input_with(arg, self._scatter(arg, layer, seq_dim, before=node))
+
+    def _grad_summed(self, value: fx.Node, layer: str, before: fx.Node) -> fx.Node:
+        if value not in self.summed:
+            with self.gm.graph.inserting_before(before):
+                self.summed[value] = self.gm.graph.call_function(
+                    c.tp_grad_sum, (value, self.group, layer))
+            self.summed[value].meta = {**value.meta, LAYER: layer}
+        return self.summed[value]
 
     def _check(self, node: fx.Node, layer: str, dim: int) -> None:
         size = node.meta["val"].shape[dim]

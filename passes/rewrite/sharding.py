@@ -257,6 +257,7 @@ _VIEWS = {"view", "reshape", torch.reshape, aten.view.default, aten.reshape.defa
           aten._unsafe_view.default}
 _EXPANDS = {"expand", aten.expand.default}
 _RESHAPES = _VIEWS | {"flatten", torch.flatten, aten.flatten.using_ints}
+_UNFLATTENS = {"unflatten", torch.unflatten, aten.unflatten.int}
 
 
 def localize_shapes(gm: fx.GraphModule, inputs: tuple | None = None) -> None:
@@ -283,39 +284,122 @@ class _Localize(FakeTensorProp):
 
     def run_node(self, n: fx.Node):
         # (by op: a placeholder may be named like one, as OPT's "expand" input is)
-        if n.op in ("call_function", "call_method") and (n.target in _VIEWS
-                                                          or n.target in _EXPANDS):
-            self._fix_sizes(n)
+        reshapes = n.op in ("call_function", "call_method") and (
+            n.target in _VIEWS or n.target in _EXPANDS or n.target in _UNFLATTENS)
+        if reshapes:
+            self._fix_unflatten(n) if n.target in _UNFLATTENS else self._fix_sizes(n)
         try:
-            return super().run_node(n)
+            result = super().run_node(n)
         except ShardingError:
             raise
         except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
-            raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({n.target}) does not "
-                                f"run on the sharded shapes: {str(err).splitlines()[0]}") from err
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({_target_name(n)}) "
+                                f"does not run on the sharded shapes: "
+                                f"{str(err).splitlines()[0]}") from err
+        if reshapes and n.target not in _EXPANDS:
+            self._check_cut_kept(n, result)
+        return result
 
-    def _fix_sizes(self, n: fx.Node) -> None:
-        source, rest = n.args[0], n.args[1:]
+    def _cuts(self, n: fx.Node):
+        """(full input, local input, full output) shapes of a reshape whose input is cut."""
+        source = n.args[0]
         local, full_in, full_out = self.env.get(source), self.full.get(source), self.full.get(n)
         if not all(isinstance(t, torch.Tensor) for t in (local, full_in, full_out)):
+            return None
+        return tuple(full_in.shape), tuple(local.shape), tuple(full_out.shape)
+
+    def _fix_sizes(self, n: fx.Node) -> None:
+        shapes = self._cuts(n)
+        if shapes is None:
             return
+        source, rest = n.args[0], n.args[1:]
         computed = len(rest) == 1 and isinstance(rest[0], fx.Node)
-        sizes = self.env.get(rest[0]) if computed else rest[0] if len(rest) == 1 else rest
+        given = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+        if computed:
+            # Computed sizes (GPT-2's Conv1D: `x.size()[:-1] + (nf,)`) are read at run time,
+            # hence local, except their constant tail.
+            sizes, tail = self.env.get(rest[0]), _constant_tail(rest[0])
+            literal = range(len(sizes) - len(tail), len(sizes)) if isinstance(
+                sizes, (list, tuple)) else range(0)
+        else:
+            # Sizes given one by one: those read from tensors at run time (`x.shape[0]`) are
+            # local already, the literal ones (a head count held by the module) are full.
+            sizes = [self.env[s] if isinstance(s, fx.Node) else s for s in given]
+            literal = [i for i, s in enumerate(given) if isinstance(s, int)]
         if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
-            return  # sizes read from tensors at run time are local already
-        # Computed sizes (GPT-2's Conv1D: `x.size()[:-1] + (nf,)`) are read at run time, hence
-        # local, except their constant tail.
-        tail = _constant_tail(rest[0]) if computed else tuple(sizes)
-        literal = range(len(sizes) - len(tail), len(sizes))
-        new = _local_sizes(n, tuple(full_in.shape), tuple(local.shape), tuple(full_out.shape),
-                           list(sizes), n.target in _EXPANDS, literal, self.batch)
+            return
+        new = _local_sizes(n, *shapes, list(sizes), n.target in _EXPANDS, literal, self.batch)
         if new == list(sizes):
             return
         if computed:
             rest[0].update_arg(1, tuple(new[literal.start:]))
             self.env[rest[0]] = tuple(new)
         else:
-            n.args = (source, type(rest[0])(new)) if len(rest) == 1 else (source, *new)
+            new = [new[i] if i in literal else s for i, s in enumerate(given)]
+            n.args = (source, type(given)(new)) if len(rest) == 1 else (source, *new)
+
+    def _fix_unflatten(self, n: fx.Node) -> None:
+        """unflatten(x, dim, sizes) of a cut dimension: its outermost literal size (the heads of
+        `(heads, -1)` or `(heads, head_dim)`) is the one the cut divides."""
+        shapes = self._cuts(n)
+        dim, sizes = (_arg_or(n, 1, "dim"), _arg_or(n, 2, "sizes"))
+        if shapes is None or not isinstance(dim, int) or not isinstance(sizes, (list, tuple)):
+            return
+        full_in, local_in, _ = shapes
+        dim %= len(full_in)
+        if full_in[dim] == local_in[dim] or full_in[dim] % local_in[dim] or \
+                not all(isinstance(s, int) for s in sizes) or sizes[0] == -1:
+            return
+        factor = full_in[dim] // local_in[dim]
+        if sizes[0] % factor:
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: {n.name} unflattens dim {dim} into "
+                                f"{tuple(sizes)}, whose {sizes[0]} does not divide by the cut "
+                                f"{factor}")
+        new = (sizes[0] // factor, *sizes[1:])
+        index = 2 if len(n.args) > 2 else None
+        if index is None:
+            n.kwargs = {**n.kwargs, "sizes": new}
+        else:
+            n.args = (*n.args[:2], type(sizes)(new), *n.args[3:])
+
+    def _check_cut_kept(self, n: fx.Node, result) -> None:
+        """A reshape of a cut value must give the full output cut the same way: heads fewer per
+        rank, each as wide as in one process. A size the model fixed that no rewrite could
+        change (a head width computed from a constant head count) would otherwise reshape each
+        rank's features into other heads: another computation, without an error."""
+        shapes = self._cuts(n)
+        if shapes is None or not isinstance(result, torch.Tensor):
+            return
+        expected = _cut_output(*shapes, self.batch)
+        if expected is not None and tuple(result.shape) != expected:
+            full_in, local_in, full_out = shapes
+            raise ShardingError(
+                f"layer {n.meta.get(LAYER)}: {n.name} ({_target_name(n)}) reshapes the rank's "
+                f"part {local_in} of {full_in} into {tuple(result.shape)}, not {expected} (its "
+                f"full {full_out} cut alike): a size fixed in the model does not follow the cut; "
+                f"write that size as -1 or compute it from the input's shape")
+
+
+def _arg_or(node: fx.Node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+def _target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _cut_output(full_in, local_in, full_out, batch: int) -> tuple | None:
+    """The local output of a reshape whose input dimensions are cut evenly: each cut dimension
+    divides the output dimension holding it (None where a cut is uneven or not found)."""
+    out = list(full_out)
+    for d, (full, local) in enumerate(zip(full_in, local_in)):
+        if full == local:
+            continue
+        j = _output_dim(full_in, full_out, d, False, batch)
+        if local == 0 or full % local or j is None or out[j] % (full // local):
+            return None
+        out[j] //= full // local
+    return tuple(out)
 
 
 def _constant_tail(sizes: fx.Node) -> tuple:

@@ -53,12 +53,20 @@ def vocab_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: 
     if tp == 1:
         return gm
     for layer, nodes in nodes_by_layer(gm, set(layers)).items():
+        cut = False
         for node in nodes:
             lookup = _embedding(gm, node)
             if lookup is not None:
                 _shard_embedding(gm, node, *lookup, layer, tp, rank, group, pad)
             elif _loss_args(gm, node) is not None:
                 _shard_loss(gm, node, layer, tp, rank, group, pad)
+            else:
+                continue
+            cut = True
+        if not cut:  # planned as split, it would run whole: prices and memory untrue
+            raise ShardingError(f"layer {layer}: not vocabulary-parallel: it has neither a token "
+                                f"embedding (an embedding lookup of a model input) nor a "
+                                f"cross-entropy over a linear's logits; keep its strategy 'none'")
     gm.graph.lint()
     gm.recompile()
     if localize:

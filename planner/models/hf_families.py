@@ -6,8 +6,9 @@ construct of its family: a sliding window shorter than the sequence, one kv head
 Nothing here is read by the planner — it plans every family through the same capture — it is the
 coverage list of tests/dist/test_hf_families.py and examples/hf_families.py.
 
-`refuses` names the parallel axes the family cannot use and a phrase of the reason the planner
-gives (its `--fix` is refused with it; the search leaves the axis out).
+`refuses` names the parallel axes the family cannot use ("sp": sequence parallel, under tp) and a
+phrase of the reason the planner gives (its `--fix` is refused with it; the search leaves the axis
+out).
 """
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ FAMILIES = (
     Family("stablelm", "partial rotary, LayerNorm"),
     Family("opt", "learned positions with an offset of 2 (counted by a cumulative sum over the "
            "sequence; under cp read at each rank's tokens), post-norm, ReLU, biases",
-           (("do_layer_norm_before", False),)),
+           (("do_layer_norm_before", False),),
+           (("sp", "does not run on the sharded shapes"),)),  # [batch x seq, hidden] MLP input
     Family("falcon", "parallel attention + MLP, fused QKV, LayerNorm",
-           (("multi_query", False),)),
+           (("multi_query", False),), (("sp", "whose dim 0 is not the sequence"),)),
     Family("phi", "parallel attention + MLP, partial rotary, biases, GELU"),
     Family("gpt_neox", "parallel residual, partial rotary, fused QKV"),
     Family("mistral", "sliding-window attention on every layer", (("sliding_window", 8),)),

@@ -154,6 +154,14 @@ class ModelCosts:
                     for k in range(len(self.kinds)))
                 and seq % cp == 0 and (seq // cp) % tp == 0)
 
+    def sp_error(self, tp: int) -> str | None:
+        """Why the blocks' sequence-parallel rewrite does not apply at tp (None where it does or
+        where tp itself does not)."""
+        if tp == 1 or self.block_profile(tp) is None:
+            return None
+        return next((self.block_profile(tp, k).sp_error for k in range(len(self.kinds))
+                     if self.block_profile(tp, k).sp_error), None)
+
     @cached_property
     def cp_error(self) -> str | None:
         """Why passes.rewrite.context_parallel cannot rewrite this model, or None when it can."""

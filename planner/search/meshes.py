@@ -126,7 +126,8 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
         return Refusal(5, f"ep={costs.ep} does not divide dp x cp = {dp * cp}", ("ep", "dp"))
     if tp > 1 and not strategies(req, tp, costs, cp):
         split = (f"each rank's {req.seq // cp} positions do not split over tp={tp} ranks"
-                 if (req.seq // cp) % tp else "the block's sequence-parallel rewrite fails")
+                 if (req.seq // cp) % tp else
+                 f"the block's sequence-parallel rewrite stops: {costs.sp_error(tp)}")
         return Refusal(6, f"strategy={req.fix['strategy']}: sequence parallel does not apply "
                           f"({split})", ("strategy",))
     if tp > 1 and not any(s.tp for s in strategies(req, tp)):

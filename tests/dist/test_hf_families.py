@@ -1,6 +1,6 @@
 """Decoder-only Hugging Face families (planner.models.hf_families), each built from a small config with no
 download: planned from its config.json as `fxpar plan --hf-config` does, and trained under
-tp=2 x pp=2 and cp=2 x pp=2 on 4 gloo ranks against one process (losses, every gradient, the
+tp=2 x pp=2 (sequence parallel, where the family takes it) and cp=2 x pp=2 on 4 gloo ranks against one process (losses, every gradient, the
 final parameters, rtol 1e-5). An axis a family cannot use is refused at plan time with the reason
 its entry names, and the family trains on the axes it can use instead."""
 import json
@@ -68,6 +68,8 @@ def test_trains_like_one_process(pool4, family, axis):
     torch.manual_seed(0)
     model, batch = build(spec)
     fix = {**FIXED, **MESHES[axis]}
+    if axis == "tp":  # sequence parallel too, where the family takes it
+        fix = _with_sequence_parallel(family, model, batch, fix)
     reason = family.refusal(axis)
     if reason:
         with pytest.raises(PlanningError, match=reason):
@@ -80,6 +82,17 @@ def test_trains_like_one_process(pool4, family, axis):
     parallel = run_parallel(spec, chosen, 2, pool4)
     reference = reference_run(spec, 2)
     assert_same_run(parallel, reference, what=f"{family.arch} {axis}")
+
+
+def _with_sequence_parallel(family, model, batch, fix: dict) -> dict:
+    """fix with the blocks tp+sp; for a family that refuses it, checked refused with its reason
+    and left at tp."""
+    sp = {**fix, "strategy": "tp+sp"}
+    if not family.refusal("sp"):
+        return sp
+    with pytest.raises(PlanningError, match=family.refusal("sp")):
+        plan(model, 4, batch, cluster="cpu-gloo", fix=sp)
+    return fix
 
 
 def _block_traffic(arch: str, tp: int, mb: int) -> tuple[dict, dict]:

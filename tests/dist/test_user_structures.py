@@ -1,0 +1,52 @@
+"""Models written as users write them (tests.harness.structures) under fixed tensor, sequence and
+pipeline parallel plans, on 2 or 4 gloo ranks against one process: losses, every gradient of every
+step and the final parameters (rtol 1e-5). A plan the planner refuses is discarded, not failed;
+derandomized and bounded, so the same cases run every time."""
+import pytest
+from conftest import rank_pool
+from hypothesis import HealthCheck, assume, event, given, settings
+
+from planner.api import plan
+from planner.training.local import assert_same_run, reference_run, run_parallel
+from tests.harness.structures import Structure, structures
+
+STEPS = 2
+
+
+def _plan_or_none(st: Structure, gpus: int, fix: dict):
+    model, batch = st.build()
+    try:
+        return plan(model, gpus, batch, cluster="cpu-gloo", fix=fix)[0]
+    except ValueError as err:  # PlanningError, ShardingError: refused, with a reason
+        event(f"refused: {str(err)[:90]}")
+        return None
+
+
+def check_structure(st: Structure, gpus: int, fix: dict) -> bool:
+    """Train the planned structure on ranks and in one process; False where it was refused."""
+    chosen = _plan_or_none(st, gpus, fix)
+    if chosen is None:
+        return False
+    event(f"planned: tp={chosen.tp} pp={chosen.pp} dp={chosen.dp} {fix.get('strategy')}")
+    parallel = run_parallel(st, chosen, STEPS, rank_pool(gpus))
+    assert_same_run(parallel, reference_run(st, STEPS), what=f"{st.line()} | {fix}")
+    return True
+
+
+@pytest.mark.dist
+@settings(max_examples=14, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(case=structures())
+def test_user_structure_matches_one_process(case):
+    assume(check_structure(*case))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("split", ["unflatten-heads", "view-heads"])
+def test_a_head_count_held_by_the_module_trains_exactly_under_tp(split):
+    """A diffusion-transformer-like model (patch features, a timestep vector every block reads,
+    cross-attention, an MSE loss) whose attention splits heads with a constant head count: each
+    rank must cut its features into heads/tp heads as wide as in one process."""
+    st = Structure(inputs="features", loss="mse", head_split=split, condition=True, cross=True)
+    for gpus, fix in ((2, {"tp": 2}), (4, {"tp": 4}), (4, {"tp": 2, "dp": 2})):
+        assert check_structure(st, gpus, {"dp": 1, "pp": 1, "mb": 2, "strategy": "tp", **fix})

@@ -1,0 +1,173 @@
+"""Random model *structures* written as users write them, × tensor / sequence / pipeline parallel
+plans, trained on gloo ranks and compared with one process.
+
+tests.harness.fuzzing draws presets (GPT, Llama) whose code fxpar's authors wrote. These are
+models of the kind a user brings: inputs that are tokens or features (patches), heads that end in
+a cross-entropy over a vocabulary, an MSE against a target or a pooled classification; heads
+split from features in each way code does it (`unflatten(-1, (heads, -1))` with a head count
+held by the module, `(-1, head_dim)`, `view(b, s, heads, -1)`, sizes read from the input);
+a conditioning vector computed once and read by every block (a diffusion transformer's
+timestep), a context every block cross-attends to, and blocks given extra inputs.
+
+A case's plan is fixed (mesh and block strategy); the planner may refuse it (a
+`PlanningError` / `ValueError` is `Refused`, not a failure): what must never happen is a plan it
+accepts that trains to other numbers than one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HEAD_SPLITS = ("unflatten-heads", "unflatten-width", "view-heads", "view-width", "view-shape")
+INPUTS = ("tokens", "features")
+LOSSES = ("cross-entropy", "mse", "pooled")
+# (gpus, fix): each mixes tensor, sequence and pipeline parallelism differently
+PLANS = ((2, {"tp": 2, "strategy": "tp"}),
+         (2, {"tp": 2, "strategy": "tp+sp"}),
+         (2, {"pp": 2, "strategy": "none"}),
+         (4, {"tp": 2, "pp": 2, "strategy": "tp"}),
+         (4, {"tp": 2, "dp": 2, "strategy": "tp+sp"}),
+         (4, {"tp": 4, "strategy": "tp"}))
+VOCAB, WIDTH, BATCH = 32, 6, 4
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a drawn model is made of; `build()` gives (model, batch), the same on every rank."""
+    inputs: str = "tokens"
+    loss: str = "cross-entropy"
+    head_split: str = "unflatten-heads"
+    heads: int = 4
+    head_dim: int = 4
+    layers: int = 2
+    seq: int = 8
+    condition: bool = False      # a vector every block reads (timestep embedding, adaLN-like)
+    cross: bool = False          # a context every block cross-attends to
+    norm: str = "layer"
+
+    def line(self) -> str:
+        extras = [x for x, on in (("cond", self.condition), ("cross", self.cross)) if on]
+        return (f"{self.inputs}->{self.loss} L{self.layers} heads{self.heads}x{self.head_dim} "
+                f"{self.head_split} s{self.seq} {self.norm}-norm {'+'.join(extras) or 'plain'}")
+
+    def build(self):
+        torch.manual_seed(0)
+        model = UserModel(self)
+        gen = torch.Generator().manual_seed(1)
+        b, s, h = BATCH, self.seq, self.heads * self.head_dim
+        x = (torch.randint(0, VOCAB, (b, s), generator=gen) if self.inputs == "tokens"
+             else torch.randn(b, s, WIDTH, generator=gen))
+        target = {"cross-entropy": torch.randint(0, VOCAB, (b, s), generator=gen),
+                  "mse": torch.randn(b, s, WIDTH, generator=gen),
+                  "pooled": torch.randint(0, VOCAB, (b,), generator=gen)}[self.loss]
+        extra = ()
+        if self.condition:
+            extra += (torch.rand(b, 1, generator=gen),)
+        if self.cross:
+            extra += (torch.randn(b, 3, h, generator=gen),)
+        return model, (x, *extra, target)
+
+
+class Attention(nn.Module):
+    def __init__(self, st: Structure):
+        super().__init__()
+        h = st.heads * st.head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.heads, self.head_dim, self.split = st.heads, st.head_dim, st.head_split
+
+    def to_heads(self, t):
+        if self.split == "unflatten-heads":
+            t = t.unflatten(-1, (self.heads, -1))
+        elif self.split == "unflatten-width":
+            t = t.unflatten(-1, (-1, self.head_dim))
+        elif self.split == "view-heads":
+            t = t.view(t.shape[0], t.shape[1], self.heads, -1)
+        elif self.split == "view-width":
+            t = t.reshape(t.shape[0], t.shape[1], -1, self.head_dim)
+        else:
+            t = t.view(*t.shape[:-1], t.shape[-1] // self.head_dim, self.head_dim)
+        return t.transpose(1, 2)
+
+    def forward(self, x, context=None):
+        source = x if context is None else context
+        q, k, v = self.to_heads(self.q(x)), self.to_heads(self.k(source)), self.to_heads(
+            self.v(source))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=context is None)
+        return self.o(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    def __init__(self, st: Structure):
+        super().__init__()
+        h = st.heads * st.head_dim
+        norm = (lambda: nn.LayerNorm(h)) if st.norm == "layer" else (lambda: nn.RMSNorm(h))
+        self.n1, self.n3 = norm(), norm()
+        self.attn = Attention(st)
+        self.n2, self.cross = (norm(), Attention(st)) if st.cross else (None, None)
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x, cond=None, context=None):
+        y = self.n1(x)
+        if cond is not None:
+            y = y * (1 + cond.unsqueeze(1))
+        x = x + self.attn(y)
+        if self.cross is not None:
+            x = x + self.cross(self.n2(x), context)
+        return x + self.down(F.gelu(self.up(self.n3(x))))
+
+
+class UserModel(nn.Module):
+    def __init__(self, st: Structure):
+        super().__init__()
+        h = st.heads * st.head_dim
+        self.st = st
+        self.embed = nn.Embedding(VOCAB, h) if st.inputs == "tokens" else nn.Linear(WIDTH, h)
+        self.time = nn.Sequential(nn.Linear(1, h), nn.SiLU()) if st.condition else None
+        self.blocks = nn.ModuleList(Block(st) for _ in range(st.layers))
+        self.norm = nn.LayerNorm(h)
+        self.out = nn.Linear(h, WIDTH if st.loss == "mse" else VOCAB)
+
+    def forward(self, x, *rest):
+        *extra, target = rest
+        cond = self.time(extra.pop(0)) if self.st.condition else None
+        context = extra.pop(0) if self.st.cross else None
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, cond, context)
+        h = self.norm(h)
+        if self.st.loss == "mse":
+            return F.mse_loss(self.out(h), target)
+        if self.st.loss == "pooled":
+            return F.cross_entropy(self.out(h.mean(1)), target)
+        return F.cross_entropy(self.out(h).flatten(0, 1), target.flatten())
+
+
+Choose = Callable[[Sequence], object]
+
+
+def build_structure(choose: Choose) -> tuple[Structure, int, dict]:
+    """(structure, gpus, fix) from a sequence of choices, simplest option first."""
+    gpus, fix = choose(PLANS)
+    tp = fix.get("tp", 1)
+    # widths of 8 or more: a norm over fewer features is so ill-conditioned that summation
+    # order alone moves gradients past rtol (as in tests.harness.fuzzing)
+    heads = tp * choose((2, 1)) if tp > 1 else choose((2, 4))
+    st = Structure(inputs=choose(INPUTS), loss=choose(LOSSES), head_split=choose(HEAD_SPLITS),
+                   heads=heads, head_dim=choose((4, 8)), layers=choose((2, 3)),
+                   seq=tp * choose((4, 3)), condition=choose((False, True)),
+                   cross=choose((False, True)), norm=choose(("layer", "rms")))
+    return st, gpus, {"dp": 1, "tp": 1, "pp": 1, "mb": 2, "schedule": "1f1b", **fix}
+
+
+def structures():
+    """The hypothesis strategy of `build_structure`."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(draw_one):
+        return build_structure(lambda options: draw_one(st.sampled_from(list(options))))
+    return draw()
