@@ -46,10 +46,17 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
          cluster: str | Cluster | None = None, global_batch: int | None = None,
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
          top_k: int = 1, zero1: bool = False, loss_fn: Callable | None = None,
-         moe_imbalance: float | None = None) -> list[Plan]:
+         moe_imbalance: float | None = None, sequence_dim: int | None = 1,
+         sizes_from: str | None = None) -> list[Plan]:
     """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
     device memory). Raises PlanningError, saying why, when none fits. loss_fn: see
-    planner.models.loss (for a module whose forward does not return the loss)."""
+    planner.models.loss (for a module whose forward does not return the loss).
+
+    For a module, the global batch is dim 0 of the first example input and the sequence its
+    dim 1 (`sequence_dim`); `sequence_dim=None` says the inputs are not sequences (images,
+    feature vectors): the plan counts samples, and context parallelism is left out. The plan
+    states where each size came from; `sizes_from` replaces that text (the command line says
+    which flag or config field it read)."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
     hw = get_cluster(cluster or default_cluster())
@@ -59,10 +66,37 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
         if fix.setdefault("zero", 1) != 1:
             raise ValueError(f"zero1 contradicts zero={fix['zero']}; give one of them")
     check_fix(fix)
+    if sequence_dim not in (1, None):
+        raise ValueError(f"sequence_dim={sequence_dim!r}: fxpar splits sequences on dim 1 of the "
+                         f"inputs (batch on dim 0); transpose the inputs, or say "
+                         f"sequence_dim=None if they are not sequences")
+    if sequence_dim is None:
+        if fix.setdefault("cp", 1) != 1:
+            raise ValueError(f"cp={fix['cp']} splits a sequence; sequence_dim=None says the "
+                             f"inputs have none")
+    asked_seq = seq
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1,
-                                           fp32=hw.runtime_priced)
-    return plan_costs(costs, Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k),
-                      moe_imbalance)
+                                           fp32=hw.runtime_priced, sequences=sequence_dim == 1)
+    if sizes_from is None:
+        sizes_from = _sizes_from(model, example_inputs, global_batch, asked_seq, seq,
+                                 sequence_dim == 1)
+    req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k, sizes_from=sizes_from,
+                  sequences=sequence_dim == 1)
+    return plan_costs(costs, req, moe_imbalance)
+
+
+def _sizes_from(model, example_inputs, global_batch, asked_seq, seq: int,
+                sequences: bool) -> str:
+    """Where the plan's sequence length and global batch came from, as the plan states it."""
+    if isinstance(model, (str, ModelConfig)):
+        return (f"seq {seq}: {'given' if asked_seq else 'preset'}   global batch: "
+                f"{'given' if global_batch else 'preset'}")
+    shape = list(example_inputs[0].shape)
+    batch = "given" if global_batch else f"dim 0 of the first example input {shape}"
+    if not sequences:
+        return f"inputs not sequences (counted in samples)   global batch: {batch}"
+    return (f"seq {seq}: dim 1 of the first example input {shape} (sequence_dim=None if it is "
+            f"not a sequence)   global batch: {batch}")
 
 
 def plan_costs(costs: ModelCosts, req: Request, moe_imbalance: float | None = None) -> list[Plan]:
@@ -107,7 +141,7 @@ def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
 
 
 def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
-                 fp32: bool = False):
+                 fp32: bool = False, sequences: bool = True):
     """Capture the model on fake tensors. A config is captured with one block (blocks are identical,
     so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds. A
     config is planned for bf16 mixed precision, or with fp32 for fp32 training (what CPU ranks
@@ -128,7 +162,7 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
                          "global batch on dim 0")
     captured = capture(model, capture_inputs(model, tuple(x[:1] for x in example_inputs)))
     batch = global_batch or example_inputs[0].shape[0]
-    seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 else 1
+    seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 and sequences else 1
     dtype_bytes = next(model.parameters()).element_size()
     training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
     return (ModelCosts(captured, len(captured.blocks), dtype_bytes, training),

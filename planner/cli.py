@@ -108,7 +108,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
     for size in ("layers", "hidden", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{size}", type=_positive_int, default=None,
-                       help=f"override the preset's {size.replace('-', ' ')}")
+                       help=f"override the preset's (or --hf's) {size.replace('-', ' ')}")
 
 
 def _config(args):
@@ -126,21 +126,46 @@ def _hf_model(args):
 
     from planner.models.hf import build_hf, build_hf_from_file, sequence_length
     from planner.models.hf_moe import has_experts, use_routed_experts
+    sizes = {name: getattr(args, flag) for flag, name in _HF_SIZES.items()
+             if getattr(args, flag) is not None}
+    if sizes and args.hf_config:
+        flags = [f"--{f.replace('_', '-')}" for f in _HF_SIZES if getattr(args, f)]
+        raise ValueError(f"{', '.join(flags)} {'does' if len(flags) == 1 else 'do'} not apply "
+                         f"to --hf-config: a config.json states the model; edit its "
+                         f"{', '.join(sizes)} instead")
     with torch.device("meta"):
-        model = build_hf_from_file(args.hf_config) if args.hf_config else build_hf(args.hf)
+        model = build_hf_from_file(args.hf_config) if args.hf_config else build_hf(args.hf,
+                                                                                   **sizes)
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
         use_routed_experts(model)
     seq = args.seq or sequence_length(model)
-    tokens = torch.zeros(args.global_batch or 16, seq, dtype=torch.long, device="meta")
+    tokens = torch.zeros(args.global_batch or HF_GLOBAL_BATCH, seq, dtype=torch.long,
+                         device="meta")
     return model, (tokens, tokens)
+
+
+HF_GLOBAL_BATCH = 16   # a Hugging Face model's global batch without --global-batch
+# size flags -> the standard names of a transformers config
+_HF_SIZES = {"layers": "num_hidden_layers", "hidden": "hidden_size",
+             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+             "vocab": "vocab_size"}
+
+
+def hf_sizes_from(args, seq: int) -> str:
+    """Where a Hugging Face model's sizes came from, as the plan states them."""
+    from_seq = ("--seq" if args.seq else
+                "the config's maximum positions (--seq to plan another)")
+    batch = "--global-batch" if args.global_batch else "default (--global-batch to change)"
+    return f"seq {seq}: {from_seq}   global batch: {batch}"
 
 
 def _plans(args, top_k: int = 1):
     from planner.api import plan
     model, inputs = _hf_model(args) if args.hf or args.hf_config else (_config(args), None)
+    sizes_from = hf_sizes_from(args, inputs[0].shape[1]) if inputs is not None else None
     return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
                 memory_limit=args.memory_limit, fix=args.fix, top_k=top_k, zero1=args.zero1,
-                moe_imbalance=args.moe_imbalance)
+                moe_imbalance=args.moe_imbalance, sizes_from=sizes_from)
 
 
 def _load_plan(path: str):
@@ -197,6 +222,7 @@ def cmd_plan(args) -> int:
 
 def cmd_simulate(args) -> int:
     from planner.report.pictures import predicted_timeline, write_timeline
+    from planner.search.plan import plural
     if args.plan:
         chosen = _load_plan(args.plan)
     elif args.gpus and (args.model or args.hf or args.hf_config):
@@ -204,8 +230,8 @@ def cmd_simulate(args) -> int:
     else:
         raise ValueError("fxpar simulate needs --plan PLAN.json, or --model and --gpus")
     timeline = predicted_timeline(chosen)
-    print(f"{chosen.model} on {chosen.gpus} GPUs: {chosen.schedule}, {chosen.pp} stages x "
-          f"{chosen.num_microbatches} micro-batches")
+    print(f"{chosen.model} on {chosen.gpus} GPUs: {chosen.schedule}, "
+          f"{plural(chosen.pp, 'stage')} x {plural(chosen.num_microbatches, 'micro-batch')}")
     print(f"simulated iteration {timeline.makespan:.4g} s (pipeline only, without data-parallel "
           f"sync), bubble fraction {timeline.bubble_fraction():.3f}, peak in-flight micro-batches "
           f"per rank {list(timeline.peak_inflight)}")

@@ -139,6 +139,16 @@ def _embedding_slice(full: nn.Embedding, shard: nn.Parameter, start: int) -> nn.
 # ---------------------------------------------------------------- loss
 
 
+# ... and casts of the logits (a float32 upcast before the loss), which work entry by entry
+_VIEWS_AND_CASTS = _VIEWS | {"to", "float", aten.to.dtype, aten._to_copy.default,
+                             aten.alias.default}
+
+
+def _real_users(node: fx.Node) -> list[fx.Node]:
+    """node's users but torch.export's metadata asserts (they check its dtype, not its use)."""
+    return [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
+
+
 def _loss_args(gm, node: fx.Node):
     """(logits, target, ignore_index, reduction) of a cross-entropy node, else None."""
     found = cross_entropy_args(gm, node)
@@ -153,10 +163,10 @@ def _loss_args(gm, node: fx.Node):
 def _shard_loss(gm, node: fx.Node, layer: str, tp: int, rank: int, group: str, pad: bool) -> None:
     logits, target, ignore_index, reduction = _loss_args(gm, node)
     source = logits
-    while source.target in _VIEWS and len(source.users) == 1:
+    while source.target in _VIEWS_AND_CASTS and len(_real_users(source)) == 1:
         source = source.args[0]
     site = linear_site(gm, source)
-    if site is None or len(source.users) != 1:
+    if site is None or len(_real_users(source)) != 1:
         raise ShardingError(f"layer {layer}: the logits of {node.name} are not the output of a "
                             f"linear used only by the loss ({source.name}); a vocabulary-parallel "
                             f"loss needs the logits projection")

@@ -22,6 +22,7 @@ from cost_model.hardware.cluster import get_cluster
 from cost_model.layers.strategy import Strategy
 from planner.search import ilp
 from planner.search.plan import Plan, gib
+from planner.search import zero as zero_axis
 from planner.search.refusals import why_nothing_plans
 from planner.search.meshes import Request, check_fix, configurations, make_plan, search
 from planner.search.problem import runtime_terms, stage_problem, transient_bytes
@@ -46,6 +47,8 @@ class Configuration:
     stages: tuple[tuple[str, ...], ...] | None = None
     strategy: str | None = None
     ends: str = "auto"
+    zero: int = 0                  # sharded data parallel level (planner.search.zero)
+    dp_shard: int | None = None    # ranks per shard group (hybrid sharding); None: all of dp
 
     def __post_init__(self):
         if self.ends not in ENDS:
@@ -55,11 +58,17 @@ class Configuration:
                 tuple(str(Strategy.parse(s)) for s in stage) for stage in self.stages))
         if self.strategy is not None:
             object.__setattr__(self, "strategy", str(Strategy.parse(self.strategy)))
+        if self.dp_shard == self.dp:  # one shard group of all dp ranks: plain sharding
+            object.__setattr__(self, "dp_shard", None)
+        if self.dp == 1:  # nothing to shard over: every level is the same run
+            object.__setattr__(self, "zero", 0)
 
     def fix(self) -> dict:
         """The --fix settings of this configuration (the strategy only when it is one for all)."""
         fix = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "mb": self.micro_batch,
-               "schedule": self.schedule, "v": self.v}
+               "schedule": self.schedule, "v": self.v, "zero": self.zero}
+        if self.dp_shard and self.dp_shard != self.dp:
+            fix["dp_shard"] = self.dp_shard
         strategy = self.uniform_strategy()
         if strategy is not None:
             fix["strategy"] = strategy
@@ -81,7 +90,8 @@ class Configuration:
                 if layer in ("embed", "head")}
         return Configuration(plan.dp, plan.tp, plan.pp, plan.cp, plan.micro_batch, plan.schedule,
                              plan.virtual_stages, block_strategies(plan),
-                             ends=ends.pop() if len(ends) == 1 else "auto")
+                             ends=ends.pop() if len(ends) == 1 else "auto", zero=plan.zero,
+                             dp_shard=plan.dp_shard)
 
 
 def block_strategies(plan: Plan) -> tuple[tuple[str, ...], ...]:
@@ -114,15 +124,15 @@ class Pricer:
         self.limit = _memory_limit_bytes(memory_limit, self.cluster)
         self.costs, self.name, self.global_batch, self.seq = _model_costs(
             model, example_inputs, global_batch, seq, zero1, fp32=self.cluster.runtime_priced)
-        # What Megatron-LM and torchtitan configurations state of data parallel: replicated, or
-        # ZeRO-1 (--use-distributed-optimizer, --zero1); the other levels are not carried over.
-        self.zero = 1 if zero1 else 0
+        # --zero1 fixes ZeRO-1 as `fxpar plan --zero1` does; otherwise the search picks the
+        # level (a configuration states its own: Configuration.zero)
+        self.zero = {"zero": 1} if zero1 else {}
 
     def request(self, fix: dict | None = None, top_k: int = 1,
                 memory_limit: float | None = None) -> Request:
         return Request(self.gpus, self.cluster, self.global_batch, self.seq,
                        self.limit if memory_limit is None else memory_limit, self.name,
-                       {"zero": self.zero, **(fix or {})}, top_k=top_k)
+                       {**self.zero, **(fix or {})}, top_k=top_k)
 
     def best(self, top_k: int = 1, fix: dict | None = None) -> list[Plan]:
         """fxpar's own plans, fastest first (as planner.api.plan, with `fix` as --fix)."""
@@ -185,15 +195,17 @@ class Pricer:
         if cand.tp == 1 and any(s.tp for s in strategies):
             raise ValueError("blocks use tensor parallelism, but tp=1")
         if any(s.sp for s in strategies) and not costs.supports_sp(cand.tp, cand.cp, req.seq):
-            raise ValueError(f"sequence parallel does not apply: each rank's {req.seq // cand.cp} "
-                             f"positions do not split over tp={cand.tp} ranks (or the blocks' "
-                             f"sequence-parallel rewrite does not apply)")
+            why = costs.sp_error(cand.tp)
+            raise ValueError("sequence parallel does not apply: " + (
+                f"the blocks' sequence-parallel rewrite stops: {why}" if why else
+                f"each rank's {req.seq // cand.cp} positions do not split over tp={cand.tp} "
+                f"ranks"))
         problem, blocks, counts = _layout_problem(costs, req, cand, names, stages,
                                                   self._ends(config.ends, cand))
         parts = ilp.breakdown(problem, counts)
         solution = ilp.Solution(counts, parts.iteration_s, "given", 0.0, 0.0)
         plan = make_plan(costs, req, cand, problem, blocks, solution,
-                         transient_bytes(costs, req, cand))
+                         transient_bytes(costs, req, cand, blocks))
         plan = replace(plan, solver="", timing={}, stages=tuple(
             replace(st, strategies=tuple(self._end_label(config.ends, cand) if layer in
                                          ("embed", "head") else s
@@ -210,7 +222,9 @@ class Pricer:
         if ends == "vocab-tp" and tp > 1:
             if any(costs._end_profile(k, tp) is None for k in costs.ends):
                 raise ValueError(f"the embedding and head cannot be split over the vocabulary at "
-                                 f"tp={tp}")
+                                 f"tp={tp} ({costs.vocab_errors.get(tp, 'see the rewrite')}); "
+                                 f"Megatron-LM and torchtitan always split them, so fxpar "
+                                 f"cannot price their configuration of this model at tp={tp}")
             return list(costs._vocab_ends(mb, self.cluster, cp, tp))
         return list(costs._ends_priced(mb, self.cluster, cp))
 
@@ -227,7 +241,8 @@ def _layout_problem(costs, req, cand, names, stages, ends):
     priced = {(k, n): costs.price_block(Strategy.parse(n), cand.micro_batch, req.cluster,
                                         cand.tp, cand.cp, k) for k, _ in runs for n in names}
     blocks = [priced[k, n] for k, _ in runs for n in names]
-    option = [tuple(runtime_terms(costs.block_option(priced[k, n], cand.dp), priced[k, n], req,
+    sharding = zero_axis.sharding_of(cand)  # the ZeRO level's shares, as the search prices
+    option = [tuple(runtime_terms(costs.block_option(priced[k, n], sharding), priced[k, n], req,
                                   cand) for n in names) for k, _ in runs]
     run_of = []
     for j, (_, count) in enumerate(runs):

@@ -54,6 +54,14 @@ class ModelFacts:
     tie: bool
     global_batch: int = 16
     dtype_bytes: int = 2  # what fxpar prices: presets train in bf16, a module in its own dtype
+    # The definition beside the sizes, for the flags that build the same model elsewhere
+    # (None: the family's usual, which the target's default states)
+    qkv_bias: bool | None = None     # biases on the q/k/v projections
+    linear_bias: bool | None = None  # biases on the other linears
+    rope_theta: float | None = None  # rotary base
+    rope_scaling: str | None = None  # a scaled rotary (its type), which no flag here states
+    norm_eps: float | None = None
+    activation: str | None = None    # the config's hidden_act
 
 
 def facts_of_config(config) -> ModelFacts:
@@ -70,12 +78,35 @@ def facts_of_hf(model, seq: int, global_batch: int = 16) -> ModelFacts:
     hidden = get("hidden_size", "n_embd")
     heads = get("num_attention_heads", "n_head")
     gpt = getattr(c, "model_type", "") == "gpt2"
+    rope = dict(get("rope_parameters", "rope_scaling", default={}) or {})
+    theta = rope.get("rope_theta", get("rope_theta", "rotary_emb_base"))
+    qkv_bias, linear_bias = _biases(model)
     return ModelFacts(type(model.model).__name__, "gpt" if gpt else "llama",
                       get("num_hidden_layers", "n_layer"), hidden, heads,
                       get("num_key_value_heads", default=heads),
-                      get("intermediate_size", "n_inner", default=4 * hidden), get("vocab_size"),
-                      seq, bool(get("tie_word_embeddings", default=gpt)), global_batch,
-                      next(model.parameters()).element_size())
+                      get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
+                      get("vocab_size"), seq, bool(get("tie_word_embeddings", default=gpt)),
+                      global_batch, next(model.parameters()).element_size(),
+                      qkv_bias, linear_bias, None if gpt else theta,
+                      rope.get("rope_type") if rope.get("rope_type", "default") != "default"
+                      else None,
+                      get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon"),
+                      get("hidden_act", "activation_function"))
+
+
+_QKV = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+
+
+def _biases(model) -> tuple[bool, bool]:
+    """(q/k/v projections have biases, the other linears do), read off the model's linears
+    (Qwen2's q/k/v biases are in its code, not its config)."""
+    import torch.nn as nn
+    from transformers.pytorch_utils import Conv1D
+    qkv, other = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Conv1D)) and not name.endswith("lm_head"):
+            (qkv if name.rsplit(".", 1)[-1] in _QKV else other).append(module.bias is not None)
+    return any(qkv), any(other)
 
 
 def model_of_args(args, seq: int | None = None, global_batch: int | None = None):
@@ -164,6 +195,8 @@ class Expressed:
     notes: list[str] = field(default_factory=list)     # what the target cannot express
     pattern: tuple = ("uniform", "none")               # the recomputation as the target states it
     priced: Priced | None = None                       # None: the plan itself (exact)
+    # read back (--from-*): "" the same plan, None not read back, else what differs
+    round_trip: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -192,6 +225,8 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
         config = replace(config, ends="vocab-tp")
         notes.append(f"fxpar keeps the embedding and head replicated at tp={plan.tp}; {label} "
                      f"always splits them over the vocabulary")
+    config, zero_notes = _sharding(target, config)
+    notes += zero_notes
     if target == "torchtitan":
         config, split_notes = _torchtitan_split(config)
         notes += split_notes
@@ -236,6 +271,24 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
     return Expressed(replace(config, stages=stages_), notes, pattern, priced)
 
 
+def _sharding(target: str, config: Configuration) -> tuple[Configuration, list[str]]:
+    """The data-parallel sharding the target states: Megatron-LM every ZeRO level (its
+    distributed optimizer for 1, Megatron-FSDP for 2 and 3) but not hybrid sharding;
+    torchtitan replicas (DDP) or FSDP (ZeRO-3, hybrid with a replicate degree), not 1 or 2."""
+    if config.dp == 1 or (config.zero == 0 and not config.dp_shard):
+        return config, []
+    if target == "megatron" and config.dp_shard and config.dp_shard != config.dp:
+        return replace(config, dp_shard=None), [
+            f"Megatron-LM has no hybrid sharding flag (zero={config.zero} over groups of "
+            f"{config.dp_shard} of the {config.dp} data-parallel ranks); nearest: sharded over "
+            f"all {config.dp}"]
+    if target == "torchtitan" and config.zero in (1, 2):
+        return replace(config, zero=3), [
+            f"torchtitan shards data parallel with FSDP (weights, gradients and optimizer "
+            f"states), not ZeRO-{config.zero}; nearest: FSDP (zero=3)"]
+    return config, []
+
+
 def _pattern(target: str, recompute: list[list[str]], lengths: list[int], ranks: int):
     """The target's statement of this recomputation, or None."""
     kinds = {r for row in recompute for r in row}
@@ -276,19 +329,30 @@ def _torchtitan_split(config: Configuration) -> tuple[Configuration, list[str]]:
 # --------------------------------------------------------------------------------------------
 def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
     lines = [f"# {label} configuration for fxpar's plan: {plan.model} on {plan.gpus} GPUs "
-             f"({plan.cluster}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}, "
-             f"{plan.schedule}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+             f"({plan.cluster}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
+             + (f" zero={plan.zero}" if plan.zero else "")
+             + (f" dp_shard={plan.dp_shard}" if plan.dp_shard and plan.dp_shard != plan.dp
+                else "") + f", {plan.schedule}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
              + f", {plan.num_microbatches} micro-batch"
              f"{'es' if plan.num_microbatches > 1 else ''} of {plan.micro_batch}"]
     lines += [f"# {n}" if n.startswith("nearest") else f"# not expressible: {n}"
               for n in expressed.notes]
-    if expressed.exact:
+    if expressed.exact and expressed.round_trip:  # read back, it differs
+        lines.append(f"# fxpar plan: {plan.predicted.iteration_s:.4g} s/iteration; {label} "
+                     f"configuration: the same, but read back it prices another plan: "
+                     f"{expressed.round_trip}")
+    elif expressed.exact:
         p = plan.predicted
+        checked = ("read back, it prices this very plan" if expressed.round_trip == "" else
+                   "not read back: the model's facts were not given")
         lines.append(f"# fxpar plan: {p.iteration_s:.4g} s/iteration; {label} configuration: "
-                     f"the same (expressed exactly)")
+                     f"the same (expressed exactly: {checked})")
     else:
         lines.append("# " + compare(plan, expressed.priced, f"nearest {label} configuration"))
     return lines
+
+
+MEGATRON_FSDP = {2: "optim_grads", 3: "optim_grads_params"}  # --data-parallel-sharding-strategy
 
 
 def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
@@ -325,8 +389,11 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
                   f"--recompute-num-layers {value}"]
     flags += [f"--micro-batch-size {config.micro_batch}",
               f"--global-batch-size {plan.global_batch}"]
-    if zero1:
+    if config.dp > 1 and (config.zero == 1 or (zero1 and not config.zero)):
         flags.append("--use-distributed-optimizer")
+    elif config.dp > 1 and config.zero in MEGATRON_FSDP:
+        flags += ["--use-megatron-fsdp",
+                  f"--data-parallel-sharding-strategy {MEGATRON_FSDP[config.zero]}"]
     if facts is None or facts.dtype_bytes == 2:
         flags.append("--bf16")
     return "\n".join(lines + [f + " \\" for f in flags[:-1]] + flags[-1:])
@@ -340,11 +407,49 @@ def _megatron_model(facts: ModelFacts, plan: Plan) -> list[str]:
     flags += [f"--seq-length {plan.seq}", f"--max-position-embeddings {plan.seq}",
               f"--vocab-size {facts.vocab}"]
     if facts.arch == "llama":
-        flags += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope",
-                  "--disable-bias-linear"]
+        flags += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope"]
+        if facts.rope_theta is not None:
+            flags.append(f"--rotary-base {_number(facts.rope_theta)}")
+    linear_bias = facts.linear_bias if facts.linear_bias is not None else facts.arch == "gpt"
+    if not linear_bias:
+        flags.append("--disable-bias-linear")
+        if facts.qkv_bias:
+            flags.append("--add-qkv-bias")
+    if facts.norm_eps is not None:
+        flags.append(f"--norm-epsilon {facts.norm_eps:g}")  # a float flag: 1e-06 reads back
     if not facts.tie:
         flags.append("--untie-embeddings-and-output-weights")
     return flags
+
+
+def _number(x: float) -> str:
+    """An integral value as an integer (Megatron-LM's --rotary-base is an int flag)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def definition_notes(target: str, facts: ModelFacts | None) -> list[str]:
+    """What of the model's definition the target's configuration cannot state."""
+    if facts is None:
+        return []
+    if target == "torchtitan":
+        return [f"the model itself: torchtitan builds it from its own model code ([model] name "
+                f"and flavor), not from this file; choose one matching {facts.name} ({facts.layers} "
+                f"layers, hidden {facts.hidden}, {facts.heads} heads / {facts.kv_heads} kv, FFN "
+                f"{facts.ffn}, vocabulary {facts.vocab})"]
+    notes = []
+    if facts.rope_scaling:
+        notes.append(f"a scaled rotary embedding ({facts.rope_scaling}): no Megatron-LM flag "
+                     f"here states it")
+    if facts.linear_bias and facts.qkv_bias is False:
+        notes.append("biases on every linear but the q/k/v projections: Megatron-LM has "
+                     "biases on all or (--add-qkv-bias) on q/k/v only")
+    act = (facts.activation or "").lower()
+    gated = facts.arch == "llama"
+    if act and ((gated and act not in ("silu", "swish")) or
+                (not gated and not act.startswith("gelu"))):
+        notes.append(f"the activation {facts.activation} ({'gated' if gated else 'plain'}): "
+                     f"Megatron-LM's --swiglu is SiLU-gated and its default GELU")
+    return notes
 
 
 def _layout(lengths: list[int]) -> str:
@@ -369,11 +474,9 @@ def torchtitan(plan: Plan, expressed: Expressed, csv_path: str | None = None,
     `csv_path` by the caller)."""
     config = expressed.config
     lines = _head(plan, "torchtitan", expressed)
-    if zero1:
-        lines.append("# not expressible: ZeRO-1 (torchtitan shards with FSDP, which also shards "
-                     "weights and gradients); data_parallel_shard_degree below; priced as "
-                     "fxpar's ZeRO-1")
-        shard, replicate = config.dp, 1
+    if config.zero == 3:  # FSDP over the shard groups, replicated across them (HSDP)
+        shard = config.dp_shard or config.dp
+        replicate = config.dp // shard
     else:
         shard, replicate = 1, config.dp
         if config.cp > 1:
@@ -422,8 +525,11 @@ def torchtitan(plan: Plan, expressed: Expressed, csv_path: str | None = None,
         body += ['mode = "selective"', 'selective_ac_option = "op"']
     else:
         body.append(f'mode = "{value}"')
+    # torchtitan's local batch is one forward of each data-parallel rank, and it accumulates
+    # gradients over global // (local x dp) of them; a pipeline splits it into micro-batches
+    local = config.micro_batch * (plan.num_microbatches if config.pp > 1 else 1)
     body += ["", "[training]",
-             f"local_batch_size = {plan.global_batch // config.dp}",
+             f"local_batch_size = {local}",
              f"global_batch_size = {plan.global_batch}",
              f"seq_len = {plan.seq}"]
     return "\n".join(lines + body), table
@@ -453,13 +559,27 @@ def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = Non
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     expressed = nearest(target, plan, pricer_factory)
+    text, table = write(target, plan, expressed, facts, zero1, csv_path)
+    if expressed.exact and facts is not None:  # read it back: exact only if it prices the plan
+        from planner.interop.round_trip import read_back
+        expressed.round_trip = read_back(target, text, plan, pricer_factory(), facts)
+        text, table = write(target, plan, expressed, facts, zero1, csv_path)
+    return text, table
+
+
+def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | None,
+          zero1: bool = False, csv_path: str | None = None) -> tuple[str, str | None]:
+    expressed.notes[:0] = [n for n in definition_notes(target, facts)
+                           if n not in expressed.notes]
     if target == "megatron":
         return megatron(plan, expressed, facts, zero1), None
     return torchtitan(plan, expressed, csv_path, zero1)
 
 
 def cmd_emit(args) -> int:
-    """`fxpar plan --emit TARGET`: plan, then print the target's configuration."""
+    """`fxpar plan --emit TARGET`: the plan `fxpar plan` prints for the same arguments, as the
+    target's configuration. The output is read back (--from-megatron / --from-torchtitan) and
+    priced: "expressed exactly" only where that prices the very same plan."""
     pricer, facts = pricer_of_args(args)
     plan = pricer.best(fix=args.fix)[0]
     csv_path = args.emit_csv or default_csv_path(plan)

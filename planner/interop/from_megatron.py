@@ -28,6 +28,8 @@ MEGATRON_FLAGS = {
     "--swiglu": SWITCH, "--normalization": STR, "--position-embedding-type": STR,
     "--use-rotary-position-embeddings": SWITCH, "--untie-embeddings-and-output-weights": SWITCH,
     "--disable-bias-linear": SWITCH, "--bf16": SWITCH, "--fp16": SWITCH,
+    "--add-qkv-bias": SWITCH, "--rotary-base": STR, "--norm-epsilon": STR,
+    "--use-megatron-fsdp": SWITCH, "--data-parallel-sharding-strategy": STR,
     "--expert-model-parallel-size": INT, "--num-experts": INT,
 }
 # Flags that do not change what fxpar prices (optimizer settings, data, logging, checkpoints,
@@ -40,7 +42,7 @@ MEGATRON_IGNORED = frozenset("""
 --tokenizer-type --tokenizer-model --seed --attention-dropout --hidden-dropout
 --transformer-impl --make-vocab-size-divisible-by --distributed-backend --tensorboard-dir
 --wandb-project --wandb-exp-name --exit-interval --ckpt-format --num-workers --data-cache-path
---attention-backend --distributed-timeout-minutes --rotary-base --norm-epsilon --use-flash-attn
+--attention-backend --distributed-timeout-minutes --use-flash-attn
 --use-mcore-models --overlap-grad-reduce --overlap-param-gather --mock-data
 --no-masked-softmax-fusion --attention-softmax-in-fp32 --accumulate-allreduce-grads-in-fp32
 --no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
@@ -203,21 +205,36 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
     base = str(Strategy(tp > 1, sp))
     stages = with_flags(tuple((base,) * n for n in lengths), tp > 1, sp,
                         pattern_recompute(lengths, pattern, pp))
-    zero1 = bool(f.get("--use-distributed-optimizer"))
-    if ours_zero1 and not zero1:
+    zero = _megatron_zero(f)
+    if ours_zero1 and zero != 1:
         raise ValueError("--zero1 contradicts the Megatron-LM flags, which lack "
                          "--use-distributed-optimizer")
-    if zero1 and not ours_zero1:
-        notes.append("--use-distributed-optimizer: both priced with ZeRO-1 (optimizer states "
-                     "sharded over data parallel), as --zero1")
     sixteen = bool(f.get("--bf16") or f.get("--fp16"))
     if sixteen != (facts.dtype_bytes == 2):
         notes.append(f"{'--bf16/--fp16' if sixteen else 'without --bf16 or --fp16 (fp32)'}: "
                      f"priced in the model's own {8 * facts.dtype_bytes}-bit precision")
     config = Configuration(dp, tp, pp, cp, mb, "interleaved-1f1b" if v > 1 else "1f1b", v,
-                           stages, ends="vocab-tp" if tp > 1 else "auto")
-    return Imported("Megatron-LM", config, seq, batch, zero1 or ours_zero1, notes, ignored,
-                    recompute)
+                           stages, ends="vocab-tp" if tp > 1 else "auto",
+                           zero=zero if dp > 1 else 0)
+    return Imported("Megatron-LM", config, seq, batch, ours_zero1, notes, ignored, recompute)
+
+
+# --data-parallel-sharding-strategy of Megatron-FSDP -> fxpar's ZeRO level
+MEGATRON_SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _megatron_zero(f: dict) -> int:
+    """The ZeRO level the flags run: the distributed optimizer shards optimizer states (1);
+    Megatron-FSDP shards what its strategy names (default optim_grads_params)."""
+    strategy = f.get("--data-parallel-sharding-strategy")
+    if strategy is not None and strategy not in MEGATRON_SHARDING:
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy!r}: Megatron-LM knows "
+                         f"{', '.join(MEGATRON_SHARDING)}")
+    if f.get("--use-megatron-fsdp"):
+        return MEGATRON_SHARDING[strategy or "optim_grads_params"]
+    if strategy is not None:
+        raise ValueError("--data-parallel-sharding-strategy applies with --use-megatron-fsdp")
+    return 1 if f.get("--use-distributed-optimizer") else 0
 
 
 def _megatron_model_checks(f: dict, facts: ModelFacts, notes: list[str]) -> None:
@@ -247,9 +264,37 @@ def _megatron_model_checks(f: dict, facts: ModelFacts, notes: list[str]) -> None
         raise ValueError(f"--position-embedding-type {position} contradicts the model "
                          f"{facts.name}, which uses "
                          f"{'rotary' if llama else 'learned absolute'} positions")
+    _definition_checks(f, facts)
     if "--num-layers" in f and f.get("--untie-embeddings-and-output-weights") == facts.tie:
         notes.append(f"the flags {'untie' if not facts.tie else 'tie'} the embedding and output "
                      f"weights, the model {facts.name} does not: priced as the model")
+
+
+def _definition_checks(f: dict, facts: ModelFacts) -> None:
+    """Biases, rotary base and norm epsilon the flags state must be the model's (where the
+    model says; a preset leaves them to the family's usual)."""
+    if "--num-layers" not in f:
+        return  # flags of the parallel layout only: they do not define the model
+    bias = not f.get("--disable-bias-linear")
+    if facts.linear_bias is not None and bias != facts.linear_bias:
+        raise ValueError(f"{'--disable-bias-linear' if not bias else 'biases (no --disable-bias-linear)'} "
+                         f"contradicts the model {facts.name}, whose linears "
+                         f"{'have' if facts.linear_bias else 'have no'} biases")
+    qkv = bias or bool(f.get("--add-qkv-bias"))
+    if facts.qkv_bias is not None and qkv != facts.qkv_bias:
+        raise ValueError(f"{'--add-qkv-bias' if qkv else 'no q/k/v biases'} contradicts the "
+                         f"model {facts.name}, whose q/k/v projections "
+                         f"{'have' if facts.qkv_bias else 'have no'} biases")
+    for flag, own, what in (("--rotary-base", facts.rope_theta, "rotary base"),
+                            ("--norm-epsilon", facts.norm_eps, "norm epsilon")):
+        if flag in f:
+            try:
+                given = float(f[flag])
+            except ValueError:
+                raise ValueError(f"{flag}: expected a number, got {f[flag]!r}") from None
+            if own is not None and abs(given - own) > 1e-9 * abs(own):
+                raise ValueError(f"{flag} {f[flag]} contradicts the model {facts.name}, whose "
+                                 f"{what} is {own:g}")
 
 
 def _megatron_stages(f: dict, layers: int, pp: int) -> list[int]:

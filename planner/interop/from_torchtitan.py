@@ -113,11 +113,9 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
                          f"(--gpus)")
     dp = replicate * shard
     zero1 = ours_zero1
-    if shard > 1:
-        zero1 = True
-        notes.append(f"data_parallel_shard_degree = {shard}: FSDP, which fxpar does not model; "
-                     f"priced as {dp} data-parallel replicas with ZeRO-1 (optimizer states "
-                     f"sharded), the nearest fxpar prices, for both")
+    # FSDP (fully_shard per block): weights, gradients and optimizer states sharded over the
+    # shard degree, replicated across `replicate` groups (HSDP): fxpar's zero=3
+    zero, dp_shard = (3, shard if replicate > 1 else None) if shard > 1 else (0, None)
     if cp > 1:
         notes.append(f"torchtitan shards the weights (FSDP) over the {cp} context-parallel "
                      f"ranks; fxpar prices them replicated")
@@ -163,7 +161,7 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     stages = with_flags(tuple((base,) * n for n in lengths), tp > 1, tp > 1,
                         pattern_recompute(lengths, pattern, pp))
     config = Configuration(dp, tp, pp, cp, mb, schedule, v, stages,
-                           ends="vocab-tp" if tp > 1 else "auto")
+                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard)
     return Imported("torchtitan", config, seq, batch, zero1, notes, ignored, recompute)
 
 

@@ -197,6 +197,7 @@ def build_hf_from_file(path: str) -> HFCausalLM:
         raise ValueError(f"{path}: transformers {tf.__version__} knows no model_type "
                          f"{model_type!r}" + (f"; did you mean {', '.join(close)}?" if close else
                                               " (e.g. gpt2, llama, mistral, qwen2)"))
+    _check_keys(path, data, tf.CONFIG_MAPPING[model_type])
     try:
         config = tf.AutoConfig.for_model(**data)
     except Exception as err:  # noqa: BLE001 - transformers raises assorted types for bad fields
@@ -210,6 +211,29 @@ def build_hf_from_file(path: str) -> HFCausalLM:
     except Exception as err:  # noqa: BLE001 - as above, while building the modules
         raise ValueError(f"{path}: transformers cannot build the model: {_one_line(err)}") \
             from None
+
+
+# Keys of published config.json files that transformers converts rather than declares.
+_CONVERTED_KEYS = {"torch_dtype", "rope_theta", "rope_scaling", "transformers_version",
+                   "architectures", "_name_or_path", "auto_map"}
+
+
+def _check_keys(path: str, data: dict, cls) -> None:
+    """A key the config class does not know would be kept as a stray attribute while the model
+    is built from the default it meant to change (`num_hidden_layer`: 32 layers, silently)."""
+    tf = _transformers()
+    known = (set(inspect.signature(cls.__init__).parameters) | set(cls().to_dict())
+             | set(getattr(cls, "attribute_map", {}) or {}) | set(tf.PretrainedConfig().to_dict())
+             | _CONVERTED_KEYS)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        more = f"; {len(unknown) - 1} more unknown: {', '.join(unknown[1:4])}" if unknown[1:] \
+            else ""
+        raise ValueError(f"{path}: {key!r} is not a field of transformers' {cls.__name__}"
+                         f"{hint}: the model would be built with its default instead{more}")
 
 
 def _one_line(err: Exception, limit: int = 300) -> str:

@@ -28,8 +28,12 @@ def alternatives_table(plans: list[Plan]) -> str:
 
 
 def binding_constraint(plan: Plan) -> str:
-    """What limits the winner: memory (near the cap), the pipeline bubble, or communication."""
+    """What limits the winner: memory (over or near the cap), the pipeline bubble, or
+    communication."""
     p = plan.predicted
+    if p.peak_memory_bytes > plan.memory_limit_bytes:
+        return (f"memory: it does not fit, needing {gib(p.peak_memory_bytes, up=True)} of "
+                f"{gib(plan.memory_limit_bytes)} GiB per device")
     if p.bubble_s + p.comm_s < 0.05 * p.iteration_s:
         return (f"compute: {p.compute_s / p.iteration_s:.1%} of the iteration is computation; "
                 f"neither memory, bubble nor communication holds it back")
@@ -51,9 +55,13 @@ def next_best(plans: list[Plan]) -> str:
         return "no other configuration fits"
     a, b = plans[0].predicted, plans[1].predicted
     memory = a.peak_memory_bytes - b.peak_memory_bytes
-    return (f"the next best ({_mesh(plans[1])}) is {(b.iteration_s / a.iteration_s - 1):.1%} "
-            f"slower; it {'saves' if memory > 0 else 'needs'} {gib(abs(memory))} GiB per device "
-            f"{'against' if memory > 0 else 'more than'} the winner, with bubble "
+    slower = b.iteration_s / a.iteration_s - 1
+    speed = (f"is {slower:.1%} slower" if slower >= 5e-4 else
+             "ties with the winner in time" + (f" ({slower:.2g} slower)" if slower else ""))
+    held = (f"{'saves' if memory > 0 else 'needs'} {gib(abs(memory))} GiB per device "
+            f"{'against' if memory > 0 else 'more than'} the winner"
+            if gib(abs(memory)) != gib(0) else "needs the same memory per device")
+    return (f"the next best ({_mesh(plans[1])}) {speed}; it {held}, with bubble "
             f"{b.bubble_fraction:.3f} vs {a.bubble_fraction:.3f} and exposed communication "
             f"{b.comm_s:.4g} s vs {a.comm_s:.4g} s")
 
@@ -93,10 +101,17 @@ def _label(key: str) -> str:
 def _fmt(x, key: str = "") -> str:
     if key == "peak_memory_bytes":
         return gib(x)
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
+    if isinstance(x, float):
+        return "0" if abs(x) < _NEGLIGIBLE else f"{x:.4g}"
+    return str(x)
+
+
+_NEGLIGIBLE = 1e-12  # seconds or fractions below this are rounding left by a subtraction
 
 
 def _change(x, y) -> str:
-    if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x:
-        return f"{(y / x - 1) * 100:+.1f}%"
-    return ""
+    if not (isinstance(x, (int, float)) and isinstance(y, (int, float))):
+        return ""
+    if abs(x) < _NEGLIGIBLE:
+        return "from 0" if abs(y) >= _NEGLIGIBLE else ""
+    return f"{(y / x - 1) * 100:+.1f}%"

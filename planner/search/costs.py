@@ -81,6 +81,7 @@ class ModelCosts:
             (k, 1): profile_layer(captured, layer) for k, layer in enumerate(self.kinds)}
         self._profiles: dict[int, LayerProfile] = {1: self._kind_profiles[0, 1]}
         self.tp_errors: dict[int, str] = {}
+        self.vocab_errors: dict[int, str] = {}  # tp -> why the ends are not vocabulary-parallel
         # The search asks for the same prices once per mesh and schedule. Per-instance caches:
         # they go with the ModelCosts instead of keeping every instance alive.
         self._price = lru_cache(maxsize=None)(self._price_uncached)
@@ -209,7 +210,8 @@ class ModelCosts:
         layer = next(l for l in self.captured.layers if l.kind == kind)
         try:
             return profile_layer(self.captured, layer, tp)
-        except ShardingError:
+        except ShardingError as err:
+            self.vocab_errors[tp] = str(err)
             return None
 
     def _vocab_ends_uncached(self, micro_batch: int, cluster: Cluster, cp: int, tp: int) -> tuple:
@@ -279,6 +281,11 @@ class ModelCosts:
         """Bytes a stage boundary carries: the largest block output of any kind."""
         return max(p.output_bytes * micro_batch / p.batch
                    for (_, tp), p in self._kind_profiles.items() if tp == 1)
+
+    def param_count(self) -> int:
+        """Every parameter of the model, unsharded (each block kind times its count)."""
+        blocks = sum(self._kind_profiles[k, 1].params * n for k, n in self.runs)
+        return int(blocks + sum(p.params for p in self.ends.values()))
 
     def flops_per_sample(self) -> float:
         """Model FLOPs (forward + backward, no recompute) of one sample."""

@@ -83,6 +83,9 @@ class Plan:
     ep: int = 1                        # expert-parallel ranks (carved from dp x cp) per MoE layer
     zero: int = 0                      # sharded data parallel level 0-3 (runtime.data_parallel.sharded_dp)
     dp_shard: int | None = None        # dp ranks per shard group (hybrid sharding); None: all
+    params: int = 0                    # the model's parameters (all of them, unsharded)
+    sizes_from: str = ""               # where seq and global batch came from
+    sequences: bool = True             # False: inputs are not sequences (rates in samples/s)
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -156,6 +159,11 @@ class Plan:
                        "notes": tuple(data.pop("notes", ())),
                        "timing": dict(data.get("timing") or {})})
 
+    def _rate(self) -> str:
+        if self.sequences:
+            return f"{self.predicted.tokens_per_s:,.0f} tokens/s"
+        return f"{self.predicted.tokens_per_s / max(self.seq, 1):,.1f} samples/s"
+
     def __str__(self) -> str:
         p = self.predicted
         head = [
@@ -165,9 +173,14 @@ class Plan:
             f"{f' (ep={self.ep} of dp x cp)' if self.ep > 1 else ''}{self._zero_text()}"
             f"   schedule {self.schedule}"
             f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}   "
-            f"global batch {self.global_batch} = dp {self.dp} x {self.num_microbatches} "
-            f"micro-batches x {self.micro_batch}   seq {self.seq}",
+            f"global batch {self.global_batch} = dp {self.dp} x "
+            f"{plural(self.num_microbatches, 'micro-batch')} x {self.micro_batch}"
+            f"{f'   seq {self.seq}' if self.sequences else ''}",
         ]
+        if self.params or self.sizes_from:
+            head.append("   ".join(filter(None, (
+                f"model {_count(self.params)} parameters" if self.params else "",
+                self.sizes_from))))
         unit, scale = ("GiB", GiB) if p.peak_memory_bytes >= GiB else ("MiB", 2**20)
         rows = [[f"{s} (rank {s % self.pp})" if self.virtual_stages > 1 else s, _span(st.layers), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
                  *(_size(b, scale) for b in (st.param_bytes, st.optimizer_bytes,
@@ -184,7 +197,7 @@ class Plan:
             f"   bubble fraction "
             f"{max(p.bubble_fraction, 0.0):.3f}",
             f"peak memory/device {_size(p.peak_memory_bytes, scale)} {unit} of "
-            f"{_size(self.memory_limit_bytes, scale)} {unit}   {p.tokens_per_s:,.0f} tokens/s   "
+            f"{_size(self.memory_limit_bytes, scale)} {unit}   {self._rate()}   "
             f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU",
         ]
         if self.solver:
@@ -193,6 +206,19 @@ class Plan:
                         + (f", {seconds:.2f} s" if seconds is not None else ""))
         tail += [f"note: {n}" for n in self.notes]
         return "\n".join(head + [table] + tail)
+
+
+def plural(n: int, word: str) -> str:
+    """'1 stage', '2 stages', '1 micro-batch'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _count(n: int) -> str:
+    """7.62B, 124M, 36.1K: a parameter count in three digits."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
 
 
 def _predicted(data: dict) -> Predicted:

@@ -37,6 +37,8 @@ class Request:
     time_limit_s: float = 1.0      # per ILP: a stopped search reports its plan with the gap
     schedules: tuple[tuple[str, int], ...] = SCHEDULES
     cutoff_s: float = math.inf     # plans no faster than this are not wanted (expert_search)
+    sizes_from: str = ""           # where seq and global batch came from (the plan states it)
+    sequences: bool = True         # False: inputs are not sequences, the plan counts samples
 
 
 @dataclass(frozen=True)
@@ -151,12 +153,14 @@ def runtime_terms(option, cost, req: Request, c: Candidate):
     return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
 
 
-def transient_bytes(costs: ModelCosts, req: Request, c: Candidate) -> float:
+def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None) -> float:
     """Whole-sized buffers of one or two layers that ZeRO levels 2-3 hold for a moment
-    (cost_model.layers.sharding.transient_bytes), for the largest layers the candidate may have."""
+    (cost_model.layers.sharding.transient_bytes), for the largest layers the candidate may have
+    (`blocks`: the LayerCosts of a stated layout, else every block option of the request)."""
     if c.zero < 2:
         return 0.0
-    layers = [cost.params for cost in block_costs(costs, req, c.tp, c.micro_batch, c.cp)]
+    blocks = blocks if blocks is not None else block_costs(costs, req, c.tp, c.micro_batch, c.cp)
+    layers = [cost.params for cost in blocks]
     layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
                                                        tp=c.tp)]
     t = costs.training

@@ -44,7 +44,8 @@ def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts, transient),
                 costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
-                dp_shard=cand.dp_shard or None)
+                dp_shard=cand.dp_shard or None, params=costs.param_count(),
+                sizes_from=req.sizes_from, sequences=req.sequences)
     if req.cluster.runtime_priced:  # the whole step simulated on shared cores
         plan = replace(plan, predicted=simulated(plan, req.cluster, req.global_batch *
                                                  costs.flops_per_sample()))
@@ -77,7 +78,8 @@ def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
     comm_per_mb += sum(ilp._p2p(problem, s) for s in problem.stages_of(busiest))
     busy = m * parts.rank_s[busiest]
     iteration = parts.iteration_s
-    bubble = max(iteration - busy - parts.sync_s, 0.0)  # rounding can leave -1e-19
+    bubble = iteration - busy - parts.sync_s
+    bubble = bubble if bubble > 1e-9 * iteration else 0.0  # rounding leaves ±1e-16
     flops = req.global_batch * costs.flops_per_sample()
     syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1],
                                  parts.rank_s[r]) + problem.tie_time(r)
