@@ -19,6 +19,7 @@ from planner.models.loss import with_loss
 from planner.models.moe_config import captured_config, preset_runs
 from planner.weights.materialize import capture_inputs, give_values, value_source
 from planner.models.presets import ModelConfig, build_model, get_config
+from planner.models.structure import structure_notes
 from planner.search.plan import GiB, Plan, gib
 from planner.search.costs import ModelCosts, PlanningError
 from planner.search.refusals import why_nothing_plans
@@ -165,8 +166,9 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 and sequences else 1
     dtype_bytes = next(model.parameters()).element_size()
     training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
-    return (ModelCosts(captured, len(captured.blocks), dtype_bytes, training),
-            getattr(model, "fxpar_name", type(model).__name__), batch, seq)
+    costs = ModelCosts(captured, len(captured.blocks), dtype_bytes, training)
+    costs.structure_notes = structure_notes(model, costs.block_prefix)
+    return costs, getattr(model, "fxpar_name", type(model).__name__), batch, seq
 
 
 class ParallelModel:

@@ -12,6 +12,7 @@ the warning says so, once per op and process (`UnpricedOpWarning`, a UserWarning
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Mapping
 
@@ -22,6 +23,7 @@ from cost_model.ops import graph_facts as g
 from cost_model.ops.graph_facts import OpCost
 
 _WARNED: set[str] = set()
+_RECORDING: list[set[str]] = []  # open `recording()` contexts, innermost last
 
 
 class UnpricedOpWarning(UserWarning):
@@ -31,12 +33,26 @@ class UnpricedOpWarning(UserWarning):
 def priced(node: Node, modules: Mapping[str, nn.Module], what: str) -> OpCost:
     """The fallback cost of `node`; `what` is the line naming it (node, target, module)."""
     key = what.split(": ", 1)[-1].split(" in module ")[0]  # the op, not the node
+    for seen in _RECORDING:
+        seen.add(key)
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(f"{what}: priced as memory-bound (reads its inputs, writes its outputs, "
                       f"keeps its inputs for backward); add a rule in cost_model.ops.rules if it "
                       f"is compute-bound", UnpricedOpWarning, stacklevel=3)
     return cost(node, modules)
+
+
+@contextlib.contextmanager
+def recording():
+    """The ops priced by this fallback inside the block (every time, not once per process as
+    the warning): a plan names them."""
+    seen: set[str] = set()
+    _RECORDING.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDING.remove(seen)
 
 
 def cost(node: Node, modules: Mapping[str, nn.Module]) -> OpCost:

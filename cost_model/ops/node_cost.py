@@ -54,6 +54,10 @@ _RULES: dict[str, Rule] = {
     "embedding": r.embedding,
     "cross_entropy": r.cross_entropy,
     "nll_loss": r.nll_loss,
+    # regression losses are memory-bound: read both inputs, write one value (the fallback's
+    # pricing, which is right for them, without its warning)
+    **dict.fromkeys(("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"),
+                    lambda call: op_fallback.cost(call.node, call.modules)),
     **dict.fromkeys(t.POINTWISE, t.pointwise),
     **dict.fromkeys(g.ALWAYS_VIEWS | g.VIEWS_IF_CONTIGUOUS | t.COPIES, t.view),
     "getitem": t.view,

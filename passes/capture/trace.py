@@ -61,10 +61,19 @@ class Captured:
         return tuple(layer for layer in self.layers if layer.kind == "block")
 
 
+# torch.nn modules that symbolic_trace keeps as single calls (leaves) though they hold linears
+# and attention: torch.export traces them into the ops the cost model and the rewrites know
+_FUSED_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                  torch.nn.TransformerDecoderLayer)
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     """Trace `model` and propagate fake shapes of `example_inputs` through it."""
     block_prefix = _block_list_name(model)
+    fused = next((m for m in model.modules() if isinstance(m, _FUSED_MODULES)), None)
     try:
+        if fused is not None:  # symbolic_trace keeps them whole (leaves no rule prices)
+            raise CaptureError(f"{type(fused).__name__} is traced into its ops by torch.export")
         gm, method = fx.symbolic_trace(model), "symbolic_trace"
     except Exception as trace_error:  # noqa: BLE001 - fall back to export, report both if it fails
         gm, method = _export(model, example_inputs, trace_error), "export"

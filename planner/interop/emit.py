@@ -555,16 +555,11 @@ def default_csv_path(plan: Plan) -> str:
 
 def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = None,
          zero1: bool = False, csv_path: str | None = None) -> tuple[str, str | None]:
-    """(text, CSV text or None) of `plan` for `target` ("torchtitan" or "megatron")."""
+    """(text, CSV text or None) of `plan` for `target` ("torchtitan" or "megatron"), not read
+    back (planner.interop.round_trip.emit_checked reads it back)."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
-    expressed = nearest(target, plan, pricer_factory)
-    text, table = write(target, plan, expressed, facts, zero1, csv_path)
-    if expressed.exact and facts is not None:  # read it back: exact only if it prices the plan
-        from planner.interop.round_trip import read_back
-        expressed.round_trip = read_back(target, text, plan, pricer_factory(), facts)
-        text, table = write(target, plan, expressed, facts, zero1, csv_path)
-    return text, table
+    return write(target, plan, nearest(target, plan, pricer_factory), facts, zero1, csv_path)
 
 
 def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | None,
@@ -574,18 +569,3 @@ def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | Non
     if target == "megatron":
         return megatron(plan, expressed, facts, zero1), None
     return torchtitan(plan, expressed, csv_path, zero1)
-
-
-def cmd_emit(args) -> int:
-    """`fxpar plan --emit TARGET`: the plan `fxpar plan` prints for the same arguments, as the
-    target's configuration. The output is read back (--from-megatron / --from-torchtitan) and
-    priced: "expressed exactly" only where that prices the very same plan."""
-    pricer, facts = pricer_of_args(args)
-    plan = pricer.best(fix=args.fix)[0]
-    csv_path = args.emit_csv or default_csv_path(plan)
-    text, table = emit(args.emit, plan, lambda: pricer, facts, args.zero1, csv_path)
-    if table is not None:
-        with open(csv_path, "w", encoding="utf-8") as f:
-            f.write(table)
-    print(text)
-    return 0

@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import cmd_emit, model_of_args, pricer_of_args
+from planner.interop.emit import model_of_args, pricer_of_args
+from planner.interop.round_trip import cmd_emit
 from planner.report.explain import binding_constraint, diff, explain
 from planner.interop.from_megatron import megatron_configuration
 from planner.interop.from_torchtitan import torchtitan_configuration

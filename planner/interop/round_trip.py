@@ -7,14 +7,42 @@ import os
 import tempfile
 
 from planner.interop.configuration import Configuration
+from planner.interop.emit import (ModelFacts, default_csv_path, nearest, pricer_of_args,
+                                  write)
+from planner.interop.from_megatron import megatron_configuration
+from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.search.plan import Plan
+
+
+def emit_checked(target: str, plan: Plan, pricer, facts: ModelFacts, zero1: bool = False,
+                 csv_path: str | None = None) -> tuple[str, str | None]:
+    """planner.interop.emit.emit, read back where it claims to be exact: the header then says
+    whether the output prices the very plan, or what differs."""
+    expressed = nearest(target, plan, lambda: pricer)
+    text, table = write(target, plan, expressed, facts, zero1, csv_path)
+    if expressed.exact:
+        expressed.round_trip = read_back(target, text, plan, pricer, facts)
+        text, table = write(target, plan, expressed, facts, zero1, csv_path)
+    return text, table
+
+
+def cmd_emit(args) -> int:
+    """`fxpar plan --emit TARGET`: the plan `fxpar plan` prints for the same arguments, as the
+    target's configuration, read back before it says "expressed exactly"."""
+    pricer, facts = pricer_of_args(args)
+    plan = pricer.best(fix=args.fix)[0]
+    csv_path = args.emit_csv or default_csv_path(plan)
+    text, table = emit_checked(args.emit, plan, pricer, facts, args.zero1, csv_path)
+    if table is not None:
+        with open(csv_path, "w", encoding="utf-8") as f:
+            f.write(table)
+    print(text)
+    return 0
 
 
 def read_back(target: str, text: str, plan: Plan, pricer, facts) -> str:
     """'' where the emitted `text`, imported for `pricer`'s request and priced, is `plan`'s
     configuration; otherwise what differs (field: emitted plan -> read back)."""
-    from planner.interop.from_megatron import megatron_configuration
-    from planner.interop.from_torchtitan import torchtitan_configuration
     try:
         if target == "megatron":
             imp = megatron_configuration(text, facts, pricer.gpus, pricer.seq,

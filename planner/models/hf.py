@@ -213,9 +213,11 @@ def build_hf_from_file(path: str) -> HFCausalLM:
             from None
 
 
-# Keys of published config.json files that transformers converts rather than declares.
+# Keys of published config.json files that transformers converts rather than declares, and
+# the maximum positions fxpar reads for the default sequence length of any family.
 _CONVERTED_KEYS = {"torch_dtype", "rope_theta", "rope_scaling", "transformers_version",
-                   "architectures", "_name_or_path", "auto_map"}
+                   "architectures", "_name_or_path", "auto_map", "max_position_embeddings",
+                   "n_positions", "seq_length"}
 
 
 def _check_keys(path: str, data: dict, cls) -> None:
@@ -225,7 +227,9 @@ def _check_keys(path: str, data: dict, cls) -> None:
     known = (set(inspect.signature(cls.__init__).parameters) | set(cls().to_dict())
              | set(getattr(cls, "attribute_map", {}) or {}) | set(tf.PretrainedConfig().to_dict())
              | _CONVERTED_KEYS)
-    unknown = sorted(set(data) - known)
+    # (a public name of a private field, as transformers writes Gemma 3's pattern, is its own)
+    unknown = sorted(k for k in set(data) - known
+                     if f"_{k}" not in known and not _has_effect(tf, data, k))
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -234,6 +238,19 @@ def _check_keys(path: str, data: dict, cls) -> None:
             else ""
         raise ValueError(f"{path}: {key!r} is not a field of transformers' {cls.__name__}"
                          f"{hint}: the model would be built with its default instead{more}")
+
+
+def _has_effect(tf, data: dict, key: str) -> bool:
+    """Whether `key`, undeclared, still changes the config (a legacy name its constructor reads
+    from **kwargs, as Gemma 3's sliding_window_pattern), rather than being kept as a stray."""
+    def fields(d):
+        try:
+            out = tf.AutoConfig.for_model(**d).to_dict()
+        except Exception:  # noqa: BLE001 - a config transformers rejects: said when it is built
+            return None
+        out.pop(key, None)
+        return out
+    return fields(data) != fields({k: v for k, v in data.items() if k != key})
 
 
 def _one_line(err: Exception, limit: int = 300) -> str:

@@ -7,6 +7,7 @@ from functools import cached_property, lru_cache
 import torch
 
 from cost_model.hardware.cluster import Cluster
+from cost_model.ops import fallback as op_fallback
 from cost_model.layers.layer_cost import LayerCost, LayerProfile, price, profile_layer
 from cost_model.layers.memory import TrainingMemory
 from cost_model.layers.sharding import Sharding
@@ -74,11 +75,14 @@ class ModelCosts:
         self.training = training or TrainingMemory.for_dtype(dtype_bytes)
         self.block = captured.blocks[0]
         self.block_prefix = self.block.name.rsplit(".", 1)[0]
-        self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
-                     if l.kind != "block"}
-        # (kind, tp) -> the block of that kind rewritten for tp; kind 0 also under the key tp
-        self._kind_profiles: dict[tuple[int, int], LayerProfile] = {
-            (k, 1): profile_layer(captured, layer) for k, layer in enumerate(self.kinds)}
+        with op_fallback.recording() as unpriced:
+            self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
+                         if l.kind != "block"}
+            # (kind, tp) -> the block of that kind rewritten for tp; kind 0 also under key tp
+            self._kind_profiles: dict[tuple[int, int], LayerProfile] = {
+                (k, 1): profile_layer(captured, layer) for k, layer in enumerate(self.kinds)}
+        self.unpriced = tuple(sorted(unpriced))  # ops priced without a rule (the plan says so)
+        self.structure_notes: tuple[str, ...] = ()  # what the capture could not follow
         self._profiles: dict[int, LayerProfile] = {1: self._kind_profiles[0, 1]}
         self.tp_errors: dict[int, str] = {}
         self.vocab_errors: dict[int, str] = {}  # tp -> why the ends are not vocabulary-parallel
@@ -302,4 +306,9 @@ class ModelCosts:
         if len(self.kinds) > 1:
             notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
                          f"contiguous stages: {describe(self.captured.blocks)}")
-        return tuple(notes)
+        if self.unpriced:
+            notes.append(f"priced as memory-bound, without a cost rule (their time may be "
+                         f"underestimated): {'; '.join(self.unpriced[:4])}"
+                         + (f" and {len(self.unpriced) - 4} more" if len(self.unpriced) > 4
+                            else ""))
+        return tuple(notes) + self.structure_notes

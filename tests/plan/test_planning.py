@@ -23,7 +23,7 @@ def test_gpt3_on_1024_a100s_fits_and_uses_model_parallelism(gpt3_plan):
         "175B parameters fit one device group only pipelined or sharded (ZeRO-3)"
     assert p.predicted.peak_memory_bytes <= 80e9
     assert sum(len(s.layers) for s in p.stages) == 96 + 2
-    assert 0 < p.predicted.bubble_fraction < 1
+    assert 0 <= p.predicted.bubble_fraction < 1
     # Megatron reports ~140 model TFLOP/s per A100 at this scale; a sane model lands near it.
     assert 50 < p.predicted.tflops_per_gpu < 312
 

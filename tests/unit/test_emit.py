@@ -30,6 +30,7 @@ import pytest
 
 from planner.cli import main
 from planner.interop.emit import emit, facts_of_config, nearest, schedule_csv
+from planner.interop.round_trip import emit_checked
 from planner.interop.from_megatron import megatron_configuration, parse_layout, read_megatron_flags
 from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.models.presets import get_config
@@ -144,7 +145,7 @@ def test_megatron_round_trip_prices_the_same_configuration(gpt3):
     plan is expressible (1F1B fixed), exactly the plan's own time."""
     pricer, plan, facts = gpt3
     expressible = pricer.best(fix={"schedule": "1f1b", "strategy": "tp+sp"})[0]
-    text, _ = emit("megatron", expressible, lambda: pricer, facts)
+    text, _ = emit_checked("megatron", expressible, pricer, facts)
     assert "the same (expressed exactly: read back, it prices this very plan)" in text
     imported = megatron_configuration(text, facts, 1024)
     assert imported.config == Configuration.of(expressible)

@@ -213,3 +213,57 @@ def test_zero_ties_and_misfits_in_clean_words():
     from dataclasses import replace
     squeezed = replace(chosen, memory_limit_bytes=chosen.predicted.peak_memory_bytes / 2)
     assert binding_constraint(squeezed).startswith("memory: it does not fit")
+
+
+class _EncoderDecoder(torch.nn.Module):
+    """nn.TransformerEncoderLayer / DecoderLayer: torch's fused modules, two lists of layers."""
+
+    def __init__(self, vocab=64, hidden=32, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.enc = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(
+            hidden, 4, 64, dropout=0.0, batch_first=True) for _ in range(layers))
+        self.dec = torch.nn.ModuleList(torch.nn.TransformerDecoderLayer(
+            hidden, 4, 64, dropout=0.0, batch_first=True) for _ in range(layers))
+        self.out = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, src, tgt):
+        memory = self.embed(src)
+        for layer in self.enc:
+            memory = layer(memory)
+        x = self.embed(tgt)
+        for layer in self.dec:
+            x = layer(x, memory)
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), tgt.flatten())
+
+
+def test_what_the_plan_cannot_see_it_says():
+    import warnings
+    from cost_model.ops.fallback import UnpricedOpWarning
+    batch = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnpricedOpWarning)  # fused modules priced by their ops
+        chosen = plan(_EncoderDecoder(), 4, batch, cluster="cpu-gloo")[0]
+    note = next(n for n in chosen.notes if n.startswith("only enc is split"))
+    assert "dec (2 x TransformerDecoderLayer)" in note
+    block = next(st for st in chosen.stages if any(l.startswith("enc.") for l in st.layers))
+    assert block.time_s > 0
+
+
+class _Unpriced(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.special.erfcx(block(h))  # no cost rule
+        return torch.nn.functional.cross_entropy(h.flatten(0, 1), y.flatten() % 8)
+
+
+def test_ops_priced_without_a_rule_are_named_in_the_plan():
+    batch = (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))
+    chosen = plan(_Unpriced(), 2, batch, cluster="cpu-gloo")[0]
+    assert any("without a cost rule" in n and "erfcx" in n for n in chosen.notes), chosen.notes
