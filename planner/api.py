@@ -319,12 +319,13 @@ def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, examp
                     memory_limit: float | None = None, fix: dict | None = None,
                     optimizer: Callable | None = None,
                     loss_fn: Callable | None = None, weights: str | None = None,
-                    seed: int = 0) -> ParallelModel:
+                    seed: int = 0, sequence_dim: int | None = 1) -> ParallelModel:
     """Plan `model` for `gpus` devices (memory_limit: GiB per device, as for `plan`). Outside a
     distributed launch this only plans; inside one (world size must equal gpus) rank 0's plan is
     shared so every rank shards the same way. weights: a Hugging Face checkpoint directory each
     rank reads its own slices of (planner.weights.hf_weights); a model on the meta device without weights
-    is initialised per shard by planner.weights.materialize's plan-independent rule from `seed`."""
+    is initialised per shard by planner.weights.materialize's plan-independent rule from `seed`.
+    sequence_dim: as for `plan` (None: the inputs are not sequences)."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
     if dist.is_initialized() and dist.get_world_size() != gpus:
@@ -333,7 +334,7 @@ def autoparallelize(model: str | ModelConfig | torch.nn.Module, gpus: int, examp
     plans = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         plans = plan(model, gpus, example_inputs, cluster=cluster, global_batch=global_batch,
-                     memory_limit=memory_limit, fix=fix)
+                     memory_limit=memory_limit, fix=fix, sequence_dim=sequence_dim)
     if dist.is_initialized():
         box = [[p.dumps() for p in plans] if plans else None]
         dist.broadcast_object_list(box, src=0)

@@ -168,8 +168,21 @@ def _node_where(node: fx.Node) -> str:
 
 
 def _first_line(err: BaseException) -> str:
-    message = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {message[0] if message else ''}"
+    return f"{type(err).__name__}: {_clean(str(err))}"
+
+
+# Where torch's own messages turn to its debugging tools: cut there
+_TORCH_NOISE = ("Original traceback:", "Use tlparse", "For more information",
+                "(https://", "Set TORCH_LOGS", "from user code:")
+
+
+def _clean(message: str) -> str:
+    """A torch error's first sentence, without the pointers to torch's debugging tools."""
+    line = " ".join(message.split())
+    for noise in _TORCH_NOISE:
+        line = line.split(noise)[0]
+    line = line.strip(" .:") or "(no message)"
+    return line if len(line) <= 300 else line[:299] + "…"
 
 
 def _hint(err: BaseException) -> str:
@@ -212,7 +225,7 @@ def _where(err: BaseException, root: torch.nn.Module) -> str:
         if id(owner) in names:
             module = names[id(owner)]
             line = linecache.getline(frame.f_code.co_filename, lineno).strip() or None
-    message = str(err).splitlines()[0] if str(err) else ""
+    message = _clean(str(err)) if str(err) else ""
     parts = [f"in module '{module}'" if module else None,
              f"at operation `{line}`" if line else None, f"{type(err).__name__}: {message}"]
     return ", ".join(p for p in parts if p)

@@ -417,8 +417,10 @@ class _Flow:
     def _split(self, node, src, d) -> None:
         dim = _arg(node, 2, "dim", 0) % _val(src).dim()
         if dim == d and node not in self.fused_splits and not self._of_whole(src):
-            self.fail(node, "splits the sharded dimension (only the split of a fused "
-                            "projection right after its linear is cut per rank)")
+            self.fail(node, f"splits the sharded dimension of {src.name} "
+                            f"({op_name(self.gm, src)}); a split is cut per rank only where it "
+                            f"reads a linear's output itself (a fused projection): split before "
+                            f"any view or other op, then reshape the parts")
         if self._of_whole(src):
             self.whole_heads.add(node)
         self.dim[node] = d

@@ -220,7 +220,10 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
             config = replace(config, schedule="1f1b", v=1)
             notes.append(f"{label} has no {plan.schedule} schedule; nearest: 1f1b")
     elif plan.schedule != "1f1b":
-        config = replace(config, schedule="1f1b")  # without a pipeline every schedule is one
+        config = replace(config, schedule="1f1b")
+        notes.append(f"without a pipeline {label} runs a plain step; fxpar priced its "
+                     f"{plan.schedule} there (its own runtime's form of the backward); "
+                     f"nearest: 1f1b")
     if plan.tp > 1 and config.ends != "vocab-tp":
         config = replace(config, ends="vocab-tp")
         notes.append(f"fxpar keeps the embedding and head replicated at tp={plan.tp}; {label} "

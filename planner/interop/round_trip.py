@@ -21,7 +21,7 @@ def emit_checked(target: str, plan: Plan, pricer, facts: ModelFacts, zero1: bool
     expressed = nearest(target, plan, lambda: pricer)
     text, table = write(target, plan, expressed, facts, zero1, csv_path)
     if expressed.exact:
-        expressed.round_trip = read_back(target, text, plan, pricer, facts)
+        expressed.round_trip = read_back(target, text, plan, pricer, facts, table, csv_path)
         text, table = write(target, plan, expressed, facts, zero1, csv_path)
     return text, table
 
@@ -40,25 +40,34 @@ def cmd_emit(args) -> int:
     return 0
 
 
-def read_back(target: str, text: str, plan: Plan, pricer, facts) -> str:
-    """'' where the emitted `text`, imported for `pricer`'s request and priced, is `plan`'s
-    configuration; otherwise what differs (field: emitted plan -> read back)."""
+def read_back(target: str, text: str, plan: Plan, pricer, facts, table: str | None = None,
+              csv_path: str | None = None) -> str:
+    """'' where the emitted `text` (and its schedule CSV `table`), imported for `pricer`'s
+    request and priced, is `plan`'s configuration; otherwise what differs (field: emitted plan
+    -> read back)."""
     try:
-        if target == "megatron":
-            imp = megatron_configuration(text, facts, pricer.gpus, pricer.seq,
-                                         pricer.global_batch)
-        else:
-            with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-                f.write(text)
-            try:
-                imp = torchtitan_configuration(f.name, facts, pricer.gpus, pricer.seq,
-                                               pricer.global_batch)
-            finally:
-                os.unlink(f.name)
-        back = pricer.price(imp.config).plan
+        back = pricer.price(read(target, text, pricer, facts, table, csv_path).config).plan
     except ValueError as err:
         return f"it is refused ({err})"
     return differences(plan, back)
+
+
+def read(target: str, text: str, pricer, facts, table: str | None = None,
+         csv_path: str | None = None):
+    """The emitted configuration as `--from-megatron` / `--from-torchtitan` read it (a TOML's
+    schedule CSV written beside it, under the name the TOML gives)."""
+    if target == "megatron":
+        return megatron_configuration(text, facts, pricer.gpus, pricer.seq, pricer.global_batch)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "job.toml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        if table is not None:
+            with open(os.path.join(folder, os.path.basename(csv_path or "schedule.csv")), "w",
+                      encoding="utf-8") as f:
+                f.write(table)
+        return torchtitan_configuration(path, facts, pricer.gpus, pricer.seq,
+                                        pricer.global_batch)
 
 
 def differences(plan: Plan, back: Plan) -> str:

@@ -209,8 +209,10 @@ class Plan:
 
 
 def plural(n: int, word: str) -> str:
-    """'1 stage', '2 stages', '1 micro-batch'."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+    """'1 stage', '2 stages', '1 micro-batch', '2 micro-batches'."""
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}{'es' if word.endswith(('ch', 'sh', 's', 'x')) else 's'}"
 
 
 def _count(n: int) -> str:

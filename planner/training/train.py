@@ -17,6 +17,8 @@ metrics). Every `eval.every` steps the validation loss goes forward only through
 """
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import math
 import os
@@ -279,6 +281,10 @@ def run(config, log=print) -> dict:
                    plan_json=plan.to_json(timing=False), model=spec.name, **start_fields)
     evaluator = Evaluator(trainer) if config.eval.every or config.eval.at_end else None
     schedule = LRSchedule.of(config)
+    if resumed:
+        changed = schedule_change(info, schedule, resumed)
+        if changed:
+            say(changed)
     root = config.checkpoint_dir
     saved_at = resumed
     clock = Clock()
@@ -332,11 +338,27 @@ def run(config, log=print) -> dict:
     return summary
 
 
+def schedule_change(info: dict, schedule: LRSchedule, step: int) -> str | None:
+    """What a resumed run's learning rate does from the checkpoint's step on, where its schedule
+    is not the one the checkpoint trained under (more steps stretch a decay run to the last)."""
+    saved = (info.get("extra") or {}).get("lr_schedule")
+    if not saved or LRSchedule(**saved) == schedule:
+        return None
+    old = LRSchedule(**saved)
+    hint = (f"; set lr_schedule.decay_steps = {old.decay_steps} to go on with the old one"
+            if old.decay_steps != schedule.decay_steps else "")
+    return (f"the learning-rate schedule is not the one the checkpoint trained under (decay "
+            f"over {old.decay_steps} steps, now {schedule.decay_steps}): step {step} trained "
+            f"at lr {old(step):.4g}, step {step + 1} now trains at {schedule(step + 1):.4g} "
+            f"(the old schedule: {old(step + 1):.4g}){hint}")
+
+
 def _save(pm, root, step, plan, world, spec, config, say) -> None:
     started = time.perf_counter()
     path = pm.save(checkpoint.step_dir(root, step),
                    extra={"plan": plan.dumps(timing=False), "world_size": world,
-                          "model": spec.name})
+                          "model": spec.name,
+                          "lr_schedule": dataclasses.asdict(LRSchedule.of(config))})
     if dist.get_rank() == 0:
         _prune(root, config.checkpoint.keep)
     say(f"saved checkpoint {path} ({time.perf_counter() - started:.1f} s)")

@@ -4,7 +4,7 @@ safetensors file, under Hugging Face names when the model has them.
 At save time `model_files(model)` describes the model for a later export, as small files rank 0
 writes into the checkpoint folder: `hf-names.json` (fxpar full parameter name -> Hugging Face
 tensor name and whether it is stored transposed, planner.weights.hf_weights.name_map) and, for a Hugging
-Face model, its `config.json`. The export reads every parameter whole in one process (DCP joins
+Face model or a preset, its `config.json`. The export reads every parameter whole in one process (DCP joins
 the pieces of whatever mesh saved them), renames and lays them out as Hugging Face does, and
 writes FILE.safetensors; `config.json` goes beside it when its folder has none, so that
 `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads it.
@@ -27,8 +27,9 @@ class ExportError(ValueError):
 
 
 def model_files(model) -> dict[str, str]:
-    """File name -> text describing `model` for an export: its Hugging Face name map and, for a
-    Hugging Face model, its config (empty for a model with no Hugging Face names)."""
+    """File name -> text describing `model` for an export: its Hugging Face name map and its
+    config (a Hugging Face model's own, a preset's as GPT-2 or Llama); empty for a model with no
+    Hugging Face names."""
     from planner.models.hf import HFCausalLM
     from planner.weights.hf_weights import WeightsError, name_map
     try:
@@ -40,7 +41,32 @@ def model_files(model) -> dict[str, str]:
                                 "aliases": list(names.aliases)}, indent=1)}
     if isinstance(model, HFCausalLM):
         files[CONFIG] = model.model.config.to_json_string()
+    elif getattr(getattr(model, "cfg", None), "experts", 1) == 0:  # a dense preset (GPT-2
+        # or Llama names)
+        files[CONFIG] = json.dumps(preset_config(model.cfg), indent=1)
     return files
+
+
+def preset_config(cfg) -> dict:
+    """The transformers config.json that builds the same model as an fxpar GPT / Llama preset
+    (tests/unit/test_truthful_outputs.py loads an export with it and compares the loss): GPT-2
+    with exact GELU, LayerNorm eps 1e-5 and an unbiased head; Llama with RMSNorm eps 1e-5,
+    rotary base 10000 and no biases."""
+    common = {"vocab_size": cfg.vocab, "tie_word_embeddings": cfg.tie,
+              "bos_token_id": 0, "eos_token_id": 0}
+    if cfg.arch == "gpt":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common,
+                "n_layer": cfg.layers, "n_embd": cfg.hidden, "n_head": cfg.heads,
+                "n_inner": cfg.ffn_hidden, "n_positions": cfg.seq,
+                "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+                "attn_pdrop": cfg.dropout}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **common,
+            "num_hidden_layers": cfg.layers, "hidden_size": cfg.hidden,
+            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads,
+            "intermediate_size": cfg.ffn_hidden, "max_position_embeddings": cfg.seq,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
 
 
 def read_parameters(path: str) -> dict[str, torch.Tensor]:

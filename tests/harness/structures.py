@@ -149,9 +149,11 @@ class UserModel(nn.Module):
 Choose = Callable[[Sequence], object]
 
 
-def build_structure(choose: Choose) -> tuple[Structure, int, dict]:
-    """(structure, gpus, fix) from a sequence of choices, simplest option first."""
-    gpus, fix = choose(PLANS)
+def build_structure(choose: Choose, plan: tuple[int, dict] | None = None
+                    ) -> tuple[Structure, int, dict]:
+    """(structure, gpus, fix) from a sequence of choices, simplest option first; `plan` one of
+    PLANS instead of a choice."""
+    gpus, fix = plan or choose(PLANS)
     tp = fix.get("tp", 1)
     # widths of 8 or more: a norm over fewer features is so ill-conditioned that summation
     # order alone moves gradients past rtol (as in tests.harness.fuzzing)
@@ -163,11 +165,11 @@ def build_structure(choose: Choose) -> tuple[Structure, int, dict]:
     return st, gpus, {"dp": 1, "tp": 1, "pp": 1, "mb": 2, "schedule": "1f1b", **fix}
 
 
-def structures():
-    """The hypothesis strategy of `build_structure`."""
+def structures(plan: tuple[int, dict] | None = None):
+    """The hypothesis strategy of `build_structure` (for one of PLANS, if given)."""
     from hypothesis import strategies as st
 
     @st.composite
     def draw(draw_one):
-        return build_structure(lambda options: draw_one(st.sampled_from(list(options))))
+        return build_structure(lambda options: draw_one(st.sampled_from(list(options))), plan)
     return draw()

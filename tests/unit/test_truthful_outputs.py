@@ -267,3 +267,41 @@ def test_ops_priced_without_a_rule_are_named_in_the_plan():
     batch = (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))
     chosen = plan(_Unpriced(), 2, batch, cluster="cpu-gloo")[0]
     assert any("without a cost rule" in n and "erfcx" in n for n in chosen.notes), chosen.notes
+
+
+@pytest.mark.parametrize("name,tie", [("gpt-tiny", False), ("gpt-tiny", True),
+                                      ("llama-tiny", False), ("llama-tiny", True)])
+def test_a_preset_exports_a_config_json_that_builds_the_same_model(name, tie):
+    """The config.json an export writes beside a preset's weights: transformers builds from it
+    the model that, given those weights under Hugging Face names, computes the same loss."""
+    from planner.models.presets import build_model, example_batch
+    from planner.weights.export import CONFIG, model_files
+    from planner.weights.hf_weights import name_map
+    config = get_config(name, layers=2, tie=tie)
+    torch.manual_seed(0)
+    model = build_model(config)
+    files = model_files(model)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**json.loads(files[CONFIG])))
+    params = dict(model.named_parameters())
+    state = {ref.name: (params[n].t() if ref.transpose else params[n]).detach()
+             for n, ref in name_map(model).entries}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith(("attn.bias", "masked_bias")) or
+                                  (tie and "lm_head" in k) for k in missing), missing
+    tokens, targets = example_batch(config, 4)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+        loss = torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten())
+        torch.testing.assert_close(loss, model(tokens, targets))
+
+
+def test_a_run_extended_past_its_schedule_says_what_its_lr_does():
+    import dataclasses
+    from planner.training.schedule import LRSchedule
+    from planner.training.train import schedule_change
+    old, new = LRSchedule(1e-3, 0, "cosine", 40), LRSchedule(1e-3, 0, "cosine", 80)
+    text = schedule_change({"extra": {"lr_schedule": dataclasses.asdict(old)}}, new, 40)
+    assert "step 41 now trains at 0.00048" in text and "decay_steps = 40" in text
+    assert schedule_change({"extra": {"lr_schedule": dataclasses.asdict(old)}}, old, 40) is None
+    assert schedule_change({"extra": {}}, new, 40) is None  # saved before schedules were kept
