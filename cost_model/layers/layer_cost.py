@@ -200,9 +200,10 @@ _OUTSIDE = "<outside>"  # tag of the stand-ins for the neighbouring layers
 def _sp_collectives(captured: Captured, layer: Layer, tp: int
                     ) -> tuple[tuple[Collective, ...] | None, str | None]:
     """The layer's collectives under tp+sp, read off the real sequence-parallel rewrite of a
-    fresh copy (or None, and the rewrite's reason). Its inputs come through stand-ins for a layer that is not sequence parallel (as
-    the first block's come from the embedding), so the rewrite shards them there; that
-    resharding, like the gather before the output, belongs to the neighbour, as at run time."""
+    fresh copy (or None, and the rewrite's reason). Its inputs come through stand-ins for a
+    layer that is not sequence parallel (as the first block's come from the embedding), so the
+    rewrite shards them there; that resharding, like the gather before the output, belongs to
+    the neighbour, as at run time."""
     sub = _extract(captured, layer)
     layers = {layer.name: _stand_in_neighbours(sub)}
     try:

@@ -84,7 +84,7 @@ class _Walk:
         self.scattered: dict[fx.Node, fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.summed: dict[fx.Node, fx.Node] = {}
-        self.seq: dict[str, tuple | None] = {}  # the shape of each SP layer's output
+        self.out_shape: dict[str, tuple | None] = {}  # each SP layer's output (its stream)
 
     def visit(self, node: fx.Node) -> None:
         if node.op in ("placeholder", "get_attr"):
@@ -154,12 +154,14 @@ class _Walk:
         as its output: the hidden state), to be split along the sequence as it enters. Any other
         - a conditioning vector every block reads, rotary tables, a cross-attention context -
         enters whole and meets the sequence shards only where _align takes it."""
-        if layer not in self.seq:
+        if layer not in self.out_shape:
+            def leaves(n):  # a node of the layer read outside it
+                return any(u.op == "output" or u.meta.get(LAYER) != layer for u in n.users)
             outs = (n.meta.get("val") for n in self.gm.graph.nodes if n.meta.get(LAYER) == layer
-                    and n.op not in ("placeholder", "get_attr") and any(u.op == "output" or u.meta.get(LAYER) != layer for u in n.users))
-            self.seq[layer] = next((tuple(v.shape) for v in outs if isinstance(
+                    and n.op not in ("placeholder", "get_attr") and leaves(n))
+            self.out_shape[layer] = next((tuple(v.shape) for v in outs if isinstance(
                 v, torch.Tensor) and v.is_floating_point() and v.dim() > self.dim), None)
-        shape = self.seq[layer]
+        shape = self.out_shape[layer]
         return shape is None or tuple(value.meta["val"].shape) == shape
 
     def _align(self, node: fx.Node, layer: str) -> None:

@@ -197,6 +197,7 @@ class Expressed:
     priced: Priced | None = None                       # None: the plan itself (exact)
     # read back (--from-*): "" the same plan, None not read back, else what differs
     round_trip: str | None = None
+    definition: list[str] = field(default_factory=list)  # what of the model it cannot state
 
     @property
     def exact(self) -> bool:
@@ -348,8 +349,10 @@ def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
         p = plan.predicted
         checked = ("read back, it prices this very plan" if expressed.round_trip == "" else
                    "not read back: the model's facts were not given")
+        model = ("; the model's definition as the lines above say" if expressed.definition
+                 else "")
         lines.append(f"# fxpar plan: {p.iteration_s:.4g} s/iteration; {label} configuration: "
-                     f"the same (expressed exactly: {checked})")
+                     f"the same plan (expressed exactly: {checked}){model}")
     else:
         lines.append("# " + compare(plan, expressed.priced, f"nearest {label} configuration"))
     return lines
@@ -567,8 +570,8 @@ def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = Non
 
 def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | None,
           zero1: bool = False, csv_path: str | None = None) -> tuple[str, str | None]:
-    expressed.notes[:0] = [n for n in definition_notes(target, facts)
-                           if n not in expressed.notes]
+    expressed.definition = definition_notes(target, facts)
+    expressed.notes[:0] = [n for n in expressed.definition if n not in expressed.notes]
     if target == "megatron":
         return megatron(plan, expressed, facts, zero1), None
     return torchtitan(plan, expressed, csv_path, zero1)

@@ -146,7 +146,7 @@ def test_megatron_round_trip_prices_the_same_configuration(gpt3):
     pricer, plan, facts = gpt3
     expressible = pricer.best(fix={"schedule": "1f1b", "strategy": "tp+sp"})[0]
     text, _ = emit_checked("megatron", expressible, pricer, facts)
-    assert "the same (expressed exactly: read back, it prices this very plan)" in text
+    assert "the same plan (expressed exactly: read back, it prices this very plan)" in text
     imported = megatron_configuration(text, facts, 1024)
     assert imported.config == Configuration.of(expressible)
     assert pricer.price(imported.config).plan.predicted == expressible.predicted
