@@ -305,3 +305,15 @@ def test_a_run_extended_past_its_schedule_says_what_its_lr_does():
     assert "step 41 now trains at 0.00048" in text and "decay_steps = 40" in text
     assert schedule_change({"extra": {"lr_schedule": dataclasses.asdict(old)}}, old, 40) is None
     assert schedule_change({"extra": {}}, new, 40) is None  # saved before schedules were kept
+
+
+def test_megatron_tensor_and_sequence_parallel_of_a_hf_model_is_priced(capsys):
+    """The configurations refused before: tp=2 of a Hugging Face model (its vocabulary-parallel
+    loss reads the logits through a float upcast) and tp=2 with --sequence-parallel."""
+    _, path = _qwen2_facts()
+    flags = ("--tensor-model-parallel-size 2 --sequence-parallel --disable-bias-linear "
+             "--add-qkv-bias --micro-batch-size 1 --global-batch-size 8 --seq-length 32")
+    assert main(["plan", "--hf-config", path, "--gpus", "4", "--cluster", "cpu-gloo",
+                 "--from-megatron", flags]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM configuration: dp=2 tp=2" in out and "layers tp+sp" in out
