@@ -30,6 +30,7 @@ PLANS = ((2, {"tp": 2, "strategy": "tp"}),
          (2, {"tp": 2, "strategy": "tp+sp"}),
          (2, {"pp": 2, "strategy": "none"}),
          (4, {"tp": 2, "pp": 2, "strategy": "tp"}),
+         (4, {"tp": 2, "pp": 2, "strategy": "tp+sp"}),
          (4, {"tp": 2, "dp": 2, "strategy": "tp+sp"}),
          (4, {"tp": 4, "strategy": "tp"}))
 VOCAB, WIDTH, BATCH = 32, 6, 4
