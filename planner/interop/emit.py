@@ -358,7 +358,10 @@ def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
     return lines
 
 
-MEGATRON_FSDP = {2: "optim_grads", 3: "optim_grads_params"}  # --data-parallel-sharding-strategy
+# Megatron-FSDP's --data-parallel-sharding-strategy per ZeRO level (its README: the strategy with
+# --use-megatron-fsdp, --use-distributed-optimizer, --no-gradient-accumulation-fusion and
+# --ckpt-format fsdp_dtensor)
+MEGATRON_FSDP = {2: "optim_grads", 3: "optim_grads_params"}
 
 
 def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
@@ -397,9 +400,11 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
               f"--global-batch-size {plan.global_batch}"]
     if config.dp > 1 and (config.zero == 1 or (zero1 and not config.zero)):
         flags.append("--use-distributed-optimizer")
-    elif config.dp > 1 and config.zero in MEGATRON_FSDP:
+    elif config.dp > 1 and config.zero in MEGATRON_FSDP:  # with the flags it requires
         flags += ["--use-megatron-fsdp",
-                  f"--data-parallel-sharding-strategy {MEGATRON_FSDP[config.zero]}"]
+                  f"--data-parallel-sharding-strategy {MEGATRON_FSDP[config.zero]}",
+                  "--use-distributed-optimizer", "--no-gradient-accumulation-fusion",
+                  "--ckpt-format fsdp_dtensor"]
     if facts is None or facts.dtype_bytes == 2:
         flags.append("--bf16")
     return "\n".join(lines + [f + " \\" for f in flags[:-1]] + flags[-1:])
