@@ -336,7 +336,8 @@ def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
              f"({plan.cluster}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
              + (f" zero={plan.zero}" if plan.zero else "")
              + (f" dp_shard={plan.dp_shard}" if plan.dp_shard and plan.dp_shard != plan.dp
-                else "") + f", {plan.schedule}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+                else "") + f", {plan.schedule}"
+             + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
              + f", {plan.num_microbatches} micro-batch"
              f"{'es' if plan.num_microbatches > 1 else ''} of {plan.micro_batch}"]
     lines += [f"# {n}" if n.startswith("nearest") else f"# not expressible: {n}"
@@ -364,8 +365,7 @@ def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
 MEGATRON_FSDP = {2: "optim_grads", 3: "optim_grads_params"}
 
 
-def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
-             zero1: bool = False) -> str:
+def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None) -> str:
     """Megatron-LM command-line flags, one per line, continued with backslashes."""
     config = expressed.config
     lines = _head(plan, "Megatron-LM", expressed)
@@ -398,9 +398,9 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None,
                   f"--recompute-num-layers {value}"]
     flags += [f"--micro-batch-size {config.micro_batch}",
               f"--global-batch-size {plan.global_batch}"]
-    if config.dp > 1 and (config.zero == 1 or (zero1 and not config.zero)):
+    if config.zero == 1:  # (--zero1 fixed it in the plan; a Configuration at dp=1 has 0)
         flags.append("--use-distributed-optimizer")
-    elif config.dp > 1 and config.zero in MEGATRON_FSDP:  # with the flags it requires
+    elif config.zero in MEGATRON_FSDP:  # with the flags it requires
         flags += ["--use-megatron-fsdp",
                   f"--data-parallel-sharding-strategy {MEGATRON_FSDP[config.zero]}",
                   "--use-distributed-optimizer", "--no-gradient-accumulation-fusion",
@@ -479,8 +479,8 @@ def _layout(lengths: list[int]) -> str:
     return f"E{stage(first)}|" + "".join(parts) + f"{stage(last)}L"
 
 
-def torchtitan(plan: Plan, expressed: Expressed, csv_path: str | None = None,
-               zero1: bool = False) -> tuple[str, str | None]:
+def torchtitan(plan: Plan, expressed: Expressed,
+               csv_path: str | None = None) -> tuple[str, str | None]:
     """The TOML fragment and, for a schedule without a class, the CSV text (written to
     `csv_path` by the caller)."""
     config = expressed.config
@@ -565,18 +565,18 @@ def default_csv_path(plan: Plan) -> str:
 
 
 def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = None,
-         zero1: bool = False, csv_path: str | None = None) -> tuple[str, str | None]:
+         csv_path: str | None = None) -> tuple[str, str | None]:
     """(text, CSV text or None) of `plan` for `target` ("torchtitan" or "megatron"), not read
     back (planner.interop.round_trip.emit_checked reads it back)."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
-    return write(target, plan, nearest(target, plan, pricer_factory), facts, zero1, csv_path)
+    return write(target, plan, nearest(target, plan, pricer_factory), facts, csv_path)
 
 
 def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | None,
-          zero1: bool = False, csv_path: str | None = None) -> tuple[str, str | None]:
+          csv_path: str | None = None) -> tuple[str, str | None]:
     expressed.definition = definition_notes(target, facts)
     expressed.notes[:0] = [n for n in expressed.definition if n not in expressed.notes]
     if target == "megatron":
-        return megatron(plan, expressed, facts, zero1), None
-    return torchtitan(plan, expressed, csv_path, zero1)
+        return megatron(plan, expressed, facts), None
+    return torchtitan(plan, expressed, csv_path)

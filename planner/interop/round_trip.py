@@ -14,15 +14,15 @@ from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.search.plan import Plan
 
 
-def emit_checked(target: str, plan: Plan, pricer, facts: ModelFacts, zero1: bool = False,
+def emit_checked(target: str, plan: Plan, pricer, facts: ModelFacts,
                  csv_path: str | None = None) -> tuple[str, str | None]:
     """planner.interop.emit.emit, read back where it claims to be exact: the header then says
     whether the output prices the very plan, or what differs."""
     expressed = nearest(target, plan, lambda: pricer)
-    text, table = write(target, plan, expressed, facts, zero1, csv_path)
+    text, table = write(target, plan, expressed, facts, csv_path)
     if expressed.exact:
         expressed.round_trip = read_back(target, text, plan, pricer, facts, table, csv_path)
-        text, table = write(target, plan, expressed, facts, zero1, csv_path)
+        text, table = write(target, plan, expressed, facts, csv_path)
     return text, table
 
 
@@ -32,7 +32,7 @@ def cmd_emit(args) -> int:
     pricer, facts = pricer_of_args(args)
     plan = pricer.best(fix=args.fix)[0]
     csv_path = args.emit_csv or default_csv_path(plan)
-    text, table = emit_checked(args.emit, plan, pricer, facts, args.zero1, csv_path)
+    text, table = emit_checked(args.emit, plan, pricer, facts, csv_path)
     if table is not None:
         with open(csv_path, "w", encoding="utf-8") as f:
             f.write(table)
