@@ -356,11 +356,10 @@ class _Localize(FakeTensorProp):
                                 f"{tuple(sizes)}, whose {sizes[0]} does not divide by the cut "
                                 f"{factor}")
         new = (sizes[0] // factor, *sizes[1:])
-        index = 2 if len(n.args) > 2 else None
-        if index is None:
-            n.kwargs = {**n.kwargs, "sizes": new}
-        else:
+        if len(n.args) > 2:
             n.args = (*n.args[:2], type(sizes)(new), *n.args[3:])
+        else:
+            n.kwargs = {**n.kwargs, "sizes": new}
 
     def _check_cut_kept(self, n: fx.Node, result) -> None:
         """A reshape of a cut value must give the full output cut the same way: heads fewer per
