@@ -59,9 +59,10 @@ def ranking_text(g: Ranking) -> list[str]:
     order = lambda rs: _order([(names[id(r)], tokens) for r, tokens in rs])  # noqa: E731
     lines = ["", f"ranking of {g.model} on {g.gpus} GPUs by tokens/s per GPU:"]
     lines += [f"  {names[id(r)]} = {_label(r)}" for r in g.measured + g.unpriced]
-    lines.append("  measured:  " + order((r, r.row.tokens_per_s_per_gpu) for r in g.measured))
-    lines.append("  predicted: " + order((r, r.predicted_tokens_per_s_per_gpu)
-                                         for r in g.predicted))
+    if g.measured:
+        lines.append("  measured:  " + order((r, r.row.tokens_per_s_per_gpu) for r in g.measured))
+        lines.append("  predicted: " + order((r, r.predicted_tokens_per_s_per_gpu)
+                                             for r in g.predicted))
     lines += [f"  {names[id(r)]} not priced" for r in g.unpriced]
     return lines + [f"  {g.verdict}"]
 

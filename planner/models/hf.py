@@ -221,23 +221,27 @@ _CONVERTED_KEYS = {"torch_dtype", "rope_theta", "rope_scaling", "transformers_ve
 
 
 def _check_keys(path: str, data: dict, cls) -> None:
-    """A key the config class does not know would be kept as a stray attribute while the model
-    is built from the default it meant to change (`num_hidden_layer`: 32 layers, silently)."""
+    """A misspelt key would be kept as a stray attribute while the model is built from the
+    default it meant to change (`num_hidden_layer`: 32 layers, silently). Keys the config class
+    does not declare are otherwise legitimate: public config.json files carry their own
+    (DeepSeek-V3's `scoring_func`, Qwen3's `head_dim`), kept as attributes the modelling code may
+    read; a key is refused when it is a near spelling of a declared field the file does not give."""
     tf = _transformers()
     known = (set(inspect.signature(cls.__init__).parameters) | set(cls().to_dict())
              | set(getattr(cls, "attribute_map", {}) or {}) | set(tf.PretrainedConfig().to_dict())
              | _CONVERTED_KEYS)
     # (a public name of a private field, as transformers writes Gemma 3's pattern, is its own)
-    unknown = sorted(k for k in set(data) - known
-                     if f"_{k}" not in known and not _has_effect(tf, data, k))
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(key, sorted(known), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        more = f"; {len(unknown) - 1} more unknown: {', '.join(unknown[1:4])}" if unknown[1:] \
-            else ""
-        raise ValueError(f"{path}: {key!r} is not a field of transformers' {cls.__name__}"
-                         f"{hint}: the model would be built with its default instead{more}")
+    stray = sorted(k for k in set(data) - known
+                   if f"_{k}" not in known and not _has_effect(tf, data, k))
+    typos = [(k, close[0]) for k in stray
+             for close in [difflib.get_close_matches(k, sorted(known - set(data)), n=1,
+                                                     cutoff=0.8)] if close]
+    if typos:
+        (key, meant), more = typos[0], [k for k, _ in typos[1:]]
+        also = f"; {len(more)} more: {', '.join(more[:3])}" if more else ""
+        raise ValueError(f"{path}: {key!r} is not a field of transformers' {cls.__name__} (did "
+                         f"you mean {meant!r}?): the model would be built with its default "
+                         f"instead{also}")
 
 
 def _has_effect(tf, data: dict, key: str) -> bool:

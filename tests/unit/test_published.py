@@ -59,6 +59,7 @@ def test_every_row_maps_to_a_model_fxpar_can_build():
         else:
             config = json.loads((pub.FOLDER / spec.hf_config).read_text())
             assert isinstance(config["model_type"], str)
+            pub._hf_module(str(pub.FOLDER / spec.hf_config))  # builds as `fxpar plan` would
 
 
 def test_model_sizes_against_the_public_configs():
@@ -225,6 +226,9 @@ def test_ranking_lists_rows_not_priced():
     assert ranking.unpriced == (results[1],)
     assert ranking.verdict == "fewer than two rows priced: no ranking"
     assert "#2 not priced" in "\n".join(report_of.ranking_text(ranking))
+    unpriced = [pub.Result(_row(line=n), (), reason="PlanningError: x") for n in (3, 4)]
+    (ranking,) = pub.rankings(unpriced)    # no row of the group priced: still reported
+    assert "#1 not priced" in "\n".join(report_of.ranking_text(ranking))
 
 
 def test_report_lists_every_row_and_why_one_is_not_priced():
