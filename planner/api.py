@@ -48,7 +48,7 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
          top_k: int = 1, zero1: bool = False, loss_fn: Callable | None = None,
          moe_imbalance: float | None = None, sequence_dim: int | None = 1,
-         sizes_from: str | None = None) -> list[Plan]:
+         sizes_from: str | None = None, runtime: str | None = None) -> list[Plan]:
     """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
     device memory). Raises PlanningError, saying why, when none fits. loss_fn: see
     planner.models.loss (for a module whose forward does not return the loss).
@@ -57,10 +57,12 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     dim 1 (`sequence_dim`); `sequence_dim=None` says the inputs are not sequences (images,
     feature vectors): the plan counts samples, and context parallelism is left out. The plan
     states where each size came from; `sizes_from` replaces that text (the command line says
-    which flag or config field it read)."""
+    which flag or config field it read). `runtime` names the training framework the plan is
+    priced for (cost_model.hardware.runtimes: fxpar, megatron, torchtitan, ...; default fxpar's
+    own); a Cluster passed in is priced as it is."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
-    hw = get_cluster(cluster or default_cluster())
+    hw = with_runtime(cluster or default_cluster(), runtime)
     limit = _memory_limit_bytes(memory_limit, hw)
     fix = dict(fix or {})
     if zero1:  # ZeRO stage 1, as the sharded-data-parallel level of the search
@@ -84,6 +86,19 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     req = Request(gpus, hw, batch, seq, limit, name, fix, top_k=top_k, sizes_from=sizes_from,
                   sequences=sequence_dim == 1)
     return plan_costs(costs, req, moe_imbalance)
+
+
+def with_runtime(cluster: str | Cluster, runtime: str | None = None) -> Cluster:
+    """The cluster preset or profile under a runtime profile (default fxpar's own); a Cluster
+    that names its runtime already (runtimes.apply) is priced as it is."""
+    from cost_model.hardware.runtimes import apply
+    if isinstance(cluster, Cluster) and cluster.runtime:
+        if runtime is not None and runtime != cluster.runtime:
+            raise ValueError(f"cluster {cluster.name} is already priced for the "
+                             f"{cluster.runtime} runtime; pass the hardware profile (its name, "
+                             f"or a Cluster without a runtime) to price it for {runtime}")
+        return cluster
+    return apply(get_cluster(cluster), runtime)
 
 
 def _sizes_from(model, example_inputs, global_batch, asked_seq, seq: int,

@@ -31,7 +31,7 @@ EXAMPLES = {
     "validate": "examples:\n  fxpar validate\n"
                 "  fxpar validate --match deepseek --json > deepseek.json\n"
                 "  fxpar validate --cluster profile.json --csv my-runs.csv\n"
-                "  fxpar validate --fit matmul_eff,attention_eff",
+                "  fxpar validate --fit\n  fxpar validate --cross-validate",
 }
 
 
@@ -77,6 +77,10 @@ def _imbalance(text: str) -> float:
     return value
 
 
+RUNTIME_NAMES = ("fxpar", "megatron", "megatron-lm", "torchtitan", "torchtitan-compile", "fsdp",
+                 "automodel")   # cost_model.hardware.runtimes.RUNTIMES (a test keeps them equal)
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -92,6 +96,11 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--cluster", default=None,
                    help="cluster preset (cpu-gloo, a100-80g-dgx, h100-sxm-dgx, h200-sxm-dgx) "
                         "or a profile JSON written by `fxpar calibrate`")
+    p.add_argument("--runtime", default=None, choices=RUNTIME_NAMES,
+                   help="the training framework to price for (GPU clusters): fxpar's own "
+                        "(default), megatron (Megatron-Core + Transformer Engine), megatron-lm, "
+                        "torchtitan, torchtitan-compile, fsdp, automodel; --emit and --from-* "
+                        "default to their framework's")
     p.add_argument("--global-batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (what-if)")
@@ -165,7 +174,7 @@ def _plans(args, top_k: int = 1):
     sizes_from = hf_sizes_from(args, inputs[0].shape[1]) if inputs is not None else None
     return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
                 memory_limit=args.memory_limit, fix=args.fix, top_k=top_k, zero1=args.zero1,
-                moe_imbalance=args.moe_imbalance, sizes_from=sizes_from)
+                moe_imbalance=args.moe_imbalance, sizes_from=sizes_from, runtime=args.runtime)
 
 
 def _load_plan(path: str):
@@ -252,6 +261,7 @@ def cmd_run(args) -> int:
         from planner.training.pretrained import cmd_run_weights
         return cmd_run_weights(args)
     _preset_only(args, "run")
+    _own_runtime(args, "run")
     best = _plans(args)[0]
     print(best)
     print()
@@ -290,9 +300,19 @@ def torchrun_command(plan, config, steps: int, folder: str) -> str:
             f"{model_path} {steps} 0 {os.path.join(folder, 'result.json')}")
 
 
+def _own_runtime(args, command: str) -> None:
+    """`fxpar run` and `fxpar bench` run fxpar's own runtime: a plan priced for another one
+    would be measured against a prediction it was not made for."""
+    if args.runtime not in (None, "fxpar"):
+        raise ValueError(f"fxpar {command} trains with fxpar's own runtime; --runtime "
+                         f"{args.runtime} prices plans for another framework: use it with "
+                         f"fxpar plan (or --emit)")
+
+
 def cmd_bench(args) -> int:
     from planner.bench.plans import bench, plot, report
     _preset_only(args, "bench")
+    _own_runtime(args, "bench")
     plans = _plans(args, top_k=args.top_k)
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
           f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
@@ -315,25 +335,28 @@ def cmd_bench(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    """Price every published measured run (planner.bench.published) and compare; with --fit,
-    fit the named constants of each row's profile first (planner.bench.published_fit)."""
+    """Price every published measured run (planner.bench.published) under the runtime that ran
+    it and compare; --fit first fits the runtime profiles' terms on the rows, --cross-validate
+    also prices each source with terms fitted without it (planner.bench.published_fit)."""
     from planner.bench.published import csv_files, read_rows, select, validate
-    from planner.bench.published_report import report, to_json
-    from planner.bench.published_fit import fit_cluster, fit_text, parse_names
+    from planner.bench.published_fit import cross_validate, fit_all, fit_text
+    from planner.bench.published_report import (cross_validation_report, folds_json, report,
+                                                to_json)
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    fitted, fits = {}, []
-    if args.fit:
-        names = parse_names(args.fit)
-        rows = select([r for path in (args.csv or csv_files()) for r in read_rows(path)],
-                      args.match)
-        for cluster in sorted({args.cluster} if args.cluster else {r.cluster for r in rows}):
-            on = [r for r in rows if args.cluster or r.cluster == cluster]
-            fit, fitted[cluster] = fit_cluster(on, cluster, names, progress)
-            fits.append(fit_text(fit))
-    result = validate(args.cluster and fitted.get(args.cluster, args.cluster), args.csv,
-                      args.match, progress=progress, clusters=fitted)
-    print(json.dumps(to_json(result), indent=2) if args.json else
-          "\n".join(fits + ([""] if fits else []) + [report(result)]))
+    runtimes, fits = None, []
+    rows = select([r for path in (args.csv or csv_files()) for r in read_rows(path)],
+                  args.match)
+    if args.fit or args.cross_validate:
+        runtimes, fitted = fit_all(rows, progress=progress)
+        fits = [fit_text(f) for f in fitted]
+    result = validate(args.cluster, args.csv, args.match, progress=progress, runtimes=runtimes)
+    folds = cross_validate(rows, progress=progress) if args.cross_validate else []
+    if args.json:
+        data = to_json(result) | ({"cross_validation": folds_json(folds)} if folds else {})
+        print(json.dumps(data | {"fits": fits}, indent=2))
+        return 0
+    text = [report(result)] + ([cross_validation_report(result, folds)] if folds else [])
+    print("\n\n".join(["\n".join(fits)] * bool(fits) + text))
     return 0
 
 
@@ -426,9 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("--cluster", help="price every row on this cluster preset or profile JSON "
                    "(default: the profile each CSV names, h100-sxm-dgx where it names none)")
-    v.add_argument("--fit", metavar="NAMES", help="first fit these constants of each profile "
-                   "on its rows (comma-separated: matmul_eff, attention_eff, "
-                   "grouped_gemm_eff, bw_eff, comm_eff) and print the fit")
+    v.add_argument("--fit", action="store_true", help="first fit the runtime profiles' two "
+                   "fitted terms (compute_share, host_op_s per family) on the rows and print "
+                   "the fits")
+    v.add_argument("--cross-validate", action="store_true", help="also leave each source "
+                   "(CSV file) out in turn, fit on the others and price it: the error on runs "
+                   "the constants were not fitted to (takes minutes)")
     v.add_argument("--csv", action="append", metavar="FILE", help="a CSV of runs in the "
                    "columns of planner/bench/published/*.csv (may be repeated; default: every "
                    "CSV of that folder)")

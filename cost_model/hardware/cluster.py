@@ -46,6 +46,11 @@ PER_ELEMENT_RULES = ("layer_norm", "rms_norm", "strided")
 
 _RULES: dict[str, tuple] = {
     "name": ("str",),
+    "gpu_arch": ("choice", "", "hopper", "ampere"),
+    "runtime": ("label",),
+    "tp_overlap": ("choice", "none", "backward", "pipelined"),
+    "host_op_s": _NONNEG,
+    "optimizer_bytes": _NONNEG,
     "device": ("device",),
     "gpus_per_node": ("int",),
     "peak_flops": _POSITIVE,
@@ -120,6 +125,11 @@ def _field_problem(field: str, value: Any) -> str | None:
         if not isinstance(value, str) or not value:
             return f"must be a non-empty string, got {value!r}"
         return None
+    if kind == "label":
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if kind == "choice":
+        options = _RULES[field][1:]
+        return None if value in options else f"must be one of {list(options)}, got {value!r}"
     if kind == "bool":
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if kind == "device":
@@ -282,6 +292,19 @@ class Cluster:
     # Busy ranks that run at full speed together (measured: no slowdown); more than that share
     # `cores`. 0: they share `cores` from the second one on.
     unshared_ranks: float = 0.0
+
+    # ---- set by a runtime profile (cost_model.hardware.runtimes.apply); neutral in the presets
+    # The GPU generation, which decides the attention kernels' rates (runtimes.ATTENTION_SHARE)
+    gpu_arch: str = ""
+    runtime: str = ""              # the runtime profile applied ("": none, the hardware alone)
+    # How tensor-parallel collectives meet their layer's GEMMs (runtimes.TP_OVERLAPS): "none"
+    # exposes them, "backward" hides the backward's behind the weight-gradient GEMMs,
+    # "pipelined" hides all but one tp-th chunk of each pass's behind that pass's GEMMs
+    tp_overlap: str = "none"
+    # Host seconds to launch one kernel: a layer's pass takes at least its launches
+    host_op_s: float = 0.0
+    # Bytes the optimizer step reads and writes per parameter it holds (priced at mem_bw)
+    optimizer_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.comm_corrections, dict):
@@ -462,20 +485,22 @@ GiB = float(2**30)
 # (80 GB cards show ~79-80 GiB), but the CUDA context and allocator
 # fragmentation take ~1-3 GB, so the decimal figure is a fair usable cap.
 
-# Efficiencies shared by the NVIDIA presets. Sources and reasoning:
-# - matmul_eff: the cost model sums op by op, so this is the per-GEMM
-#   fraction, not end-to-end MFU. Large bf16 cuBLAS GEMMs reach ~70-80% of
-#   dense peak on A100 and ~65-75% on H100 (clock/power limited); Megatron-LM
-#   (Narayanan et al., SC'21; Korthikanti et al., 2022) reports 52-56% MFU
-#   end to end, which includes the non-matmul and communication time this
-#   model prices separately. Training-shaped GEMMs are smaller than the best
-#   case, hence 0.70 (A100); Hopper's are fitted on published runs (_H100_FIT).
-# - attention_eff: FlashAttention-2 (Dao, 2023) reports 50-73% of peak
-#   forward and less backward on A100, ~35-50% on H100 (FA3 reaches more, but
-#   PyTorch SDPA does not always select it): 0.50 on A100; Hopper: _H100_FIT.
-# - bw_eff: streaming kernels reach ~80-90% of HBM bandwidth (STREAM-like
-#   copy); PyTorch elementwise kernels sit at the low end: 0.80.
-# - kernel_floor: eager PyTorch dispatch + launch is ~5 us per op.
+# Efficiencies shared by the NVIDIA presets: what the hardware does, measured by public
+# microbenchmarks; what a training framework makes of it is a runtime profile's
+# (cost_model.hardware.runtimes). Sources:
+# - matmul_eff: the Maximum Achievable Matmul FLOPS of the GPU, the best large bf16 GEMM's rate
+#   over the datasheet peak (S. Bekman, ml-engineering, compute/accelerator/README.md, "Maximum
+#   Achievable Matmul FLOPS comparison table", mamf-finder.py): A100 SXM 267.9 of 312 TFLOP/s
+#   (85.9%), H100 SXM 792.1 of 989 (80.1%). Smaller and skinnier GEMMs reach less: tile and wave
+#   quantisation (compute.gemm_efficiency) on top.
+# - attention_eff: the fastest fused attention kernel's forward + backward rate (backward 2.5x
+#   the forward's FLOPs) at head dim 128 and 4-8K tokens. A100: FlashAttention-2 (Dao 2023,
+#   arXiv 2307.08691) ~70% of peak forward, ~60% backward: 0.625. H100: FlashAttention-3 / cuDNN
+#   (Shah et al. 2024, arXiv 2407.08608) ~65% forward, ~50% backward: 0.535. Other kernels are a
+#   share of it (runtimes.ATTENTION_SHARE).
+# - bw_eff: streaming kernels reach ~80-90% of HBM bandwidth (STREAM-like copy); PyTorch
+#   elementwise kernels sit at the low end: 0.80.
+# - kernel_floor: a kernel's least time on the device, ~5 us launch to completion.
 # - comm_eff: nccl-tests bus bandwidth on DGX systems is ~75-85% of nominal
 #   NVLink / InfiniBand rate for large messages: 0.80.
 # - latencies: NCCL's own tuning model (src/graph/tuning.cc, hwLat) charges
@@ -497,18 +522,10 @@ _GPU_EFFS = dict(
     nic_per_gpu=True,
     comm_stream=True,
 )
-
-# matmul_eff, attention_eff and grouped_gemm_eff of the H100 SXM5 at 700 W: fitted together
-# (`fxpar validate --fit matmul_eff,attention_eff,grouped_gemm_eff`, planner.bench.published_fit)
-# on the 8 priced published DGX H100 rows (NeMo AutoModel, Megatron-Bridge), each priced as its
-# recipe ran (recomputation, expert parallelism, the benchmark's round-robin gate, DeepEP's
-# per-GPU dispatch, pipeline flushes per step, FlexAttention where used), from 0.62 / 0.38 / 0.65:
-# mean |ln(predicted/published)| 0.051 -> 0.047. matmul_eff sits just under what large cuBLAS
-# GEMMs reach on an H100 (65-75% of peak) once the GEMM shape's own efficiency is applied on top
-# (compute.gemm_efficiency); attention_eff inside FlashAttention-2/3's 35-75%; grouped GEMMs keep
-# two thirds of a dense GEMM's rate. They also carry whatever those runs spend that fxpar does not
-# price, so they are the model's numbers, not the GPU's.
-_H100_FIT = dict(matmul_eff=0.585, attention_eff=0.473, grouped_gemm_eff=0.674)
+_A100 = dict(matmul_eff=0.859, attention_eff=0.625, gpu_arch="ampere", sms=108,
+             comm_sm_share=16 / 108)
+_H100 = dict(matmul_eff=0.801, attention_eff=0.535, gpu_arch="hopper", sms=132,
+             comm_sm_share=16 / 132)
 
 PRESETS: dict[str, Cluster] = {
     # This kind of machine: a 2-core x86 VM (AVX2, no AVX-512) running one
@@ -559,10 +576,7 @@ PRESETS: dict[str, Cluster] = {
         mem_bw=2039 * GB,
         intra_bw=300 * GB,  # 600 GB/s bidirectional -> 300 per direction
         inter_bw=25 * GB,  # 200 Gb/s / 8
-        matmul_eff=0.70,
-        attention_eff=0.50,
-        sms=108,  # A100 SXM4: 108 SMs
-        comm_sm_share=16 / 108,  # see _GPU_EFFS
+        **_A100,  # A100 SXM4: 108 SMs
         **_GPU_EFFS,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with
@@ -578,9 +592,7 @@ PRESETS: dict[str, Cluster] = {
         mem_bw=3350 * GB,
         intra_bw=450 * GB,  # 900 GB/s bidirectional -> 450 per direction
         inter_bw=50 * GB,  # 400 Gb/s / 8
-        **_H100_FIT,
-        sms=132,  # H100 / H200 SXM5: 132 SMs
-        comm_sm_share=16 / 132,  # see _GPU_EFFS
+        **_H100,  # H100 / H200 SXM5: 132 SMs
         **_GPU_EFFS,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with
@@ -596,19 +608,23 @@ PRESETS: dict[str, Cluster] = {
         mem_bw=4800 * GB,
         intra_bw=450 * GB,
         inter_bw=50 * GB,
-        **_H100_FIT,  # the same SMs, clocks and 700 W as the H100 SXM5
-        sms=132,  # H100 / H200 SXM5: 132 SMs
-        comm_sm_share=16 / 132,  # see _GPU_EFFS
+        **_H100,  # the same SMs, clocks and 700 W as the H100 SXM5
         **_GPU_EFFS,
     ),
 }
 
+# NVIDIA A100 datasheet (SXM4 40GB): the 80 GB part's compute and links with 40 GB of HBM2 at
+# 1,555 GB/s.
+PRESETS["a100-40g-dgx"] = dataclasses.replace(
+    PRESETS["a100-80g-dgx"], name="a100-40g-dgx", mem_bytes=40 * GB, mem_bw=1555 * GB)
+
 # Meta's Grand Teton hosts (the torchtitan paper's, arXiv 2410.06511, section 3.1): a DGX H100's
 # GPUs, links and NICs, but the 96 GB HBM2e part at 2.4 TB/s and the 500 W power limit (DGX
-# H100: 80 GB HBM3 at 3.35 TB/s, 700 W). The tensor cores' peak is the datasheet's; matmul_eff and
-# attention_eff are fitted on its 4 rows (torchtitan's Llama 3.1 8B, see _H100_FIT): what the
-# 500 W limit leaves of the peak is in them, and what fxpar does not model of those runs
-# (selective activation checkpointing recomputing every other matmul).
+# H100: 80 GB HBM3 at 3.35 TB/s, 700 W). No public microbenchmark gives the GEMM rate at 500 W:
+# the tensor cores' sustained clock is estimated from dynamic power ~ f V^2 with V ~ f, so
+# f ~ P^(1/3): (500 / 700)^(1/3) = 0.894 of the 700 W part's rates (an estimate, said so).
+POWER_LIMITED = (500 / 700) ** (1 / 3)
 PRESETS["h100-grand-teton"] = dataclasses.replace(
     PRESETS["h100-sxm-dgx"], name="h100-grand-teton", mem_bytes=96 * GB, mem_bw=2400 * GB,
-    matmul_eff=0.380, attention_eff=0.481)
+    matmul_eff=_H100["matmul_eff"] * POWER_LIMITED,
+    attention_eff=_H100["attention_eff"] * POWER_LIMITED)

@@ -140,8 +140,9 @@ class LayerCost:
 
     def optimizer_s(self, cluster) -> float:
         """The optimizer step over this layer's parameters on one device (cluster's terms)."""
-        return self.params * cluster.optimizer_per_param + \
-            self.tensors * cluster.optimizer_per_tensor
+        per_param = cluster.optimizer_per_param + \
+            cluster.optimizer_bytes / (cluster.mem_bw * cluster.bw_eff)
+        return self.params * per_param + self.tensors * cluster.optimizer_per_tensor
 
 
 def _extract(captured: Captured, layer: Layer) -> fx.GraphModule:
@@ -445,13 +446,18 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     # every op of the layer's graph also costs the runtime's time per op and pass, whatever
     # the batch (cluster.op_overhead: measured on a training run, 0 in the presets)
     ops_s = len(ops) * cluster.op_overhead
-    fwd = ops_s + ring_fwd + sum(op_seconds(op, scale, cluster, backward=False) for op in ops)
-    bwd = ops_s + ring_bwd + sum(op_seconds(op, scale, cluster, backward=True) for op in ops)
+    fwd_ops = [op_seconds(op, scale, cluster, backward=False) for op in ops]
+    bwd_ops = [op_seconds(op, scale, cluster, backward=True) for op in ops]
+    fwd = ops_s + ring_fwd + _launched(fwd_ops, cluster)
+    bwd = ops_s + ring_bwd + _launched(bwd_ops, cluster)
     fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
     recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops,
                                               ring_fwd)
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
+    gemm = [sum(t for op, t in zip(ops, times) if op.op_class == "matmul")
+            for times in (fwd_ops, bwd_ops)]
+    fwd_comm, bwd_comm = _tp_exposed(cluster, tp, (fwd_comm, bwd_comm), gemm)
     if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
         hidden = (ring_fwd, ring_bwd) if as_run else fused_attention_s(profile, scale, cluster)
         ring = ring_exposed(profile, scale, cluster, tp, cp, *hidden)
@@ -480,6 +486,27 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      tensors=profile.tensors,
                      retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops
                                                         + recompute_flops))
+
+
+def _launched(seconds: list[float], cluster: Cluster) -> float:
+    """A pass's kernels: their time, or the host's time to launch them where that is longer
+    (Cluster.host_op_s: a small layer's kernels finish before the next is launched). An op
+    that costs nothing (a view, a pointwise op inside a fused chain) launches nothing."""
+    return max(sum(seconds), sum(t > 0 for t in seconds) * cluster.host_op_s)
+
+
+def _tp_exposed(cluster: Cluster, tp: int, comm: tuple[float, float],
+                gemm: list[float]) -> tuple[float, float]:
+    """The forward and backward tensor-parallel communication left exposed by the runtime's
+    overlap (Cluster.tp_overlap): "backward" hides the backward's behind the weight-gradient
+    GEMMs (half the backward GEMMs' time), "pipelined" hides all but one of each collective's
+    tp chunks behind its pass's GEMMs."""
+    fwd, bwd = comm
+    if cluster.tp_overlap == "backward":
+        return fwd, bwd - min(bwd, gemm[1] / 2)
+    if cluster.tp_overlap == "pipelined" and tp > 1:
+        return tuple(c - min(c * (1 - 1 / tp), g) for c, g in zip(comm, gemm))
+    return fwd, bwd
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:

@@ -26,17 +26,20 @@ planner.api.plan under a cluster profile (default h100-sxm-dgx):
                    optimizer), zero=1
   gpus, gbs, seq   the request
 
-  kernels          "eager": one kernel per op, as fxpar runs; anything else (torch.compile,
-                   Transformer Engine, Megatron-Core) prices pointwise chains fused
-                   (Cluster.fused_pointwise); "DeepEP" in it: the expert dispatch sends a token
-                   once per destination GPU and node (Cluster.dispatch_per_rank); "FlexAttn":
-                   attention at FlexAttention's share of the fused kernels' rate
-                   (FLEX_ATTENTION_SHARE)
+  kernels          the attention kernel where the row names one ("FlexAttn", "triton", "FA2"),
+                   else the runtime's own
+  runtime          the training framework that ran the row (cost_model.hardware.runtimes): the
+                   file's "# runtime:" line, or a runtime column; its profile decides what the
+                   hardware's rates become (fusion, overlap, attention kernel, launches)
   cluster          the profile of the hardware, named by the file's "# cluster:" line
   routing          the file's "# routing:" line: "router" (default; a trained or random router,
                    priced as uniform routing with its expected load imbalance) or "round-robin"
                    (a fake balanced gate: equal loads, consecutive experts per token,
                    Cluster.round_robin_routing)
+
+A cell "?" marks a value the source does not print (a micro-batch, a sequence length, an
+interleaving depth, a step time that needs one): the row is listed with what is missing, never
+priced on a guess.
 
 The rest (the stage split, recomputation where no recompute is given) is the planner's choice. Throughput is compared per GPU:
 tokens/s per GPU = gbs x seq / (step s x gpus); rows of one model and GPU count are ranked by it.
@@ -53,7 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from cost_model.layers.strategy import RECOMPUTE
+from cost_model.hardware.runtimes import RUNTIMES, apply
+from cost_model.layers.strategy import RECOMPUTE, Strategy
 
 FOLDER = Path(__file__).with_name("published")
 MODELS_FILE = FOLDER / "models.json"
@@ -64,6 +68,7 @@ _COUNTS = ("gpus", "gbs", "mbs", "seq", "tp", "pp", "cp")
 _OPTIONAL_COUNTS = ("ep", "vp", "fsdp", "lbs", "ga")       # "-": not used or not published
 ROUTINGS = ("router", "round-robin")
 _TIMES = ("step_s", "tokens_per_s_per_gpu")
+MISSING = "?"    # a cell the source does not print
 CLOSE = 0.05     # a measured-fastest row predicted within 5% of the predicted fastest
 
 
@@ -91,6 +96,15 @@ class Row:
     ga: int | None = None        # local batches per step
     recompute: str | None = None  # as the run's recipe says; None: not published
     routing: str = "router"      # the file's "# routing:" line
+    runtime: str = "fxpar"       # the framework that ran it (cost_model.hardware.runtimes)
+    missing: tuple[str, ...] = ()  # columns the source does not print ("?"): not priced
+    sp: bool = False             # sequence parallelism with tp (the sp column)
+
+    @property
+    def attention(self) -> str | None:
+        """The attention kernel the row names, or None for its runtime's own."""
+        text = self.kernels.lower().replace("-", "")
+        return next((kernel for word, kernel in _ATTENTION_WORDS if word in text), None)
 
     @property
     def flushes(self) -> int:
@@ -100,30 +114,29 @@ class Row:
         return ga if self.pp > 1 and ga > 1 and lbs * ga * self.dp == self.gbs else 1
 
     @property
-    def per_rank_dispatch(self) -> bool:
-        """Whether the run's expert dispatch sends a token once per destination GPU (DeepEP)."""
-        return "deepep" in self.kernels.lower()
-
-    @property
-    def fused_kernels(self) -> bool:
-        """Whether the run fused its pointwise ops (torch.compile, Transformer Engine, Megatron's
-        fused kernels): every kernels entry but "eager" does."""
-        return self.kernels.strip().lower() != "eager"
-
-    @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp * self.cp)
 
     def configuration(self) -> str:
         """'tp=1 pp=4 v=8 ep=64 fsdp=64 mb=1 gbs=512 seq=4096' (cp, ep and v shown when used)."""
+        if self.missing:
+            return " ".join(f"{c}={getattr(self, c) if c not in self.missing else '?'}"
+                            for c in ("tp", "pp", "vp", "cp", "mbs", "gbs", "seq")
+                            if getattr(self, c) not in (None, 1) or c in self.missing)
         parts = [f"tp={self.tp}", f"pp={self.pp}"]
         parts += [f"v={self.vp}"] if (self.vp or 1) > 1 else []
         parts += [f"cp={self.cp}"] if self.cp > 1 else []
         parts += [f"ep={self.ep}"] if (self.ep or 1) > 1 else []
         parts += [f"fsdp={self.fsdp}" if self.fsdp else "ddp"]
+        parts += ["sp"] if self.sp else []
         parts += [f"mb={self.mbs}", f"gbs={self.gbs}", f"seq={self.seq}"]
         parts += [f"{self.flushes} flushes"] if self.flushes > 1 else []
         return " ".join(parts + ([f"recompute={self.recompute}"] if self.recompute else []))
+
+
+# Words of a row's kernels column that name its attention kernel (runtimes.ATTENTION_SHARE)
+_ATTENTION_WORDS = (("flexattn", "flex"), ("triton", "triton"), ("flashattention2", "fa2"),
+                    ("fa2", "fa2"))
 
 
 @dataclass(frozen=True)
@@ -231,7 +244,21 @@ def read_rows(path: str | Path) -> list[Row]:
             raise ValueError(f"{path} line {n}: {len(values)} fields, the header has "
                              f"{len(header)}")
         rows.append(_row(path.name, n, dict(zip(header, (v.strip() for v in values)))))
+    runtime = _runtime_line(path, text)
+    rows = [dataclasses.replace(r, runtime=runtime) if r.runtime == "fxpar" else r
+            for r in rows]
+    for r in rows:
+        if r.runtime not in RUNTIMES:
+            raise ValueError(f"{path} line {r.line}: runtime {r.runtime!r} is not one of "
+                             f"{', '.join(RUNTIMES)}")
     return [dataclasses.replace(r, cluster=cluster, routing=routing) for r in rows]
+
+
+def _runtime_line(path: Path, text: str) -> str:
+    name = _header(path, text, "runtime") or "fxpar"
+    if name not in RUNTIMES:
+        raise ValueError(f"{path}: '# runtime: {name}' is not one of {', '.join(RUNTIMES)}")
+    return name
 
 
 def _cluster_line(path: Path, text: str) -> str:
@@ -265,16 +292,22 @@ def _row(source: str, line: int, cells: dict[str, str]) -> Row:
     where = f"{source} line {line}"
     if not cells["model"]:
         raise ValueError(f"{where}: empty model")
-    values = {c: _count(cells[c], c, where) for c in _COUNTS}
+    missing = tuple(c for c in _COUNTS + _OPTIONAL_COUNTS + _TIMES if cells[c] == MISSING)
+    values = {c: _count(cells[c], c, where) for c in _COUNTS if c not in missing}
     values |= {c: None if cells[c] == "-" else _count(cells[c], c, where)
-               for c in _OPTIONAL_COUNTS}
-    values |= {c: _positive(cells[c], c, where) for c in _TIMES}
+               for c in _OPTIONAL_COUNTS if c not in missing}
+    values |= {c: _positive(cells[c], c, where) for c in _TIMES if c not in missing}
     recompute = cells.get("recompute", "-")
     if recompute not in ("-",) + RECOMPUTE:
         raise ValueError(f"{where}: recompute must be one of -, {', '.join(RECOMPUTE)}, got "
                          f"{recompute!r}")
+    runtime = {"runtime": cells["runtime"]} if cells.get("runtime") else {}
+    if cells.get("sp", "-") not in ("-", "1"):
+        raise ValueError(f"{where}: sp must be 1 (sequence parallel) or -, got {cells['sp']!r}")
+    runtime["sp"] = cells.get("sp") == "1"
     return Row(source, line, cells["model"], kernels=cells["kernels"],
-               recompute=None if recompute == "-" else recompute, **values)
+               recompute=None if recompute == "-" else recompute, missing=missing,
+               **{c: None for c in missing}, **runtime, **values)
 
 
 def _count(text: str, column: str, where: str) -> int:
@@ -337,8 +370,12 @@ def fix_of(row: Row) -> dict:
         raise ValueError(f"vp={v} virtual stages need pp > 1")
     if row.pp > 1:
         fix |= {"v": v, "schedule": "interleaved-1f1b" if v > 1 else "1f1b"}
+    if row.sp and (row.tp == 1 or not row.recompute):
+        raise ValueError("sp=1 needs tp > 1 and a recompute column")
     if row.recompute:
         fix |= {"recompute": row.recompute}
+    if row.tp > 1 and row.recompute:   # every block tensor-parallel, as the run split them
+        fix |= {"strategy": str(Strategy(True, row.sp, row.recompute))}
     if row.fsdp is None:
         return fix | {"zero": 1}
     if row.dp % row.fsdp:
@@ -377,11 +414,14 @@ def model_inputs(spec: ModelSpec, gbs: int, seq: int):
     return _hf_module(str(FOLDER / spec.hf_config)), (tokens, tokens)
 
 
-def price(row: Row, spec: ModelSpec | None, cluster) -> Result:
+def price(row: Row, spec: ModelSpec | None, cluster, runtimes: dict | None = None) -> Result:
     """The row under fxpar's cost model on `cluster` (a name, a profile file or a Cluster); any
     failure is the row's result, with its reason."""
     from cost_model.hardware.cluster import get_cluster
     from planner.search.meshes import Request
+    if row.missing:
+        return Result(row, (), reason="under-specified: the source does not print "
+                                      + ", ".join(_MISSING_WORDS.get(c, c) for c in row.missing))
     try:
         fix = fix_of(row)
     except ValueError as err:
@@ -392,7 +432,7 @@ def price(row: Row, spec: ModelSpec | None, cluster) -> Result:
     if spec.unsupported:
         return Result(row, tuple(fix.items()), reason=f"not expressible: {spec.unsupported}")
     try:
-        hw = run_cluster(row, get_cluster(cluster))
+        hw = run_cluster(row, get_cluster(cluster), runtimes)
         # a step of `flushes` schedule calls: each one flush of gbs / flushes sequences
         costs, name, batch, seq = model_costs(spec, row.gbs // row.flushes, row.seq)
         best, note = _best(costs, Request(row.gpus, hw, batch, seq, float(hw.mem_bytes), name,
@@ -404,23 +444,18 @@ def price(row: Row, spec: ModelSpec | None, cluster) -> Result:
                   p.bubble_s * n, memory_note=note)
 
 
-# FlexAttention's share of the fused attention kernels the profiles' attention_eff describes
-# (cuDNN's and FlashAttention-3's, which Transformer Engine and torch's SDPA run on an H100):
-# FlexAttention reaches about 90% of FlashAttention-2 forward and 85% backward (PyTorch,
-# "FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention", 2024), and
-# FlashAttention-2 35% of an H100's peak where FlashAttention-3 reaches 75% (Shah et al.,
-# "FlashAttention-3", 2024): 0.875 x 0.35 / 0.75.
-FLEX_ATTENTION_SHARE = 0.875 * 0.35 / 0.75
+_MISSING_WORDS = {"mbs": "the micro-batch (mbs)", "seq": "the sequence length (seq)",
+                  "vp": "the interleaving depth (vp)", "step_s": "a step time (step_s)",
+                  "tokens_per_s_per_gpu": "tokens/s per GPU", "gbs": "the global batch (gbs)"}
 
 
-def run_cluster(row: Row, hw):
-    """The profile `hw` with what the row's run did in software: its kernels' fusion (fxpar's
-    runtime is eager), attention kernel and expert dispatch, and its routing."""
-    flex = "flexattn" in row.kernels.lower()
-    return dataclasses.replace(
-        hw, fused_pointwise=row.fused_kernels, dispatch_per_rank=row.per_rank_dispatch,
-        round_robin_routing=row.routing == "round-robin",
-        attention_eff=hw.attention_eff * (FLEX_ATTENTION_SHARE if flex else 1.0))
+def run_cluster(row: Row, hw, runtimes: dict | None = None):
+    """The hardware profile `hw` under the runtime that ran the row (its fusion, overlap,
+    attention kernel, launches: cost_model.hardware.runtimes; `runtimes` maps a name to the
+    Runtime to use, as a fit gives), with the row's routing."""
+    runtime = (runtimes or {}).get(row.runtime, row.runtime)
+    return dataclasses.replace(apply(hw, runtime, row.attention),
+                               round_robin_routing=row.routing == "round-robin")
 
 
 _HEADROOM = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)   # memory limits tried, x the device's
@@ -453,14 +488,20 @@ def _best(costs, request):
                   f"over-estimated")
 
 
-@functools.lru_cache(maxsize=16)
 def model_costs(spec: ModelSpec, gbs: int, seq: int):
-    """The model of `spec` captured and profiled once (planner.api._model_costs) for a global
-    batch and sequence: every cluster a row is priced on reuses it."""
+    """The model of `spec` captured and profiled (planner.api._model_costs) for a global batch
+    and sequence: captured once per sequence length (a capture takes one sequence), every batch
+    and cluster a row is priced on reuses it."""
+    costs, name, _, seq = _captured(spec, seq)
+    return costs, name, gbs, seq
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(spec: ModelSpec, seq: int):
     from planner.api import _model_costs
     from planner.models.loss import with_loss
-    model, inputs = model_inputs(spec, gbs, seq)
-    return _model_costs(with_loss(model, None), inputs, gbs, None)
+    model, inputs = model_inputs(spec, 1, seq)
+    return _model_costs(with_loss(model, None), inputs, 1, None)
 
 
 def _one_line(err: Exception, limit: int = 300) -> str:
@@ -521,7 +562,7 @@ def select(rows: list[Row], match: str | None) -> list[Row]:
 
 def validate(cluster=None, csvs: list[str] | None = None, match: str | None = None,
              progress: Callable[[str], None] | None = None,
-             clusters: dict | None = None) -> Validation:
+             clusters: dict | None = None, runtimes: dict | None = None) -> Validation:
     """Price every published row (of `csvs`, default every CSV of the published folder; with
     `match`, the rows whose model contains it) on the cluster its file names, or on `cluster`
     for all when given. `clusters` maps a row's cluster name to the Cluster to price it on
@@ -536,7 +577,7 @@ def validate(cluster=None, csvs: list[str] | None = None, match: str | None = No
         if progress:
             progress(f"[{i}/{len(rows)}] {row.model} on {row.gpus} GPUs: {row.configuration()}")
         hw = cluster if cluster is not None else (clusters or {}).get(row.cluster, row.cluster)
-        results.append(price(row, specs.get(row.model), hw))
+        results.append(price(row, specs.get(row.model), hw, runtimes))
     notes = tuple((m, specs[m].note) for m in dict.fromkeys(r.model for r in rows)
                   if m in specs and specs[m].note)
     names = sorted({get_cluster(cluster).name} if cluster is not None else

@@ -1,61 +1,47 @@
-"""A few named efficiency constants of a cluster profile fitted on the published runs that ran on
-it (`fxpar validate --fit matmul_eff,attention_eff`).
+"""The fitted terms of the runtime profiles, set from published runs (`fxpar validate --fit`),
+and their check on runs they were not fitted to (`fxpar validate --cross-validate`).
 
-Everything else in the cost model comes from hardware facts (cost_model.hardware.cluster's
-presets); what no datasheet gives — the share of the tensor cores' peak that long GEMMs keep
-under a power limit, what the attention kernels reach — may be fitted here, per profile, on the
-rows of planner/bench/published whose file names that profile. Each row is captured once
-(planner.bench.published.model_costs); a fit only searches again with the changed constants.
+A hardware profile holds datasheet and microbenchmark numbers and is never fitted. A runtime
+profile (cost_model.hardware.runtimes) has two fitted terms, shared by the runtimes of one
+family (runtimes.FAMILY): compute_share, the share of the microbenchmarked tensor-core rates a
+training step keeps, and host_op_s, the host's time per kernel launch. A family's fit uses
+the priced rows of its runtimes only.
 
-The objective is the mean |ln(predicted / published)| over the profile's priced rows: a row
-predicted 2x slow weighs what one 2x fast does, and one wild row does not pull the others as a
-squared error would. A step time is a sum of maxima (rooflines, overlaps) and has kinks, so the
-searches need no gradient: one constant by golden-section search over its range; several
-together by a Nelder-Mead simplex inside their ranges (`SIMPLEX_EVALUATIONS`), because they
-trade against each other along valleys (a lower matmul_eff and a higher grouped_gemm_eff price
-a MoE row alike) where searching one constant at a time stops early.
+The objective is the mean |ln(predicted / published)| over those rows: a row predicted 2x slow
+weighs what one 2x fast does, and one wild row does not pull the others as a squared error
+would. A step time is a sum of maxima (rooflines, launch floors, overlaps) and has kinks, so the
+search needs no gradient: a Nelder-Mead simplex inside the terms' ranges (`EVALUATIONS`).
+Each row's model is captured once (planner.bench.published.model_costs); an evaluation only
+prices the fixed configurations again.
+
+Cross-validation leaves one source (one CSV file) out at a time: every family is fitted on the
+other sources' rows, and the left-out source's rows are priced with those fits; a family with
+no row left keeps its priors (runtimes.PRIORS). The table of those errors is the model's error
+on runs it was not fitted to.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
+from cost_model.hardware.runtimes import FAMILY, FITTED, PRIORS, RUNTIMES, with_fitted
 from planner.bench.published import Result, Row, load_models, price
 
-# Constants a fit may change, and the range searched (what a GPU of the presets can reach)
-RANGES = {
-    "matmul_eff": (0.30, 0.90),
-    "attention_eff": (0.20, 0.80),
-    "grouped_gemm_eff": (0.40, 1.00),
-    "bw_eff": (0.50, 0.95),
-    "comm_eff": (0.40, 1.00),
-}
-STEPS = 10       # golden-section steps: the range shrinks to 0.8%
-SIMPLEX_EVALUATIONS = 90
-_GOLDEN = (math.sqrt(5) - 1) / 2
+RANGES = {"compute_share": (0.40, 1.00), "host_op_s": (0.0, 40e-6)}
+EVALUATIONS = 40
 
 
 @dataclass(frozen=True)
 class Fit:
-    """One profile's fit: the constants before and after, and the objective at each."""
-    cluster: str
+    """One family's fit: its terms before (the priors) and after, and the objective."""
+    family: str
     rows: int
-    before: tuple[tuple[str, float], ...]
-    after: tuple[tuple[str, float], ...]
+    before: tuple[float, float]
+    after: tuple[float, float]
     loss_before: float          # mean |ln(predicted / published)|
     loss_after: float
-    evaluations: int
-
-
-def parse_names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in RANGES]
-    if not names or unknown:
-        raise ValueError(f"--fit takes a comma-separated list of {', '.join(RANGES)}; got "
-                         f"{text!r}")
-    return names
 
 
 def loss(results: list[Result]) -> float:
@@ -63,61 +49,97 @@ def loss(results: list[Result]) -> float:
     return sum(abs(math.log(r.predicted_s / r.row.step_s)) for r in priced) / len(priced)
 
 
-def fit_cluster(rows: list[Row], cluster, names: tuple[str, ...],
-                progress: Callable[[str], None] | None = None,
-                specs: dict | None = None) -> tuple[Fit, object]:
-    """(the fit, the fitted Cluster) of `cluster` on `rows` (those priced on it); specs: how to
-    build each row's model (default planner/bench/published/models.json)."""
-    from cost_model.hardware.cluster import get_cluster
-    base = get_cluster(cluster)
+def family_runtimes(family: str, terms: tuple[float, float]) -> dict:
+    """{runtime name: Runtime} of the family with its fitted terms."""
+    return {n: with_fitted(PRIORS[n], *terms) for n, f in FAMILY.items() if f == family}
+
+
+def fit_family(family: str, rows: list[Row], specs: dict | None = None) -> Fit:
+    """The fit of `family`'s terms on `rows` (those of its runtimes that price)."""
     specs = load_models() if specs is None else specs
-    priceable = [r for r in rows if price(r, specs.get(r.model), base).priced]
-    if not priceable:
-        raise ValueError(f"no row on {base.name} could be priced: nothing to fit")
-    calls = [0]
+    prior = (PRIORS[_member(family)].compute_share, _eager_host(family, PRIORS))
 
-    def objective(values: dict) -> float:
-        calls[0] += 1
-        hw = dataclasses.replace(base, **values)
-        return loss([price(r, specs.get(r.model), hw) for r in priceable])
+    def objective(terms) -> float:
+        runtimes = family_runtimes(family, tuple(terms))
+        return loss([price(r, specs.get(r.model), r.cluster, runtimes) for r in rows])
 
-    values = {n: getattr(base, n) for n in names}
-    start = objective(values)
-    if len(names) == 1:
-        (name,) = names
-        values[name] = _golden(lambda x: objective({name: x}), *RANGES[name])
-    else:
-        best = _simplex(lambda xs: objective(dict(zip(names, xs))), list(values.values()),
-                        [RANGES[n] for n in names])
-        values = {n: round(x, 3) for n, x in zip(names, best)}
-    if progress:
-        progress(f"{base.name}: " + ", ".join(f"{n} = {v:.3f}" for n, v in values.items()))
-    fitted = dataclasses.replace(base, **values)
-    fit = Fit(base.name, len(priceable), tuple((n, getattr(base, n)) for n in names),
-              tuple(values.items()), start, objective(values), calls[0])
-    return fit, fitted
+    best = _simplex(objective, list(prior), [RANGES[n] for n in FITTED])
+    after = (round(best[0], 3), round(best[1], 7))
+    return Fit(family, len(rows), prior, after, objective(prior), objective(after))
 
 
-def _golden(f: Callable[[float], float], lo: float, hi: float) -> float:
-    """The minimum of f over [lo, hi] after STEPS golden-section steps (the midpoint of the last
-    bracket, rounded to 3 decimals as the profiles print it)."""
-    a, b = lo, hi
-    c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(STEPS):
-        if fc <= fd:
-            b, d, fd = d, c, fc
-            c = b - _GOLDEN * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + _GOLDEN * (b - a)
-            fd = f(d)
-    return round((a + b) / 2, 3)
+def _member(family: str) -> str:
+    return next(n for n, f in FAMILY.items() if f == family)
+
+
+def _eager_host(family: str, runtimes: dict) -> float:
+    """The family's launch time as an eager runtime's (runtimes.with_fitted's scale)."""
+    name = _member(family)
+    return runtimes[name].host_op_s * PRIORS["fxpar"].host_op_s / PRIORS[name].host_op_s
+
+
+def fit_all(rows: list[Row], specs: dict | None = None,
+            progress: Callable[[str], None] | None = None) -> tuple[dict, list[Fit]]:
+    """({runtime name: fitted Runtime}, the fits) over every family that has priced rows;
+    the other families keep their priors."""
+    specs = load_models() if specs is None else specs
+    runtimes, fits = dict(PRIORS), []
+    for family in dict.fromkeys(FAMILY.values()):
+        mine = [r for r in rows if FAMILY[r.runtime] == family and _prices(r, specs)]
+        if not mine:
+            continue
+        fit = fit_family(family, mine, specs)
+        runtimes |= family_runtimes(family, fit.after)
+        fits.append(fit)
+        if progress:
+            progress(fit_text(fit))
+    return runtimes, fits
+
+
+def _prices(row: Row, specs: dict) -> bool:
+    return price(row, specs.get(row.model), row.cluster).priced
+
+
+def fit_text(fit: Fit) -> str:
+    (c0, h0), (c1, h1) = fit.before, fit.after
+    return (f"fit of the {fit.family} family on its {fit.rows} priced rows: compute_share "
+            f"{c0:.3f} -> {c1:.3f}, host_op_s {h0 * 1e6:.1f} -> {h1 * 1e6:.1f} us; mean "
+            f"|ln(predicted/published)| {fit.loss_before:.3f} -> {fit.loss_after:.3f}")
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One source left out: the fits made without it and its rows priced with them."""
+    source: str
+    fits: tuple[Fit, ...]
+    results: tuple[Result, ...]
+
+
+def cross_validate(rows: list[Row], specs: dict | None = None,
+                   progress: Callable[[str], None] | None = None) -> list[Fold]:
+    """Leave-one-source-out (module doc): one Fold per source (CSV file) with a priced row."""
+    specs = load_models() if specs is None else specs
+    folds = []
+    for source in dict.fromkeys(r.source for r in rows):
+        held = [r for r in rows if r.source == source]
+        if not any(_prices(r, specs) for r in held):
+            continue
+        runtimes, fits = fit_all([r for r in rows if r.source != source], specs)
+        results = tuple(price(r, specs.get(r.model), r.cluster, runtimes) for r in held)
+        folds.append(Fold(source, tuple(fits), results))
+        if progress:
+            progress(f"left out {source}: median |error| "
+                     f"{median_error([r for r in results if r.priced]):.1f}%")
+    return folds
+
+
+def median_error(results) -> float:
+    errors = [abs(r.error_pct) for r in results if r.priced]
+    return statistics.median(errors) if errors else math.nan
 
 
 def _simplex(f: Callable[[list], float], start: list, bounds: list,
-             evaluations: int = SIMPLEX_EVALUATIONS) -> list:
+             evaluations: int = EVALUATIONS) -> list:
     """The least point Nelder-Mead finds within `evaluations` calls of f, every point clipped to
     its bounds; the first simplex steps a quarter of each range from `start`, into the range."""
     clip = lambda x: [min(max(v, lo), hi) for v, (lo, hi) in zip(x, bounds)]  # noqa: E731
@@ -161,9 +183,5 @@ def _simplex(f: Callable[[list], float], start: list, bounds: list,
     return min(scored, key=lambda s: s[0])[1]
 
 
-def fit_text(fit: Fit) -> str:
-    changes = ", ".join(f"{n} {b:.3f} -> {a:.3f}" for (n, b), (_, a) in zip(fit.before,
-                                                                            fit.after))
-    return (f"fit of {fit.cluster} on its {fit.rows} priced rows: {changes}; mean |ln(predicted/"
-            f"published)| {fit.loss_before:.3f} -> {fit.loss_after:.3f} "
-            f"({fit.evaluations} evaluations)")
+__all__ = ["Fit", "Fold", "RANGES", "RUNTIMES", "cross_validate", "fit_all", "fit_family",
+           "fit_text", "loss", "median_error"]

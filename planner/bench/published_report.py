@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from planner.bench.published import Ranking, Result, Summary, Validation
+from planner.bench.published import Ranking, Result, Summary, Validation, rankings
 
 HEADERS = ("run", "model", "gpus", "configuration", "published s", "predicted s", "error %",
            "published tok/s/GPU", "predicted tok/s/GPU", "compute s", "exposed comm s",
@@ -17,13 +17,18 @@ _ALIGN = ("left", "left", "right", "left") + ("right",) * 8
 
 def table_row(r: Result) -> list[str]:
     row = r.row
-    head = [f"{Path(row.source).stem}:{row.line}", row.model, str(row.gpus), row.configuration(),
-            f"{row.step_s:.4g}"]
+    head = [f"{Path(row.source).stem}:{row.line}", row.model, _value(row.gpus, "d"),
+            row.configuration(), _value(row.step_s, ".4g")]
     if not r.priced:
-        return head + ["not priced", "-", f"{row.tokens_per_s_per_gpu:,.0f}", "-", "-", "-", "-"]
+        return head + ["not priced", "-", _value(row.tokens_per_s_per_gpu, ",.0f"), "-", "-",
+                       "-", "-"]
     return head + [f"{r.predicted_s:.4g}", f"{r.error_pct:+.1f}",
                    f"{row.tokens_per_s_per_gpu:,.0f}", f"{r.predicted_tokens_per_s_per_gpu:,.0f}",
                    *(_seconds(t) for t in (r.compute_s, r.comm_s, r.bubble_s))]
+
+
+def _value(value, form: str) -> str:
+    return "?" if value is None else format(value, form)   # "?": the source does not print it
 
 
 def _seconds(t: float) -> str:
@@ -104,3 +109,65 @@ def _result_json(r: Result) -> dict:
             "predicted_tokens_per_s_per_gpu": r.predicted_tokens_per_s_per_gpu,
             "compute_s": r.compute_s, "exposed_comm_s": r.comm_s, "bubble_s": r.bubble_s,
             "reason": r.reason or None, "memory_note": r.memory_note or None}
+
+
+# ---- cross-validation ---------------------------------------------------------------------------
+
+CV_HEADERS = ("run", "model", "gpus", "runtime", "configuration", "published s",
+              "in-sample s", "in-sample %", "left-out s", "left-out %")
+
+
+def cross_validation_report(v: Validation, folds) -> str:
+    """The in-sample validation (`v`, priced with the constants fitted on every row) beside
+    leave-one-source-out (planner.bench.published_fit.cross_validate): per row, per source and
+    overall, and the ranking of each group of rows with the same model and GPU count under the
+    left-out prices."""
+    from tabulate import tabulate
+    inside = {(r.row.source, r.row.line): r for r in v.results}
+    left = [r for fold in folds for r in fold.results]
+    rows = [_cv_row(inside[(r.row.source, r.row.line)], r) for r in left if r.priced]
+    lines = ["fxpar's cost model against published runs: in-sample (constants fitted on every "
+             "row) and leave-one-source-out (fitted without the row's source)",
+             tabulate(rows, headers=CV_HEADERS, tablefmt="simple", disable_numparse=True,
+                      colalign=("left", "left", "right", "left", "left") + ("right",) * 5),
+             "", "per source (median |error|, in-sample -> left out; rows within ±25% left out):"]
+    for fold in folds:
+        ins = [inside[(r.row.source, r.row.line)] for r in fold.results if r.priced]
+        out = [r for r in fold.results if r.priced]
+        lines.append(f"  {Path(fold.source).stem}: {len(out)} rows, {_median(ins):.1f}% -> "
+                     f"{_median(out):.1f}%, {sum(abs(r.error_pct) <= 25 for r in out)} within "
+                     f"±25%, worst {max(abs(r.error_pct) for r in out):.1f}%")
+    priced = [r for r in left if r.priced]
+    ins = [inside[(r.row.source, r.row.line)] for r in priced]
+    lines.append(f"overall: {len(priced)} rows, median |error| {_median(ins):.1f}% in-sample, "
+                 f"{_median(priced):.1f}% left out; {sum(abs(r.error_pct) <= 25 for r in priced)}"
+                 f" of {len(priced)} within ±25% left out")
+    groups = [g for g in rankings(priced) if len(g.measured) > 1]
+    held = sum(g.verdict.startswith("the measured fastest is predicted fastest")
+               or g.verdict.endswith("within 5%") for g in groups)
+    lines.append(f"rankings left out: in {held} of {len(groups)} groups of rows with the same "
+                 f"model and GPU count the measured fastest is predicted fastest or within 5%")
+    lines += [f"  {g.model} on {g.gpus} GPUs: {g.verdict}" for g in groups
+              if not (g.verdict.startswith("the measured fastest is predicted fastest")
+                      or g.verdict.endswith("within 5%"))]
+    return "\n".join(lines)
+
+
+def _cv_row(inside: Result, out: Result) -> list[str]:
+    row = out.row
+    return [f"{Path(row.source).stem}:{row.line}", row.model, str(row.gpus), row.runtime,
+            row.configuration(), f"{row.step_s:.4g}", f"{inside.predicted_s:.4g}",
+            f"{inside.error_pct:+.1f}", f"{out.predicted_s:.4g}", f"{out.error_pct:+.1f}"]
+
+
+def _median(results) -> float:
+    import statistics
+    errors = [abs(r.error_pct) for r in results if r.priced]
+    return statistics.median(errors) if errors else float("nan")
+
+
+def folds_json(folds) -> list[dict]:
+    return [{"source": f.source,
+             "fits": [{"family": x.family, "rows": x.rows, "compute_share": x.after[0],
+                       "host_op_s": x.after[1]} for x in f.fits],
+             "rows": [_result_json(r) for r in f.results]} for f in folds]

@@ -117,10 +117,12 @@ class Pricer:
 
     def __init__(self, model, gpus: int, example_inputs=None, *, cluster=None,
                  global_batch: int | None = None, seq: int | None = None,
-                 memory_limit: float | None = None, zero1: bool = False):
-        from planner.api import _check_gpus, _memory_limit_bytes, _model_costs, default_cluster
+                 memory_limit: float | None = None, zero1: bool = False,
+                 runtime: str | None = None):
+        from planner.api import (_check_gpus, _memory_limit_bytes, _model_costs, default_cluster,
+                                 with_runtime)
         self.gpus = _check_gpus(gpus)
-        self.cluster = get_cluster(cluster or default_cluster())
+        self.cluster = with_runtime(cluster or default_cluster(), runtime)
         self.limit = _memory_limit_bytes(memory_limit, self.cluster)
         self.costs, self.name, self.global_batch, self.seq = _model_costs(
             model, example_inputs, global_batch, seq, zero1, fp32=self.cluster.runtime_priced)

@@ -132,8 +132,18 @@ def pricer_of_args(args, seq: int | None = None, global_batch: int | None = None
     model, inputs, facts = model_of_args(args, seq, global_batch)
     pricer = Pricer(model, args.gpus, inputs, cluster=args.cluster,
                     global_batch=global_batch or args.global_batch, memory_limit=args.memory_limit,
-                    zero1=args.zero1 if zero1 is None else zero1)
+                    zero1=args.zero1 if zero1 is None else zero1, runtime=runtime_of_args(args))
     return pricer, facts
+
+
+def runtime_of_args(args) -> str:
+    """--runtime, else the framework the configuration is written for or read from: a plan
+    emitted for Megatron is the one fastest under Megatron-Core's runtime profile."""
+    if getattr(args, "runtime", None):
+        return args.runtime
+    if getattr(args, "emit", None):
+        return args.emit
+    return "megatron" if getattr(args, "from_megatron", None) is not None else "torchtitan"
 
 
 # --------------------------------------------------------------------------------------------

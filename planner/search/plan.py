@@ -86,6 +86,7 @@ class Plan:
     params: int = 0                    # the model's parameters (all of them, unsharded)
     sizes_from: str = ""               # where seq and global batch came from
     sequences: bool = True             # False: inputs are not sequences (rates in samples/s)
+    runtime: str = ""                  # the runtime profile priced (cost_model.hardware.runtimes)
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -167,7 +168,8 @@ class Plan:
     def __str__(self) -> str:
         p = self.predicted
         head = [
-            f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster})",
+            f"fxpar plan: {self.model} on {self.gpus} GPUs ({self.cluster}"
+            f"{f', {self.runtime} runtime' if self.runtime else ''})",
             f"mesh dp={self.dp} x tp={self.tp} x pp={self.pp}"
             f"{f' x cp={self.cp}' if self.cp > 1 else ''}"
             f"{f' (ep={self.ep} of dp x cp)' if self.ep > 1 else ''}{self._zero_text()}"

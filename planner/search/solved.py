@@ -45,7 +45,7 @@ def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.
                 costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None, params=costs.param_count(),
-                sizes_from=req.sizes_from, sequences=req.sequences)
+                sizes_from=req.sizes_from, sequences=req.sequences, runtime=req.cluster.runtime)
     if req.cluster.runtime_priced:  # the whole step simulated on shared cores
         plan = replace(plan, predicted=simulated(plan, req.cluster, req.global_batch *
                                                  costs.flops_per_sample()))

@@ -12,6 +12,7 @@ from planner.bench import published as pub
 from planner.bench import published_report as report_of
 from planner.cli import main
 from cost_model.hardware.cluster import get_cluster
+from cost_model.hardware.runtimes import RUNTIMES
 from planner.models.presets import PRESETS, get_config
 from planner.search.meshes import check_fix
 
@@ -31,13 +32,14 @@ def _find(model: str, gpus: int) -> pub.Row:
 
 def test_every_csv_parses_and_opens_with_its_source():
     files = pub.csv_files()
-    assert [f.name for f in files][0] == "h100-bf16.csv"  # the first table first
     for path in files:
         head = path.read_text().splitlines()
         comments = [line for line in head if line.startswith("#")]
         assert head[0].startswith("#") and any("Source:" in line for line in comments), path
         assert pub.read_rows(path), path
-    assert len(ROWS) >= 12
+    assert len(ROWS) >= 220
+    # every row names the runtime that ran it, one of the runtime profiles
+    assert {r.runtime for r in ROWS} <= set(RUNTIMES) and "fxpar" not in {r.runtime for r in ROWS}
 
 
 def test_the_first_table_is_the_published_copy():
@@ -116,12 +118,15 @@ def test_what_the_recipes_add_flushes_routing_and_dispatch():
     # 1024 GPUs: 8 sequences a local batch, 4 of them a step, dp 256: 4 schedule calls
     assert [(r.gpus, r.flushes) for r in v3] == [(1024, 4), (256, 1)]
     assert "4 flushes" in v3[0].configuration() and "recompute=full" in v3[0].configuration()
-    assert all(r.routing == "round-robin" and r.per_rank_dispatch for r in v3)
+    assert all(r.routing == "round-robin" and r.runtime == "automodel" for r in v3)
     megatron = next(r for r in ROWS if r.source == "h100-bf16-more.csv")
-    assert (megatron.flushes, megatron.routing, megatron.per_rank_dispatch) == \
-        (1, "router", False)                      # one schedule over every micro-batch
+    assert (megatron.flushes, megatron.routing, megatron.runtime) == \
+        (1, "router", "megatron")                 # one schedule over every micro-batch
     hw = pub.run_cluster(v3[0], get_cluster("h100-sxm-dgx"))
     assert hw.round_robin_routing and hw.dispatch_per_rank and hw.fused_pointwise
+    assert hw.runtime == "automodel" and hw.tp_overlap == "none"
+    hw = pub.run_cluster(megatron, get_cluster("h100-sxm-dgx"))
+    assert not hw.dispatch_per_rank and hw.tp_overlap == "pipelined"
     # flushes need a pipeline and the local batch the step is made of
     assert _row(gpus=8, pp=2, lbs=2, ga=2).flushes == 2          # 2 x 2 x dp 4 = 16
     assert _row(gpus=8, pp=2, lbs=2, ga=3).flushes == 1          # not the global batch
@@ -139,7 +144,7 @@ def test_a_step_of_flushes_is_priced_as_that_many_smaller_steps():
 
 
 def test_a_model_fxpar_cannot_express_is_listed_with_its_reason():
-    nemotron = [r for r in ROWS if r.model.startswith("Nemotron")]
+    nemotron = [r for r in ROWS if r.model.startswith("Nemotron V3")]
     assert nemotron
     specs = pub.load_models()
     for row in nemotron:
@@ -149,7 +154,32 @@ def test_a_model_fxpar_cannot_express_is_listed_with_its_reason():
 
 def test_every_fix_is_legal():
     for row in ROWS:
-        check_fix(pub.fix_of(row))
+        if not row.missing:
+            check_fix(pub.fix_of(row))
+
+
+def test_what_a_source_does_not_print_is_listed_not_guessed():
+    missing = {r.model: r.missing for r in ROWS if r.missing}
+    assert missing["Llama-3.1-405B"][:1] == ("mbs",) and "vp" in missing["Llama-3.1-405B"]
+    assert "seq" in missing["Llama-2-7B"] and "mbs" in missing["Nemotron-4-15B"]
+    row = next(r for r in ROWS if r.model == "Llama-2-7B")
+    result = pub.price(row, pub.load_models()[row.model], row.cluster)
+    assert not result.priced and result.reason.startswith(
+        "under-specified: the source does not print the sequence length (seq)")
+    assert "seq=?" in row.configuration()
+    assert "| ? |" in report_of.report(pub.Validation("x", (result,), pub.summarize([result]),
+                                                      (), ())).replace("  ", " ") or \
+        " ? " in report_of.report(pub.Validation("x", (result,), pub.summarize([result]), (),
+                                                 ()))
+
+
+def test_sequence_parallel_rows_fix_the_strategy_they_ran():
+    rows = [r for r in ROWS if r.source == "megatron-sp-a100.csv"]
+    assert [(r.recompute, r.sp) for r in rows[:2]] == [("full", False), ("selective", True)]
+    assert pub.fix_of(rows[1])["strategy"] == "tp+sp+sel"
+    assert pub.fix_of(rows[0])["strategy"] == "tp+full"
+    with pytest.raises(ValueError, match="sp=1 needs tp > 1"):
+        pub.fix_of(_row(sp=True, recompute="full"))
 
 
 @pytest.mark.parametrize("changes, words", [
