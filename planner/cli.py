@@ -346,11 +346,15 @@ def cmd_validate(args) -> int:
     runtimes, fits = None, []
     rows = select([r for path in (args.csv or csv_files()) for r in read_rows(path)],
                   args.match)
+    if (args.fit or args.cross_validate) and args.cluster:
+        raise ValueError("--fit and --cross-validate price each row on the hardware its file "
+                         "names: drop --cluster")
     if args.fit or args.cross_validate:
         runtimes, fitted = fit_all(rows, progress=progress)
         fits = [fit_text(f) for f in fitted]
     result = validate(args.cluster, args.csv, args.match, progress=progress, runtimes=runtimes)
-    folds = cross_validate(rows, progress=progress) if args.cross_validate else []
+    folds = cross_validate(rows, progress=progress, base=(runtimes, fitted),
+                           workers=min(2, os.cpu_count() or 1)) if args.cross_validate else []
     if args.json:
         data = to_json(result) | ({"cross_validation": folds_json(folds)} if folds else {})
         print(json.dumps(data | {"fits": fits}, indent=2))

@@ -459,6 +459,7 @@ def run_cluster(row: Row, hw, runtimes: dict | None = None):
 
 
 _HEADROOM = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)   # memory limits tried, x the device's
+_NEEDED: dict = {}   # the least of 1 and _HEADROOM a row's request planned at
 
 
 def _best(costs, request):
@@ -469,19 +470,24 @@ def _best(costs, request):
     from planner.api import plan_costs
     from planner.search.costs import PlanningError
     from planner.search.plan import GiB
-    try:
-        return plan_costs(costs, request)[0], ""
-    except PlanningError as err:
-        refusal = err
-    for factor in _HEADROOM:
+    # memory does not depend on the runtime's speed terms: a fit's re-pricing of the row starts
+    # from the headroom its first pricing needed
+    key = (id(costs), request.gpus, request.global_batch, request.seq, request.memory_limit,
+           request.cluster.name, tuple(sorted(request.fix.items())))
+    factors = (1.0,) + _HEADROOM
+    refusal = None
+    for factor in factors[factors.index(_NEEDED.get(key, 1.0)):]:
         try:
             best = plan_costs(costs, dataclasses.replace(
                 request, memory_limit=request.memory_limit * factor))[0]
+            _NEEDED[key] = factor
             break
-        except PlanningError:
-            continue
+        except PlanningError as err:
+            refusal = refusal or err
     else:
         raise refusal
+    if _NEEDED[key] == 1.0:
+        return best, ""
     need = best.predicted.peak_memory_bytes / GiB
     return best, (f"fxpar's memory model puts this plan at {need:.1f} GiB per device, above "
                   f"the {request.memory_limit / GiB:.1f} GiB it has; the run fit: memory "

@@ -21,7 +21,9 @@ on runs it was not fitted to.
 """
 from __future__ import annotations
 
+import functools
 import math
+import multiprocessing
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +32,7 @@ from cost_model.hardware.runtimes import FAMILY, FITTED, PRIORS, RUNTIMES, with_
 from planner.bench.published import Result, Row, load_models, price
 
 RANGES = {"compute_share": (0.40, 1.00), "host_op_s": (0.0, 40e-6)}
-EVALUATIONS = 40
+EVALUATIONS = 30
 
 
 @dataclass(frozen=True)
@@ -116,21 +118,42 @@ class Fold:
 
 
 def cross_validate(rows: list[Row], specs: dict | None = None,
-                   progress: Callable[[str], None] | None = None) -> list[Fold]:
-    """Leave-one-source-out (module doc): one Fold per source (CSV file) with a priced row."""
+                   progress: Callable[[str], None] | None = None, base=None,
+                   workers: int = 1) -> list[Fold]:
+    """Leave-one-source-out (module doc): one Fold per source (CSV file) with a priced row.
+    `base`: fit_all's result on every row, when already made. A family none of whose rows the
+    source holds is fitted on the same rows either way, so only the source's own families are
+    fitted again; `workers` > 1 runs the sources in that many forked processes."""
     specs = load_models() if specs is None else specs
-    folds = []
-    for source in dict.fromkeys(r.source for r in rows):
-        held = [r for r in rows if r.source == source]
-        if not any(_prices(r, specs) for r in held):
-            continue
-        runtimes, fits = fit_all([r for r in rows if r.source != source], specs)
-        results = tuple(price(r, specs.get(r.model), r.cluster, runtimes) for r in held)
-        folds.append(Fold(source, tuple(fits), results))
-        if progress:
-            progress(f"left out {source}: median |error| "
-                     f"{median_error([r for r in results if r.priced]):.1f}%")
+    runtimes, fits = base or fit_all(rows, specs)
+    sources = [s for s in dict.fromkeys(r.source for r in rows)
+               if any(_prices(r, specs) for r in rows if r.source == s)]
+    job = functools.partial(_fold, rows=rows, specs=specs, runtimes=runtimes, fits=fits)
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            folds = pool.map(job, sources)
+    else:
+        folds = [job(source) for source in sources]
+    for fold in folds if progress else ():
+        progress(f"left out {fold.source}: median |error| {median_error(fold.results):.1f}%")
     return folds
+
+
+def _fold(source: str, rows: list[Row], specs: dict, runtimes: dict, fits: list[Fit]) -> Fold:
+    held = [r for r in rows if r.source == source]
+    families = {FAMILY[r.runtime] for r in held}
+    runtimes, kept = dict(runtimes), [f for f in fits if f.family not in families]
+    for family in families:
+        runtimes |= family_runtimes(family, (PRIORS[_member(family)].compute_share,
+                                             _eager_host(family, PRIORS)))
+        mine = [r for r in rows if r.source != source and FAMILY[r.runtime] == family
+                and _prices(r, specs)]
+        if mine:   # else the family keeps its priors
+            fit = fit_family(family, mine, specs)
+            runtimes |= family_runtimes(family, fit.after)
+            kept.append(fit)
+    results = tuple(price(r, specs.get(r.model), r.cluster, runtimes) for r in held)
+    return Fold(source, tuple(kept), results)
 
 
 def median_error(results) -> float:

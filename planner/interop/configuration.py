@@ -87,7 +87,7 @@ class Configuration:
     def of(plan: Plan) -> "Configuration":
         """A plan's own configuration: its mesh, schedule and every stage's block strategies."""
         ends = {s for st in plan.stages for layer, s in zip(st.layers, st.strategies)
-                if layer in ("embed", "head")}
+                if layer in ("embed", "head")} if plan.tp > 1 else set()  # tp 1: nothing to split
         return Configuration(plan.dp, plan.tp, plan.pp, plan.cp, plan.micro_batch, plan.schedule,
                              plan.virtual_stages, block_strategies(plan),
                              ends=ends.pop() if len(ends) == 1 else "auto", zero=plan.zero,

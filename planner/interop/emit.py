@@ -138,9 +138,14 @@ def pricer_of_args(args, seq: int | None = None, global_batch: int | None = None
 
 def runtime_of_args(args) -> str:
     """--runtime, else the framework the configuration is written for or read from: a plan
-    emitted for Megatron is the one fastest under Megatron-Core's runtime profile."""
+    emitted for Megatron is the one fastest under Megatron-Core's runtime profile. CPU ranks
+    run fxpar's own runtime only (runtimes.apply), and their profile measured it."""
+    from cost_model.hardware.cluster import get_cluster
+    from planner.api import default_cluster
     if getattr(args, "runtime", None):
         return args.runtime
+    if get_cluster(args.cluster or default_cluster()).device == "cpu":
+        return "fxpar"
     if getattr(args, "emit", None):
         return args.emit
     return "megatron" if getattr(args, "from_megatron", None) is not None else "torchtitan"
