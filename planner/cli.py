@@ -353,8 +353,8 @@ def cmd_validate(args) -> int:
         runtimes, fitted = fit_all(rows, progress=progress)
         fits = [fit_text(f) for f in fitted]
     result = validate(args.cluster, args.csv, args.match, progress=progress, runtimes=runtimes)
-    folds = cross_validate(rows, progress=progress, base=(runtimes, fitted),
-                           workers=min(2, os.cpu_count() or 1)) if args.cross_validate else []
+    folds = cross_validate(rows, progress=progress, base=(runtimes, fitted)) \
+        if args.cross_validate else []
     if args.json:
         data = to_json(result) | ({"cross_validation": folds_json(folds)} if folds else {})
         print(json.dumps(data | {"fits": fits}, indent=2))

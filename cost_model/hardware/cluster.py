@@ -524,8 +524,14 @@ _GPU_EFFS = dict(
 )
 _A100 = dict(matmul_eff=0.859, attention_eff=0.625, gpu_arch="ampere", sms=108,
              comm_sm_share=16 / 108)
+# - grouped_gemm_eff: a MoE layer's experts in one grouped GEMM kernel. cuBLAS's grouped GEMM
+#   kernels "only leverage warp-level MMA instructions", not Hopper's warp-group wgmma (NVIDIA,
+#   "Introducing Grouped GEMM APIs in cuBLAS and More Performance Updates", 2024), and on Hopper
+#   the asynchronous TMA + wgmma path runs matrix multiplication 1.5x the synchronous one (Luo
+#   et al., "Dissecting the NVIDIA Hopper Architecture through Microbenchmarking", arXiv
+#   2501.12084): 1 / 1.5 on H100/H200; Ampere has no wgmma, 1.
 _H100 = dict(matmul_eff=0.801, attention_eff=0.535, gpu_arch="hopper", sms=132,
-             comm_sm_share=16 / 132)
+             comm_sm_share=16 / 132, grouped_gemm_eff=1 / 1.5)
 
 PRESETS: dict[str, Cluster] = {
     # This kind of machine: a 2-core x86 VM (AVX2, no AVX-512) running one

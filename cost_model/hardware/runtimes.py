@@ -138,10 +138,12 @@ DEFAULT = "fxpar"
 # Runtimes that share their fitted terms: the same mechanism under other names. Every
 # FSDP-based runtime gathers each layer's weights into fresh buffers and reduce-scatters its
 # gradients from them, beside compute, with hooks around every module (torchtitan, NeMo
-# AutoModel, Composer's and fms-fsdp's FSDP); Megatron-Core and fxpar are their own. A fit
-# sets one compute_share and one host_op_s per family; a fused member launches its kernels in
-# the share _FUSED_HOST / _EAGER_HOST of an eager one's time.
-FAMILY = {"fxpar": "fxpar", "megatron": "megatron", "megatron-lm": "megatron",
+# AutoModel, Composer's and fms-fsdp's FSDP); fxpar's runtime does the same in its own sharded
+# data parallel (runtime.data_parallel.sharded_dp), with eager ops and autograd hooks, and has no
+# published GPU run of its own: it takes the FSDP family's terms. Megatron-Core and Megatron-LM
+# are the other family. A fit sets one compute_share and one host_op_s per family; a fused
+# member launches its kernels in the share _FUSED_HOST / _EAGER_HOST of an eager one's time.
+FAMILY = {"fxpar": "fsdp", "megatron": "megatron", "megatron-lm": "megatron",
           "torchtitan": "fsdp",
           "torchtitan-compile": "fsdp", "fsdp": "fsdp", "automodel": "fsdp"}
 
@@ -156,7 +158,7 @@ def with_fitted(runtime: Runtime, compute_share: float, host_op_s: float) -> Run
 
 # (compute_share, host_op_s) per family, fitted on every published row of the family
 # (`fxpar validate --fit`, planner.bench.published_fit); a family without rows keeps its priors.
-FITS = {"fxpar": (1.0, _EAGER_HOST), "megatron": (0.958, 9.1e-6), "fsdp": (0.782, 13.2e-6)}
+FITS = {"megatron": (0.958, 9.1e-6), "fsdp": (0.782, 13.2e-6)}
 
 RUNTIMES: dict[str, Runtime] = {name: with_fitted(r, *FITS[FAMILY[name]])
                                 for name, r in PRIORS.items()}

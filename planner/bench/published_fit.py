@@ -21,9 +21,7 @@ on runs it was not fitted to.
 """
 from __future__ import annotations
 
-import functools
 import math
-import multiprocessing
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -118,24 +116,20 @@ class Fold:
 
 
 def cross_validate(rows: list[Row], specs: dict | None = None,
-                   progress: Callable[[str], None] | None = None, base=None,
-                   workers: int = 1) -> list[Fold]:
+                   progress: Callable[[str], None] | None = None, base=None) -> list[Fold]:
     """Leave-one-source-out (module doc): one Fold per source (CSV file) with a priced row.
     `base`: fit_all's result on every row, when already made. A family none of whose rows the
     source holds is fitted on the same rows either way, so only the source's own families are
-    fitted again; `workers` > 1 runs the sources in that many forked processes."""
+    fitted again. (One process: HiGHS's thread pool does not survive a fork.)"""
     specs = load_models() if specs is None else specs
     runtimes, fits = base or fit_all(rows, specs)
     sources = [s for s in dict.fromkeys(r.source for r in rows)
                if any(_prices(r, specs) for r in rows if r.source == s)]
-    job = functools.partial(_fold, rows=rows, specs=specs, runtimes=runtimes, fits=fits)
-    if workers > 1:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            folds = pool.map(job, sources)
-    else:
-        folds = [job(source) for source in sources]
-    for fold in folds if progress else ():
-        progress(f"left out {fold.source}: median |error| {median_error(fold.results):.1f}%")
+    folds = []
+    for source in sources:
+        folds.append(_fold(source, rows, specs, runtimes, fits))
+        if progress:
+            progress(f"left out {source}: median |error| {median_error(folds[-1].results):.1f}%")
     return folds
 
 
