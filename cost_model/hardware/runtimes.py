@@ -156,9 +156,10 @@ def with_fitted(runtime: Runtime, compute_share: float, host_op_s: float) -> Run
                                host_op_s=host_op_s * prior.host_op_s / _EAGER_HOST)
 
 
-# (compute_share, host_op_s) per family, fitted on every published row of the family
-# (`fxpar validate --fit`, planner.bench.published_fit); a family without rows keeps its priors.
-FITS = {"megatron": (0.958, 9.1e-6), "fsdp": (0.782, 13.2e-6)}
+# (compute_share, host_op_s as an eager runtime's) per family, fitted on every published row of
+# the family (`fxpar validate --fit`, planner.bench.published_fit: 9 Megatron rows, 202 FSDP
+# rows); their check on runs they were not fitted to is `fxpar validate --cross-validate`.
+FITS = {"megatron": (0.960, 3.8e-6), "fsdp": (0.783, 14.2e-6)}
 
 RUNTIMES: dict[str, Runtime] = {name: with_fitted(r, *FITS[FAMILY[name]])
                                 for name, r in PRIORS.items()}
