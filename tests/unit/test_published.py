@@ -335,3 +335,28 @@ def test_package_data_ships_every_published_file():
     folder = pub.FOLDER.parent
     shipped = {p for pattern in patterns for p in folder.glob(pattern)}
     assert set(pub.FOLDER.rglob("*.*")) <= shipped
+
+
+def test_validate_cross_validates_from_the_command_line(tmp_path, capsys):
+    """Two sources of one model under Megatron-LM's runtime: each left out is priced with the
+    family fitted on the other's row, and the report says so per row, per source and overall."""
+    rows = (pub.FOLDER / "megatron-sp-a100.csv").read_text().splitlines()
+    head = [line for line in rows if line.startswith("#") and "runtime:" in line or
+            line.startswith("# cluster:")]
+    table = [line for line in rows if not line.startswith("#")]
+    paths = []
+    for name, row in (("a.csv", table[1]), ("b.csv", table[2])):
+        paths += ["--csv", str(tmp_path / name)]
+        (tmp_path / name).write_text("# Source: a test\n" + "\n".join(head + [table[0], row]) +
+                                     "\n")
+    assert main(["validate", *paths, "--cross-validate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fit of the megatron family on its 2 priced rows")
+    assert "a: 1 rows" in out and "b: 1 rows" in out and "overall: 2 rows" in out
+    assert "rankings left out: in 1 of 1 groups" in out   # the selective run measured faster
+    assert main(["validate", *paths, "--cross-validate", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [f["source"] for f in data["cross_validation"]] == ["a.csv", "b.csv"]
+    assert data["cross_validation"][0]["fits"][0]["family"] == "megatron"
+    assert main(["validate", *paths, "--fit", "--cluster", "a100-80g-dgx"]) == 2
+    assert "drop --cluster" in capsys.readouterr().err
