@@ -164,7 +164,7 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
         peak_flops=peak,
         matmul_eff=min(1.0, matmul_rate / peak),
         matmul_overhead=overhead,
-        attention_eff=min(1.0, attention_rate / peak),
+        attention_eff=min(1.0, attention_rate / peak / _sdpa_share(device)),
         attention_overhead=attention_overhead,
         mem_bw=mem_bw,
         bw_eff=min(1.0, statistics.median(bw_rates) / mem_bw),
@@ -174,6 +174,16 @@ def _calibrate_compute(device: str, bar: _Progress) -> dict:
         backward_floor=backward_floor,
         **element_fields,
     )
+
+
+def _sdpa_share(device: str) -> float:
+    """The measured attention is torch SDPA's flash kernel (FlashAttention-2); a GPU profile
+    holds its generation's fastest fused kernel's rate, which a runtime profile scales to the
+    kernel it runs (cost_model.hardware.runtimes.apply): the measured rate over FA2's share.
+    1 on CPU, whose profile is fxpar's runtime as measured."""
+    from cost_model.hardware.runtimes import ATTENTION_SHARE
+    base = _base_cluster(device)
+    return ATTENTION_SHARE[base.gpu_arch]["fa2"] if device.startswith("cuda") else 1.0
 
 
 def _per_element_fields(seconds: list[float], elements: list[int]) -> dict:

@@ -177,15 +177,20 @@ def get_runtime(name: str | Runtime | None) -> Runtime:
 
 def apply(hw, runtime: str | Runtime | None = None, attention: str | None = None):
     """The Cluster that prices `runtime` on the hardware profile `hw`; `attention` names
-    another attention kernel than the runtime's (a published run's). A CPU profile is
-    returned as it is: calibration measured fxpar's runtime there with the hardware, and no
-    other runtime runs on CPU ranks."""
+    another attention kernel than the runtime's (a published run's). A CPU profile, and any
+    profile `fxpar calibrate` measured the runtime on, is returned as it is: calibration
+    measured fxpar's runtime there with the hardware, and no other runtime is priced on it."""
     rt = get_runtime(runtime)
-    if hw.device == "cpu":
+    if hw.device == "cpu" and rt.name != DEFAULT:
+        raise ValueError(f"runtime {rt.name} runs on GPUs; the cluster {hw.name} is CPU "
+                         f"ranks, where only fxpar's own runtime runs: drop --runtime or "
+                         f"pick a GPU cluster")
+    if hw.runtime_priced:   # `fxpar calibrate` measured fxpar's runtime on this machine
         if rt.name != DEFAULT:
-            raise ValueError(f"runtime {rt.name} runs on GPUs; the cluster {hw.name} is CPU "
-                             f"ranks, where only fxpar's own runtime runs: drop --runtime or "
-                             f"pick a GPU cluster")
+            raise ValueError(f"the profile {hw.name} measured fxpar's own runtime (fxpar "
+                             f"calibrate); price {rt.name} on a hardware preset instead")
+        return hw
+    if hw.device == "cpu":
         return hw
     kernel = attention or rt.attention
     shares = ATTENTION_SHARE.get(hw.gpu_arch)

@@ -126,3 +126,10 @@ def test_the_command_line_runtime(capsys):
     err = capsys.readouterr().err
     assert "fxpar run trains with fxpar's own runtime; --runtime megatron" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_calibrated_profile_measured_fxpars_runtime_and_prices_no_other():
+    calibrated = dataclasses.replace(H100, action_floor=3e-6)   # runtime terms measured
+    assert apply(calibrated) is calibrated
+    with pytest.raises(ValueError, match="measured fxpar's own runtime"):
+        apply(calibrated, "megatron")
