@@ -41,6 +41,7 @@ from cost_model.hardware.compute import kernels_s, op_seconds
 from cost_model.ops.node_cost import UnknownOpError, node_cost, saved_node_name
 from cost_model.ops.ring_attention import RingShape
 from cost_model.layers.fusion import fused_bytes
+from cost_model.layers.runtime_terms import launched, tp_exposed
 from cost_model.layers.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
 from cost_model.layers.strategy import Strategy
 from passes.capture.trace import Captured, Layer, propagate_shapes
@@ -448,8 +449,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     ops_s = len(ops) * cluster.op_overhead
     fwd_ops = [op_seconds(op, scale, cluster, backward=False) for op in ops]
     bwd_ops = [op_seconds(op, scale, cluster, backward=True) for op in ops]
-    fwd = ops_s + ring_fwd + _launched(fwd_ops, cluster)
-    bwd = ops_s + ring_bwd + _launched(bwd_ops, cluster)
+    fwd = ops_s + ring_fwd + launched(fwd_ops, cluster)
+    bwd = ops_s + ring_bwd + launched(bwd_ops, cluster)
     fwd_flops = sum(op.fwd_flops for op in profile.ops) * scale
     model_flops = fwd_flops + sum(op.bwd_flops for op in profile.ops) * scale
     recompute_s, recompute_flops = _recompute(profile, strategy, scale, cluster, fwd, fwd_flops,
@@ -457,7 +458,7 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
     fwd_comm, bwd_comm, comm_bytes, repeated = _comm(profile, strategy, scale, cluster, tp)
     gemm = [sum(t for op, t in zip(ops, times) if op.op_class == "matmul")
             for times in (fwd_ops, bwd_ops)]
-    fwd_comm, bwd_comm = _tp_exposed(cluster, tp, (fwd_comm, bwd_comm), gemm)
+    fwd_comm, bwd_comm = tp_exposed(cluster, tp, (fwd_comm, bwd_comm), gemm)
     if cp > 1 and profile.kv_bytes:  # a layer without attention sends nothing round a ring
         hidden = (ring_fwd, ring_bwd) if as_run else fused_attention_s(profile, scale, cluster)
         ring = ring_exposed(profile, scale, cluster, tp, cp, *hidden)
@@ -486,27 +487,6 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      tensors=profile.tensors,
                      retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops
                                                         + recompute_flops))
-
-
-def _launched(seconds: list[float], cluster: Cluster) -> float:
-    """A pass's kernels: their time, or the host's time to launch them where that is longer
-    (Cluster.host_op_s: a small layer's kernels finish before the next is launched). An op
-    that costs nothing (a view, a pointwise op inside a fused chain) launches nothing."""
-    return max(sum(seconds), sum(t > 0 for t in seconds) * cluster.host_op_s)
-
-
-def _tp_exposed(cluster: Cluster, tp: int, comm: tuple[float, float],
-                gemm: list[float]) -> tuple[float, float]:
-    """The forward and backward tensor-parallel communication left exposed by the runtime's
-    overlap (Cluster.tp_overlap): "backward" hides the backward's behind the weight-gradient
-    GEMMs (half the backward GEMMs' time), "pipelined" hides all but one of each collective's
-    tp chunks behind its pass's GEMMs."""
-    fwd, bwd = comm
-    if cluster.tp_overlap == "backward":
-        return fwd, bwd - min(bwd, gemm[1] / 2)
-    if cluster.tp_overlap == "pipelined" and tp > 1:
-        return tuple(c - min(c * (1 - 1 / tp), g) for c, g in zip(comm, gemm))
-    return fwd, bwd
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:

@@ -7,7 +7,7 @@ import pytest
 
 from cost_model.hardware.cluster import PRESETS, get_cluster
 from cost_model.hardware.runtimes import ATTENTION_SHARE, PRIORS, RUNTIMES, apply, get_runtime
-from cost_model.layers import layer_cost
+from cost_model.layers import layer_cost, runtime_terms
 from cost_model.layers.strategy import Strategy
 from planner.api import plan
 from planner.cli import RUNTIME_NAMES, main
@@ -70,7 +70,7 @@ def _layer(tp: int):
 ])
 def test_tensor_parallel_overlap_closed_forms(mode, comm, gemm, exposed):
     hw = dataclasses.replace(H100, tp_overlap=mode)
-    assert layer_cost._tp_exposed(hw, 4, comm, gemm) == pytest.approx(exposed)
+    assert runtime_terms.tp_exposed(hw, 4, comm, gemm) == pytest.approx(exposed)
 
 
 def test_a_runtimes_tensor_parallel_overlap_shortens_a_layer():
