@@ -16,7 +16,7 @@ def launched(seconds: list[float], cluster: Cluster) -> float:
 
 
 def tp_exposed(cluster: Cluster, tp: int, comm: tuple[float, float],
-                gemm: list[float]) -> tuple[float, float]:
+               gemm: list[float]) -> tuple[float, float]:
     """The forward and backward tensor-parallel communication left exposed by the runtime's
     overlap (Cluster.tp_overlap): "backward" hides the backward's behind the weight-gradient
     GEMMs (half the backward GEMMs' time), "pipelined" hides all but one of each collective's

@@ -472,7 +472,7 @@ def _best(costs, request):
     from planner.search.plan import GiB
     # memory does not depend on the runtime's speed terms: a fit's re-pricing of the row starts
     # from the headroom its first pricing needed
-    key = (id(costs), request.gpus, request.global_batch, request.seq, request.memory_limit,
+    key = (costs, request.gpus, request.global_batch, request.seq, request.memory_limit,
            request.cluster.name, tuple(sorted(request.fix.items())))
     factors = (1.0,) + _HEADROOM
     refusal = None
