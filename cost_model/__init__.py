@@ -3,7 +3,7 @@ rewritten graph. It knows nothing of the search or the ILP (planner/, the floor 
 graphs from passes/ and collective volumes from runtime/ below it.
 
   ops/          per-FX-node FLOPs, bytes and saved-activation bytes: the rules
-  hardware/     clusters (presets, profiles), collective and kernel times
+  hardware/     clusters and profiles, the presets, runtime profiles, collective and kernel times
   layers/       a layer under a strategy: time, memory, ZeRO bytes, ring attention
   calibration/  `fxpar calibrate`: microbenchmarks and the fits that make a profile
 

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+from cost_model.hardware.runtimes import RUNTIMES
+
 EXAMPLES = {
     "plan": "examples:\n  fxpar plan --model gpt3-175b --gpus 1024 --cluster a100-80g-dgx\n"
             "  fxpar plan --model llama2-7b --gpus 64 --cluster h100-sxm-dgx --json > a.json\n"
@@ -77,8 +79,7 @@ def _imbalance(text: str) -> float:
     return value
 
 
-RUNTIME_NAMES = ("fxpar", "megatron", "megatron-lm", "torchtitan", "torchtitan-compile", "fsdp",
-                 "automodel")   # cost_model.hardware.runtimes.RUNTIMES (a test keeps them equal)
+RUNTIME_NAMES = tuple(RUNTIMES)   # the runtime profiles --runtime offers
 
 
 def _positive_int(text: str) -> int:

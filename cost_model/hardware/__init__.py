@@ -1,4 +1,5 @@
-"""The hardware: the Cluster spec, presets and calibrated profiles (cluster), alpha-beta times of
+"""The hardware: the Cluster spec (spec), the presets (presets), profiles on disk and by name
+(cluster), the runtime profiles (runtimes), alpha-beta times of
 collectives (comm), and the roofline time of a kernel on one device (compute).
 
 May import: cost_model.ops (its backward-factor constants); passes, runtime."""

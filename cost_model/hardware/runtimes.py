@@ -1,6 +1,6 @@
 """What a training framework does with the hardware: runtime profiles.
 
-A hardware profile (cost_model.hardware.cluster's presets) says what the device and the network
+A hardware profile (cost_model.hardware.presets) says what the device and the network
 do, each number from a datasheet or a public microbenchmark. A training framework decides how
 much of it a step gets: which communication hides behind which compute, which pointwise chains
 run as one kernel, which attention kernel runs, how long the host takes to launch each kernel,
@@ -85,9 +85,6 @@ class Runtime:
         if not 0 < self.compute_share <= 1 or self.host_op_s < 0:
             raise ValueError(f"runtime {self.name}: compute_share must be in (0, 1] and "
                              f"host_op_s >= 0")
-
-    def fitted(self) -> tuple[tuple[str, float], ...]:
-        return tuple((n, getattr(self, n)) for n in FITTED)
 
 
 # Eager PyTorch launches a kernel in ~5-10 us of host time (dispatcher, autograd recording; a

@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from cost_model.hardware.runtimes import FAMILY, FITTED, PRIORS, RUNTIMES, with_fitted
+from cost_model.hardware.runtimes import FAMILY, FITTED, PRIORS, with_fitted
 from planner.bench.published import Result, Row, load_models, price
 
 RANGES = {"compute_share": (0.40, 1.00), "host_op_s": (0.0, 40e-6)}
@@ -200,5 +200,5 @@ def _simplex(f: Callable[[list], float], start: list, bounds: list,
     return min(scored, key=lambda s: s[0])[1]
 
 
-__all__ = ["Fit", "Fold", "RANGES", "RUNTIMES", "cross_validate", "fit_all", "fit_family",
+__all__ = ["Fit", "Fold", "RANGES", "cross_validate", "fit_all", "fit_family",
            "fit_text", "loss", "median_error"]
