@@ -79,7 +79,7 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
                              f"inputs have none")
     asked_seq = seq
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1,
-                                           fp32=hw.runtime_priced, sequences=sequence_dim == 1)
+                                           fp32=hw.runtime_priced or hw.device == "cpu", sequences=sequence_dim == 1)
     if sizes_from is None:
         sizes_from = _sizes_from(model, example_inputs, global_batch, asked_seq, seq,
                                  sequence_dim == 1)

@@ -64,7 +64,8 @@ def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
     step = sum(c * o.step_s for c, o in zip(counts, problem.options))
     step += sum(e.step_s for e in ends)
     return StagePlan(names, strategies, time_s, weights + transient, opt, act,
-                     sum(c.fwd_s for c in layer_costs), sum(c.bwd_s for c in layer_costs), step)
+                     sum(c.fwd_s for c in layer_costs), sum(c.bwd_s for c in layer_costs), step,
+                     transient)
 
 
 def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,

@@ -217,7 +217,9 @@ def _shard_value(p: torch.Tensor, full: str, source: Source, device) -> nn.Param
         raise MaterializeError(f"parameter {full}: the source gave shape {list(value.shape)}, "
                                f"this rank's shard is {list(p.shape)}")
     new = nn.Parameter(value.contiguous(), p.requires_grad)
-    new.__dict__.update(p.__dict__)      # fxpar_shard and other tags travel along
+    # fxpar_shard and other tags travel along (only they: a fake parameter's own fields, its
+    # fake device among them, stay the new tensor's)
+    new.__dict__.update({k: v for k, v in p.__dict__.items() if k.startswith("fxpar_")})
     return new
 
 
@@ -239,13 +241,34 @@ class Values:
     close: Callable[[], None] = lambda: None
 
 
+def _faking() -> bool:
+    from torch._guards import detect_fake_mode
+    return detect_fake_mode() is not None
+
+
+def _empty_source(name: str, spec: ShardSpec | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Under a FakeTensorMode: the shard's shape, no value (nothing is initialised or read)."""
+    full = torch.empty(shape)
+    return spec.take(full) if spec is not None else full
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of a meta model, made outside any FakeTensorMode (a dry run shards under one,
+    runtime.observe.dry_run, where copying would turn meta parameters into fake tensors)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return copy.deepcopy(model)
+
+
 def value_source(model: nn.Module, weights: str | None, seed: int = 0) -> Values | None:
     """None for a model with real weights and no checkpoint (sharded from its own values, as
     always); a checkpoint reader for weights=DIR; the init rule for a meta model. Call it
     before capturing: it records the full model's shapes."""
     if weights is None and not is_meta(model):
         return None
-    pristine = copy.deepcopy(model) if is_meta(model) else model
+    pristine = _meta_copy(model) if is_meta(model) else model
+    if _faking():   # a dry run (runtime.observe.dry_run): shapes, no values
+        return Values(_empty_source, pristine, only_meta=weights is None)
     if weights is not None:
         from planner.weights.hf_weights import ShardReader
         reader = ShardReader(weights, pristine)

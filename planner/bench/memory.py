@@ -1,0 +1,126 @@
+"""Per-rank memory of a plan's real rank programs, measured, beside the plan's prediction.
+
+`measure_worker` runs on every rank (a RankPool's, or torchrun's): it builds the model on the meta
+device, lets ParallelModel materialise this rank's shard under a runtime.observe.memory_tracker
+MemoryTracker, trains a few steps with AdamW (the optimizer the planner prices: two fp32 moments)
+and returns the peak of live tensor bytes split into parameters, gradients, optimizer states,
+activations and the rest. The peak counted is the training steps' (after the shard is built:
+set-up is planner.bench.setup_memory's subject). `predicted_split` is the plan's prediction split
+the same way, per rank, so the two can be set side by side (`memory_table`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+
+from planner.search.plan import Plan
+from runtime.observe.memory_tracker import CATEGORIES, MemoryTracker
+
+MiB = 2**20
+STATIC = ("parameters", "gradients", "optimizer")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's peak of live tensor bytes, by category (runtime.observe.memory_tracker)."""
+    rank: int
+    peak_bytes: int
+    split: dict
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(self.split[k] for k in STATIC)
+
+
+def mark_state(tracker: MemoryTracker, trainer) -> None:
+    """Tell the tracker what the trainer's tensors hold: its stages' parameters and buffers,
+    their gradients (flat buckets included), the optimizer's state. Under ZeRO-3 a unit's
+    whole buffer, gathered for a moment, is "other" and the shard is the parameters."""
+    sharded = trainer.sharded
+    if sharded is not None and sharded.level == 3:
+        tracker.mark([b.full for b in sharded.buckets], "other")
+    params = [p for prog in trainer.programs.values() for p in prog.gm.parameters()]
+    buffers = [b for prog in trainer.programs.values() for b in prog.gm.buffers()]
+    if sharded is not None:
+        params = list(sharded.optimizer_params()) + params
+    tracker.mark(params + buffers, "parameters")
+    grads = [p.grad for p in params if p.grad is not None]
+    for sync in (trainer.sync, trainer.expert_sync):
+        if sync is not None:
+            grads += [b.flat for bs in sync.buckets.values() for b in bs]
+    if sharded is not None:
+        grads += [b.grad_full for b in sharded.buckets if b.grad_full is not None]
+    tracker.mark(grads, "gradients")
+    states = trainer.optimizer.state.values()
+    tracker.mark([t for s in states for t in s.values() if isinstance(t, torch.Tensor)],
+                 "optimizer")
+
+
+def measure_worker(spec, plan_json: str, steps: int = 2) -> RankMemory:
+    """Runs on every rank: this rank's measured peak over `steps` training steps."""
+    import torch.distributed as dist
+
+    from planner.api import ParallelModel
+
+    torch.manual_seed(0)
+    model, batch = _meta_model(spec)
+    plan = Plan.from_json(plan_json)
+    tracker = MemoryTracker()
+    with tracker:
+        pm = ParallelModel(model, plan, [], batch,
+                           lambda params: torch.optim.AdamW(params, lr=1e-4), seed=0)
+        trainer = pm.shard()
+        mark_state(tracker, trainer)
+        tracker.mark_unmarked("other")   # what set-up keeps: the batch, communication buffers
+        tracker.watch_optimizer(trainer.optimizer)
+        tracker.reset_peak()
+        for _ in range(steps):
+            pm.train_step(*batch)
+            mark_state(tracker, trainer)
+    return RankMemory(dist.get_rank(), tracker.peak_bytes, tracker.split())
+
+
+def _meta_model(spec):
+    """(the model on the meta device, its real example batch): each rank materialises only
+    its shard (planner.weights.materialize), as a run of a model of real size must."""
+    from planner.models.presets import ModelConfig, build_model, example_batch
+    from planner.training.local import build
+    if isinstance(spec, ModelConfig):
+        return build_model(spec, device="meta"), example_batch(spec, spec.global_batch)
+    _, batch = build(spec)
+    with torch.device("meta"):
+        model, _ = build(spec)
+    return model, batch
+
+
+def predicted_split(plan: Plan) -> list[dict]:
+    """The plan's predicted peak per rank (rank order: tp innermost, then cp, dp, pp), split as
+    the tracker splits a measurement; "other" holds the sharded-data-parallel transients."""
+    from cost_model.layers.sharding import Sharding
+    fw, fg, _ = Sharding(plan.zero, plan.dp_shard or plan.dp).fractions() if plan.zero \
+        else (1.0, 1.0, 1.0)
+    per_pp = []
+    for r in range(plan.pp):
+        stages = [s for i, s in enumerate(plan.stages) if i % plan.pp == r]
+        static = sum(s.param_bytes - s.transient_bytes for s in stages)
+        per_pp.append({"parameters": static * fw / (fw + fg),
+                       "gradients": static * fg / (fw + fg),
+                       "optimizer": sum(s.optimizer_bytes for s in stages),
+                       "activations": sum(s.activation_bytes for s in stages),
+                       "other": max((s.transient_bytes for s in stages), default=0.0)})
+    per_rank = plan.gpus // plan.pp
+    return [per_pp[rank // per_rank] for rank in range(plan.gpus)]
+
+
+def memory_table(plan: Plan, measured: list[RankMemory]) -> str:
+    """Per rank, predicted and measured MiB of each category and of the total."""
+    rows = []
+    for m, p in zip(measured, predicted_split(plan)):
+        cells = [f"{p[k] / MiB:.2f} / {m.split[k] / MiB:.2f}" for k in CATEGORIES]
+        total_p = sum(p.values())
+        rows.append([m.rank, *cells, f"{total_p / MiB:.2f} / {m.peak_bytes / MiB:.2f}",
+                     f"{total_p / m.peak_bytes:.2f}"])
+    return tabulate(rows, headers=["rank", *CATEGORIES, "total", "pred/meas"],
+                    disable_numparse=True)

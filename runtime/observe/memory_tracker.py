@@ -1,0 +1,201 @@
+"""Live tensor bytes of one rank, followed op by op, and their peak split by what they hold.
+
+`MemoryTracker` is a TorchDispatchMode: every tensor an op returns has its storage recorded once
+(a storage is counted whole, however many views of it exist) with a weak reference whose callback
+subtracts its bytes when the storage is freed. So the tracker knows the live bytes after every op,
+and at each new peak it keeps the list of storages alive then. What each of those storages was
+is decided when the step is over, by what the trainer says it held (`mark`):
+
+  parameters   the weights (and buffers) of the rank's stages
+  gradients    the .grad tensors (or the flat buckets they are views of)
+  optimizer    the optimizer's state tensors (moments, fp32 master copies)
+  activations  tensors autograd saved for backward (runtime.training.activation_memory's hooks)
+  other        everything else alive at the peak: communication buffers, the tensors a stage
+               sends or receives, the logits and the loss, temporaries of the op being run
+
+It works on any device and on fake tensors (FakeTensorMode), whose storages have sizes but no
+data: which is how a dry run measures programs of any size (runtime.observe.dry_run). Storages
+made before the tracker started are not seen unless marked (`mark` adds them), so start it before
+the model is built or mark its parameters. The same idea as torch.distributed._tools.mem_tracker,
+written here because that one refuses a module whose forward runs more than once per step (every
+micro-batch of a pipeline does) and knows nothing of pipeline stages.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
+
+
+class _Storage:
+    """What the tracker knows of one storage: its size, its category once known."""
+
+    __slots__ = ("nbytes", "category", "ref", "origin", "forward", "__weakref__")
+
+    def __init__(self, nbytes: int, origin: str, forward: bool):
+        self.nbytes, self.category, self.ref, self.origin = nbytes, None, None, origin
+        self.forward = forward   # made outside any backward and optimizer step
+
+
+def _storage(t: torch.Tensor, fake_mode):
+    """The tensor's storage, or None for tensors that have none to count: sparse, nested, meta,
+    and fake tensors other than those of `fake_mode` (a capture's shape propagation inside
+    the run makes fake tensors that hold no memory), or real ones when fake_mode is given."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    if isinstance(t, FakeTensor):
+        if t.fake_mode is not fake_mode:
+            return None
+    elif fake_mode is not None or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Tracks the live bytes of every tensor storage made while it is active (see the module
+    docstring); `peak_bytes`, `split()` and `current_bytes` after the run. With `fake_mode`
+    (a FakeTensorMode) it counts that mode's fake tensors instead of real ones."""
+
+    def __init__(self, fake_mode=None):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self._known: dict[int, _Storage] = {}    # id(storage object) -> its record
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._at_peak: list[_Storage] = []
+        self._phase = None                       # "optimizer" inside a watched step
+        self._hooks = []
+        self._resize = None
+
+    # --- what the storages are ---------------------------------------------------------------
+    def mark(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Say what these tensors' storages hold (they are added if not yet seen). A storage
+        keeps the first category given: a parameter's storage that a gradient views stays a
+        parameter."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        for t in tensors:
+            info = self._record(t)
+            if info is not None and info.category is None:
+                info.category = category
+
+    def mark_unmarked(self, category: str) -> None:
+        """Every storage alive now that nothing marked is `category` (what set-up left)."""
+        for info in self._known.values():
+            info.category = info.category or category
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """What this optimizer's step makes and nothing marks is a temporary ("other"), not an
+        activation: the step runs outside any forward (foreach AdamW's sqrt of the second
+        moments, for one, is as large as the parameters)."""
+        def enter(*_):
+            self._phase = "optimizer"
+
+        def leave(*_):
+            self._phase = None
+        self._hooks += [optimizer.register_step_pre_hook(enter),
+                        optimizer.register_step_post_hook(leave)]
+
+    # --- following allocations ---------------------------------------------------------------
+    def _record(self, t, origin: str = "") -> _Storage | None:
+        storage = _storage(t, self.fake_mode)
+        if storage is None:
+            return None
+        key = id(storage)
+        info = self._known.get(key)
+        if info is not None and info.ref() is storage:
+            return info
+        forward = self._phase is None and torch._C._current_graph_task_id() == -1
+        info = _Storage(storage.nbytes(), origin or f"{tuple(t.shape)}", forward)
+        try:
+            info.ref = weakref.ref(storage, lambda _, key=key, info=info: self._free(key, info))
+        except TypeError:   # a storage type without weak references: counted, never freed
+            info.ref = lambda storage=storage: storage
+        self._known[key] = info
+        self.current_bytes += info.nbytes
+        self._update_peak()
+        return info
+
+    def _free(self, key: int, info: _Storage) -> None:
+        if self._known.get(key) is info:
+            del self._known[key]
+        self.current_bytes -= info.nbytes
+
+    def _update_peak(self) -> None:
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._at_peak = list(self._known.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._record(t, f"{func.__name__} {tuple(t.shape)}")
+        if func._overloadpacket in _RESIZES:   # resize_ may grow a storage in place
+            self._resized(args[0].untyped_storage())
+        return out
+
+    def _resized(self, storage) -> None:
+        info = self._known.get(id(storage))
+        if info is not None and info.ref() is storage and storage.nbytes() != info.nbytes:
+            grown = storage.nbytes() - info.nbytes
+            info.nbytes += grown
+            self.current_bytes += grown
+            self._update_peak()
+
+    def __enter__(self):
+        # Sharded data parallel frees and regrows a gathered buffer's storage in place
+        # (UntypedStorage.resize_), which no op dispatch sees: follow it while tracking.
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, nbytes):
+            result = resize(storage, nbytes)
+            self._resized(storage)
+            return result
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
+
+    # --- results -----------------------------------------------------------------------------
+    def split(self) -> dict[str, int]:
+        """The peak's bytes by category (`_category`)."""
+        parts = dict.fromkeys(CATEGORIES, 0)
+        for info in self._at_peak:
+            parts[_category(info)] += info.nbytes
+        return parts
+
+    def largest_at_peak(self, category: str = "other", n: int = 10) -> list[tuple[int, str]]:
+        """The n largest storages of a category alive at the peak: (bytes, the op that made
+        them and its output's shape)."""
+        found = [(i.nbytes, i.origin) for i in self._at_peak if _category(i) == category]
+        return sorted(found, reverse=True)[:n]
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now (e.g. after a warm-up step)."""
+        self.peak_bytes = self.current_bytes
+        self._at_peak = list(self._known.values())
+
+
+def _category(info: _Storage) -> str:
+    """A storage's category: as marked, else an activation if a forward made it (it outlived
+    the op that made it: something keeps it for the backward, or it crosses to the next
+    stage), else "other" (the backward's and the optimizer's temporaries)."""
+    return info.category or ("activations" if info.forward else "other")
+
+
+_RESIZES = {torch.ops.aten.resize_, torch.ops.aten.set_}
