@@ -113,6 +113,7 @@ class LayerProfile:
     sp_collectives: tuple[Collective, ...] | None = None
     sp_error: str | None = None    # why that rewrite does not apply (the op it stops at)
     tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
+    largest_bytes: float = 0.0     # the largest tensor one op of the layer makes
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,10 @@ class LayerCost:
     # backward from the outputs again, all of B, and I is B but the weight gradients, so
     # I + W = (1 + this) x B, this = 1 - dW / B by flops
     retraverse_share: float = 0.0
+    # What the layer's pass holds for a moment beyond act_bytes (`_temporary`): its largest
+    # tensor (two of them for the loss: the log-probabilities' gradient and the logits'),
+    # and under recomputation the activations the backward recomputes
+    temp_bytes: float = 0.0
 
     def optimizer_s(self, cluster) -> float:
         """The optimizer step over this layer's parameters on one device (cluster's terms)."""
@@ -323,7 +328,9 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         params=sum(p.numel() for p in sub.parameters()),
         tensors=sum(1 for _ in sub.parameters()),
         collectives=_collectives(sub, layer.name), **ring,
-        balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)))
+        balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)),
+        largest_bytes=max((_bytes(n.meta.get("val")) for n in sub.graph.nodes
+                           if n.op.startswith("call")), default=0.0))
 
 
 def _weighted(node: fx.Node, modules: dict) -> bool:
@@ -486,7 +493,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated,
                      tensors=profile.tensors,
                      retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops
-                                                        + recompute_flops))
+                                                        + recompute_flops),
+                     temp_bytes=_temporary(profile, strategy, tp) * scale)
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
@@ -554,6 +562,19 @@ def _activations(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
     if strategy.sp:
         saved -= profile.saved_replicated * (1 - 1 / tp)
     return saved
+
+
+def _temporary(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
+    """Bytes the layer's backward holds for a moment beyond its saved activations, at the
+    captured batch: the largest tensor one of its ops makes (the gradient of it arrives while
+    it is alive), twice for the loss's layer (the log-probabilities' gradient and the logits'
+    are both whole); under recomputation what the recomputed forward saves again."""
+    largest = profile.largest_bytes * (2 if profile.kind == "head" else 1)
+    if strategy.recompute == "none":
+        return largest
+    kept = _activations(profile, strategy, tp)
+    again = _activations(profile, Strategy(strategy.tp, strategy.sp, "none"), tp) - kept
+    return largest + max(again, 0.0)
 
 
 def _comm(profile, strategy, scale, cluster, tp):

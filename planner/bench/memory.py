@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
-from planner.search.plan import Plan
+from planner.search.plan import MEMORY_PARTS, Plan
 from runtime.observe.memory_tracker import CATEGORIES, MemoryTracker
 
 MiB = 2**20
@@ -58,19 +58,23 @@ def mark_state(tracker: MemoryTracker, trainer) -> None:
                  "optimizer")
 
 
-def measure_worker(spec, plan_json: str, steps: int = 2) -> RankMemory:
-    """Runs on every rank: this rank's measured peak over `steps` training steps."""
+def measure_worker(spec, plan_json: str, steps: int = 2, options: dict | None = None
+                   ) -> RankMemory:
+    """Runs on every rank: this rank's measured peak over `steps` training steps, with the
+    runtime's `options` (TrainOptions fields)."""
     import torch.distributed as dist
 
     from planner.api import ParallelModel
+    from runtime.training.trainer import TrainOptions
 
     torch.manual_seed(0)
-    model, batch = _meta_model(spec)
+    model, batch = meta_model(spec)
     plan = Plan.from_json(plan_json)
     tracker = MemoryTracker()
     with tracker:
         pm = ParallelModel(model, plan, [], batch,
-                           lambda params: torch.optim.AdamW(params, lr=1e-4), seed=0)
+                           lambda params: torch.optim.AdamW(params, lr=1e-4), seed=0,
+                           options=TrainOptions(**(options or {})))
         trainer = pm.shard()
         mark_state(tracker, trainer)
         tracker.mark_unmarked("other")   # what set-up keeps: the batch, communication buffers
@@ -82,36 +86,37 @@ def measure_worker(spec, plan_json: str, steps: int = 2) -> RankMemory:
     return RankMemory(dist.get_rank(), tracker.peak_bytes, tracker.split())
 
 
-def _meta_model(spec):
-    """(the model on the meta device, its real example batch): each rank materialises only
-    its shard (planner.weights.materialize), as a run of a model of real size must."""
+def meta_model(spec, lazy_batch: bool = False):
+    """(the model on the meta device, its example batch): each rank materialises only its
+    shard (planner.weights.materialize), as a run of a model of real size must. With
+    lazy_batch the batch is a function, to call where the batch should be made (a dry run
+    makes it fake)."""
     from planner.models.presets import ModelConfig, build_model, example_batch
     from planner.training.local import build
     if isinstance(spec, ModelConfig):
-        return build_model(spec, device="meta"), example_batch(spec, spec.global_batch)
-    _, batch = build(spec)
+        batch = lambda: example_batch(spec, spec.global_batch)  # noqa: E731
+        return build_model(spec, device="meta"), batch if lazy_batch else batch()
     with torch.device("meta"):
         model, _ = build(spec)
-    return model, batch
+
+    def batch():
+        gen_state = torch.random.get_rng_state()
+        try:
+            return build(spec)[1]   # an HF spec's batch comes with its built model
+        finally:
+            torch.random.set_rng_state(gen_state)
+    return model, batch if lazy_batch else batch()
 
 
 def predicted_split(plan: Plan) -> list[dict]:
     """The plan's predicted peak per rank (rank order: tp innermost, then cp, dp, pp), split as
-    the tracker splits a measurement; "other" holds the sharded-data-parallel transients."""
-    from cost_model.layers.sharding import Sharding
-    fw, fg, _ = Sharding(plan.zero, plan.dp_shard or plan.dp).fractions() if plan.zero \
-        else (1.0, 1.0, 1.0)
-    per_pp = []
-    for r in range(plan.pp):
-        stages = [s for i, s in enumerate(plan.stages) if i % plan.pp == r]
-        static = sum(s.param_bytes - s.transient_bytes for s in stages)
-        per_pp.append({"parameters": static * fw / (fw + fg),
-                       "gradients": static * fg / (fw + fg),
-                       "optimizer": sum(s.optimizer_bytes for s in stages),
-                       "activations": sum(s.activation_bytes for s in stages),
-                       "other": max((s.transient_bytes for s in stages), default=0.0)})
+    the tracker splits a measurement (Predicted.rank_memory)."""
+    if not plan.predicted.rank_memory:
+        raise ValueError("the plan holds no per-rank memory prediction (made by an older fxpar): "
+                         "plan it again")
     per_rank = plan.gpus // plan.pp
-    return [per_pp[rank // per_rank] for rank in range(plan.gpus)]
+    return [dict(zip(MEMORY_PARTS, plan.predicted.rank_memory[rank // per_rank]))
+            for rank in range(plan.gpus)]
 
 
 def memory_table(plan: Plan, measured: list[RankMemory]) -> str:

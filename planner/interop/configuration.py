@@ -259,7 +259,7 @@ def _layout_problem(costs, req, cand, names, stages, ends):
     block_runs = (tuple(ilp.BlockRun(costs.kinds[k].name, count, option[j])
                         for j, (k, count) in enumerate(runs)) if len(runs) > 1 else ())
     problem = stage_problem(costs, req, cand, option[0] if not block_runs else (), ends,
-                            math.inf, block_runs)
+                            math.inf, block_runs, blocks)
     return problem, blocks, tuple(counts)
 
 

@@ -46,11 +46,22 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         width, h, e = expert_width(cfg), cfg.hidden, cfg.experts
-        self.router = nn.Parameter(torch.randn(e, h) * 0.02)
-        self.w_gate = nn.Parameter(_uniform((e, width, h), h))
-        self.w_up = nn.Parameter(_uniform((e, width, h), h))
-        self.w_down = nn.Parameter(_uniform((e, h, width), width))
+        self.router = nn.Parameter(torch.empty(e, h))
+        self.w_gate = nn.Parameter(torch.empty(e, width, h))
+        self.w_up = nn.Parameter(torch.empty(e, width, h))
+        self.w_down = nn.Parameter(torch.empty(e, h, width))
         self.shared = SwiGLU(h, width * cfg.shared_experts) if cfg.shared_experts else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The router N(0, 0.02²), each expert's matrices as nn.Linear's default; also how a
+        model built on the meta device gets its values (planner.weights.materialize)."""
+        h, width = self.cfg.hidden, expert_width(self.cfg)
+        with torch.no_grad():
+            self.router.normal_(0.0, 0.02)
+            for w, fan_in in ((self.w_gate, h), (self.w_up, h), (self.w_down, width)):
+                bound = 1 / math.sqrt(fan_in)
+                w.uniform_(-bound, bound)
 
     def forward(self, h):
         c = self.cfg
@@ -61,12 +72,6 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y = y + self.shared(h)
         return y, aux
-
-
-def _uniform(shape, fan_in: int) -> torch.Tensor:
-    """nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    bound = 1 / math.sqrt(fan_in)
-    return torch.empty(shape).uniform_(-bound, bound)
 
 
 class MoEBlock(nn.Module):

@@ -165,6 +165,11 @@ class StageProblem:
     hide_s_per_byte: float = 0.0    # b'
     hide_beside: float = 0.0        # κ
     hide_least: float = 1.0         # λ
+    # The per-rank memory terms beyond the blocks' (module docstring, "Memory"): X_r, the
+    # largest temporary of the rank's layers; lazy_r, gradients that the backward makes and
+    # no forward outlives (no buffer holds them, no forward follows a backward)
+    rank_temp: tuple[float, ...] = ()
+    lazy_grads: tuple[bool, ...] = ()
 
     def __post_init__(self):
         if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
@@ -294,8 +299,9 @@ def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = m
                      cutoff / _time_unit(problem), "cutoff")
     else:
         peak = _Lin({_var(prob, "peak"): 1}, 0)
-        for r, mem in enumerate(mems):
-            _add_row(prob, peak, pulp.LpConstraintGE, mem, f"peak_{r}")
+        for r, forms in enumerate(mems):
+            for i, mem in enumerate(forms):
+                _add_row(prob, peak, pulp.LpConstraintGE, mem, f"peak_{r}_{i}")
         prob.setObjective(peak.affine())
     return prob, n
 
@@ -410,16 +416,43 @@ def evaluate(problem: StageProblem, counts) -> tuple[float, float]:
 
 def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float, float]:
     """(peak memory, gradient bytes, optimizer seconds) of rank r."""
-    phi, mem, grads, steps, opts = problem.act_factor[r], 0.0, 0.0, 0.0, problem.options
+    parts = rank_parts(problem, counts, r)
+    return max(parts.peaks()), parts.grads, parts.steps
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """Rank r's memory terms for a block assignment: static bytes (weights, gradients and
+    optimizer states), the gradients among them, activations of one micro-batch of each of
+    its stages' layers, φ_r, X_r and whether its gradients are lazy; `peaks` are the forms
+    whose largest is its peak (module docstring, "Memory")."""
+    static: float
+    grads: float
+    act: float
+    phi: float
+    temp: float
+    lazy: bool
+    steps: float
+
+    def peaks(self) -> tuple[float, ...]:
+        full = self.static + self.phi * self.act + self.temp
+        if not self.lazy:
+            return (full,)
+        return (full - self.grads, full - min(self.phi, 1.0) * self.act)
+
+
+def rank_parts(problem: StageProblem, counts, r: int) -> RankParts:
+    phi, static, grads, act, steps = problem.act_factor[r], 0.0, 0.0, 0.0, 0.0
     for s in problem.stages_of(r):
-        ends = _ends(problem, s)
-        mem += sum(c * (o.static_bytes + phi * o.act_bytes) for c, o in zip(counts[s], opts))
-        mem += sum(e.static_bytes + phi * e.act_bytes for e in ends)
-        grads += sum(c * o.grad_bytes for c, o in zip(counts[s], opts))
-        grads += sum(e.grad_bytes for e in ends)
-        steps += sum(c * o.step_s for c, o in zip(counts[s], opts))
-        steps += sum(e.step_s for e in ends)
-    return mem, grads, steps
+        layers = [(c, o) for c, o in zip(counts[s], problem.options)]
+        layers += [(1, e) for e in _ends(problem, s)]
+        static += sum(c * o.static_bytes for c, o in layers)
+        grads += sum(c * o.grad_bytes for c, o in layers)
+        act += sum(c * o.act_bytes for c, o in layers)
+        steps += sum(c * o.step_s for c, o in layers)
+    temp = problem.rank_temp[r] if problem.rank_temp else 0.0
+    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r]
+    return RankParts(static, grads, act, phi, temp, lazy, steps)
 
 
 def stage_time(problem: StageProblem, counts, s: int) -> float:
@@ -479,16 +512,24 @@ def _byte_unit(problem: StageProblem) -> float:
     return max(sizes + [1e-30])
 
 
-def _rank_memory(problem: StageProblem, n, r: int):
-    """Peak memory of rank r, in units of _byte_unit."""
+def _rank_memory(problem: StageProblem, n, r: int) -> list:
+    """Rank r's peak-memory forms (RankParts.peaks, linear in n), in units of _byte_unit."""
     phi, unit = problem.act_factor[r], _byte_unit(problem)
-    per_block = [(o.static_bytes + phi * o.act_bytes) / unit for o in problem.options]
-    memory = _Lin()
-    for s in problem.stages_of(r):
-        memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
-        for e in _ends(problem, s):
-            memory.add((e.static_bytes + phi * e.act_bytes) / unit)
-    return memory
+    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r]
+    temp = problem.rank_temp[r] if problem.rank_temp else 0.0
+    # per form: (coefficient of the gradients, of one micro-batch's activations)
+    forms = [(0.0, phi)] if not lazy else [(-1.0, phi), (0.0, phi - min(phi, 1.0))]
+    rows = []
+    for g, a in forms:
+        per_block = [(o.static_bytes + g * o.grad_bytes + a * o.act_bytes) / unit
+                     for o in problem.options]
+        memory = _Lin({}, temp / unit)
+        for s in problem.stages_of(r):
+            memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
+            for e in _ends(problem, s):
+                memory.add((e.static_bytes + g * e.grad_bytes + a * e.act_bytes) / unit)
+        rows.append(memory)
+    return rows
 
 
 def _count(variables) -> _Lin:
@@ -660,9 +701,10 @@ def _sync_sides(problem: StageProblem, grads: _Lin, optimizer: _Lin, rank_time: 
 
 
 def _add_memory(prob, problem: StageProblem, mems) -> None:
-    for r, mem in enumerate(mems):
-        _add_row(prob, mem, pulp.LpConstraintLE, problem.memory_limit / _byte_unit(problem),
-                 f"memory_{r}")
+    for r, forms in enumerate(mems):
+        for i, mem in enumerate(forms):
+            _add_row(prob, mem, pulp.LpConstraintLE, problem.memory_limit / _byte_unit(problem),
+                     f"memory_{r}_{i}")
 
 
 def _objective(problem: StageProblem, times, rho, sigma) -> _Lin:

@@ -10,6 +10,9 @@ from tabulate import tabulate
 from passes.stages.program import Layout
 
 GiB = 2**30
+# What a rank's predicted peak holds (Predicted.rank_memory), as runtime.observe.memory_tracker
+# splits a measured one
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 def gib(nbytes: float, up: bool = False) -> str:
@@ -56,6 +59,8 @@ class Predicted:
     p2p_s: float = 0.0                 # one message between neighbouring stages
     rank_sync_s: tuple[float, ...] = ()  # per pipeline rank: exposed data-parallel sync
     runtime_s: float = 0.0             # the optimizer step and the runtime's own time
+    # per pipeline rank, its peak's parts in bytes: MEMORY_PARTS (planner.search.solved)
+    rank_memory: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -227,7 +232,8 @@ def _count(n: int) -> str:
 
 
 def _predicted(data: dict) -> Predicted:
-    return Predicted(**{**data, "rank_sync_s": tuple(data.get("rank_sync_s", ()))})
+    return Predicted(**{**data, "rank_sync_s": tuple(data.get("rank_sync_s", ())),
+                        "rank_memory": tuple(tuple(r) for r in data.get("rank_memory", ()))})
 
 
 def _check_fields(cls, data: dict, what: str) -> None:

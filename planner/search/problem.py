@@ -106,23 +106,29 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     memory_limit -= transient_bytes(costs, req, c)  # whole-sized buffers of levels 2-3
     if len(costs.runs) == 1:
         options, blocks = per_kind[0]
-        return stage_problem(costs, req, c, tuple(options), ends, memory_limit), blocks
+        return stage_problem(costs, req, c, tuple(options), ends, memory_limit,
+                             layer_costs=blocks), blocks
     runs = tuple(ilp.BlockRun(costs.kinds[kind].name, n, tuple(per_kind[kind][0]))
                  for kind, n in costs.runs)
     blocks = [cost for kind, _ in costs.runs for cost in per_kind[kind][1]]
-    return stage_problem(costs, req, c, (), ends, memory_limit, runs), blocks
+    return stage_problem(costs, req, c, (), ends, memory_limit, runs, blocks), blocks
 
 
 def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple, ends,
-                  memory_limit: float, runs: tuple = ()) -> ilp.StageProblem:
+                  memory_limit: float, runs: tuple = (), layer_costs=()) -> ilp.StageProblem:
     """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
-    ilp.BlockRun) and end-layer costs (embed, head)."""
+    ilp.BlockRun) and end-layer costs (embed, head); `layer_costs`, the options' LayerCosts,
+    give each rank's largest temporary (`memory_terms`)."""
     embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
                    for cost in ends)
     p2p, parts, units = comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
-    phi = tuple(f / c.v for f in peak_inflight(c.schedule, c.pp, c.microbatches, c.v))
+    inflight = peak_inflight(c.schedule, c.pp, c.microbatches, c.v)
+    phi = tuple(f / c.v for f in inflight)
     cluster = req.cluster
+    temp, lazy = memory_terms(c, inflight, layer_costs, ends)
+    if cluster.runtime not in ("", "fxpar"):  # measured on fxpar's runtime only: others held
+        lazy = ()
     return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
                             p2p, memory_limit, parts.alpha, parts.slope,
                             phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
@@ -130,7 +136,24 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             (cluster.action_floor + cluster.action_overhead),
                             hide_alpha_s=parts.hide_alpha, hide_s_per_byte=parts.hide_slope,
                             hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
-                            hide_least=max(cluster.comm_sm_share, 1 / units))
+                            hide_least=max(cluster.comm_sm_share, 1 / units),
+                            rank_temp=temp, lazy_grads=lazy)
+
+
+def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tuple]:
+    """(X_r, lazy_r) per pipeline rank (planner.search.ilp, "Memory"). X_r: the largest
+    temporary (LayerCost.temp_bytes) of any block option, or of the embedding on the first
+    rank and the loss's head on the last. lazy_r: no buffer holds the gradients between
+    backwards (no replica to sum with, no sharding: the runtime frees them with the step and
+    autograd makes them in the backward) and the rank runs every forward before its first
+    backward (it holds all m·v of its activation sets at once)."""
+    blocks = max((b.temp_bytes for b in layer_costs), default=0.0)
+    embed, head = (e.temp_bytes if e is not None else 0.0 for e in ends)
+    first, last = 0, (c.pp * c.v - 1) % c.pp
+    temp = tuple(max(blocks, embed if r == first else 0.0, head if r == last else 0.0)
+                 for r in range(c.pp))
+    unheld = c.dp * c.cp == 1 and c.zero == 0
+    return temp, tuple(unheld and f >= c.microbatches * c.v for f in inflight)
 
 
 def actions_per_microbatch(schedule: str) -> int:

@@ -85,7 +85,42 @@ def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
     syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1],
                                  parts.rank_s[r]) + problem.tie_time(r)
                   for r in range(problem.ranks))
+    ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
+    memory = tuple(rank_memory(costs, problem, counts, zero_axis.sharding_of(cand), r,
+                               transient + chosen_temp(problem, counts, blocks, ends, r))
+                   for r in range(problem.ranks))
     return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
-                     bubble / busy, max(parts.rank_bytes) + transient,
+                     bubble / busy, max(sum(r) for r in memory),
                      req.global_batch * req.seq / iteration,
-                     flops / iteration / req.gpus / 1e12, problem.p2p_s / 2, syncs)
+                     flops / iteration / req.gpus / 1e12, problem.p2p_s / 2, syncs,
+                     rank_memory=memory)
+
+
+def chosen_temp(problem, counts, blocks, ends, r: int) -> float:
+    """The largest temporary (LayerCost.temp_bytes) of the layers rank r holds. The search's
+    memory rows take the largest of every option instead (problem.memory_terms): a constant,
+    where this one depends on the choice."""
+    temps = [blocks[k].temp_bytes for s in problem.stages_of(r)
+             for k, n in enumerate(counts[s]) if n]
+    temps += [e.temp_bytes for s in problem.stages_of(r)
+              for e, end in zip(ends, (s == 0, s == problem.stages - 1)) if end and e]
+    return max(temps, default=0.0)
+
+
+def rank_memory(costs, problem, counts, sharding, r: int, other: float) -> tuple:
+    """Rank r's predicted peak as plan.MEMORY_PARTS: the static bytes split by the ZeRO level's
+    shares, and of the rank's peak forms (ilp.RankParts.peaks) the largest — with lazy
+    gradients, either all activation sets and no gradients, or the gradients and one
+    micro-batch's activations fewer. `other`: the largest temporary and ZeRO's whole-layer
+    buffers."""
+    parts = ilp.rank_parts(problem, counts, r)
+    both, optimizer = costs.split_static(parts.static, sharding)
+    t = costs.training
+    fw, fg, _ = sharding.fractions()
+    grads = both * t.grad_bytes * fg / (t.weight_bytes * fw + t.grad_bytes * fg)
+    act = parts.phi * parts.act
+    if parts.lazy:
+        peaks = parts.peaks()
+        grads = parts.grads if peaks[1] >= peaks[0] else 0.0
+        act = act - min(parts.phi, 1.0) * parts.act if grads else act
+    return (both - (grads if not parts.lazy else parts.grads), grads, optimizer, act, other)

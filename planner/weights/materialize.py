@@ -153,10 +153,11 @@ def materialize_full(model: nn.Module, seed: int = 0, device="cpu",
     return model
 
 
-def _full_shape(local: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
+def _full_shape(local: torch.Tensor, *specs: ShardSpec | None) -> tuple[int, ...]:
     shape = list(local.shape)
-    if spec is not None:
-        shape[spec.dim] = shape[spec.dim] * spec.parts - spec.pad
+    for spec in specs:
+        if spec is not None:
+            shape[spec.dim] = shape[spec.dim] * spec.parts - spec.pad
     return tuple(shape)
 
 
@@ -212,7 +213,13 @@ def materialize_programs(programs: Iterable, model: nn.Module, canonical: dict[s
 def _shard_value(p: torch.Tensor, full: str, source: Source, device) -> nn.Parameter:
     """This rank's parameter in place of `p` (its shard spec and other tags kept)."""
     spec = getattr(p, "fxpar_shard", None)
-    value = source(full, spec, _full_shape(p, spec)).to(device, p.dtype)
+    expert = getattr(p, "fxpar_expert", None)   # experts cut over the ep ranks (dim 0)
+    if expert is None:
+        value = source(full, spec, _full_shape(p, spec))
+    else:
+        value = expert.take(source(full, None, _full_shape(p, spec, expert)))
+        value = spec.take(value) if spec is not None else value
+    value = value.to(device, p.dtype)
     if tuple(value.shape) != tuple(p.shape):
         raise MaterializeError(f"parameter {full}: the source gave shape {list(value.shape)}, "
                                f"this rank's shard is {list(p.shape)}")
