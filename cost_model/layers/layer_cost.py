@@ -139,9 +139,8 @@ class LayerCost:
     # backward from the outputs again, all of B, and I is B but the weight gradients, so
     # I + W = (1 + this) x B, this = 1 - dW / B by flops
     retraverse_share: float = 0.0
-    # What the layer's pass holds for a moment beyond act_bytes (`_temporary`): its largest
-    # tensor (two of them for the loss: the log-probabilities' gradient and the logits'),
-    # and under recomputation the activations the backward recomputes
+    # What the layer's pass holds for a moment beyond act_bytes (`_temporary`): two of its
+    # largest tensor, and under recomputation the activations the backward recomputes
     temp_bytes: float = 0.0
 
     def optimizer_s(self, cluster) -> float:
@@ -566,10 +565,10 @@ def _activations(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
 
 def _temporary(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
     """Bytes the layer's backward holds for a moment beyond its saved activations, at the
-    captured batch: the largest tensor one of its ops makes (the gradient of it arrives while
-    it is alive), twice for the loss's layer (the log-probabilities' gradient and the logits'
-    are both whole); under recomputation what the recomputed forward saves again."""
-    largest = profile.largest_bytes * (2 if profile.kind == "head" else 1)
+    captured batch: two of the largest tensor one of its ops makes (the gradient arriving at
+    that op's output and the one it sends to its input; for the loss, the log-probabilities'
+    gradient and the logits'); under recomputation what the recomputed forward saves again."""
+    largest = 2 * profile.largest_bytes
     if strategy.recompute == "none":
         return largest
     kept = _activations(profile, strategy, tp)

@@ -25,7 +25,7 @@ from planner.search.plan import Plan, gib
 from planner.search import zero as zero_axis
 from planner.search.refusals import why_nothing_plans
 from planner.search.meshes import Request, check_fix, configurations, make_plan, search
-from planner.search.problem import runtime_terms, stage_problem, transient_bytes
+from planner.search.problem import runtime_terms, stage_problem
 
 ENDS = ("auto", "vocab-tp", "none")
 
@@ -206,8 +206,7 @@ class Pricer:
                                                   self._ends(config.ends, cand))
         parts = ilp.breakdown(problem, counts)
         solution = ilp.Solution(counts, parts.iteration_s, "given", 0.0, 0.0)
-        plan = make_plan(costs, req, cand, problem, blocks, solution,
-                         transient_bytes(costs, req, cand, blocks))
+        plan = make_plan(costs, req, cand, problem, blocks, solution)
         plan = replace(plan, solver="", timing={}, stages=tuple(
             replace(st, strategies=tuple(self._end_label(config.ends, cand) if layer in
                                          ("embed", "head") else s

@@ -170,6 +170,9 @@ class StageProblem:
     # no forward outlives (no buffer holds them, no forward follows a backward)
     rank_temp: tuple[float, ...] = ()
     lazy_grads: tuple[bool, ...] = ()
+    # per rank, the activation-set counts per local stage at its candidate peaks (`rank_moments`;
+    # () : φ_r on every stage)
+    moments: tuple = ()
 
     def __post_init__(self):
         if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
@@ -423,36 +426,59 @@ def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float, flo
 @dataclass(frozen=True)
 class RankParts:
     """Rank r's memory terms for a block assignment: static bytes (weights, gradients and
-    optimizer states), the gradients among them, activations of one micro-batch of each of
-    its stages' layers, φ_r, X_r and whether its gradients are lazy; `peaks` are the forms
-    whose largest is its peak (module docstring, "Memory")."""
+    optimizer states), the gradients among them, each of its stages' activations of one
+    micro-batch, the moments' activation-set counts per stage, X_r and whether its gradients
+    are lazy; `peaks` are the forms whose largest is its peak (module docstring, "Memory")."""
     static: float
     grads: float
-    act: float
-    phi: float
+    acts: tuple[float, ...]
+    moments: tuple[tuple[float, ...], ...]
     temp: float
     lazy: bool
     steps: float
 
-    def peaks(self) -> tuple[float, ...]:
-        full = self.static + self.phi * self.act + self.temp
-        if not self.lazy:
-            return (full,)
-        return (full - self.grads, full - min(self.phi, 1.0) * self.act)
+    def peaks(self) -> list[float]:
+        return [self.static + g * self.grads + sum(f * a for f, a in zip(factors, self.acts))
+                + self.temp for g, factors in rank_forms(self.moments, self.lazy)]
+
+
+def rank_forms(moments, lazy: bool) -> list[tuple[float, tuple[float, ...]]]:
+    """The peak-memory forms of a rank as (coefficient of its gradients, per stage the
+    coefficient of one micro-batch's activations): one per moment; with lazy gradients two,
+    the gradients absent, or present with one set of the stage backwarded first (its last)
+    freed."""
+    forms = []
+    for mo in moments:
+        if not lazy:
+            forms.append((0.0, tuple(mo)))
+            continue
+        last = len(mo) - 1
+        forms.append((-1.0, tuple(mo)))
+        forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(mo))))
+    return forms
+
+
+def rank_moments(problem: StageProblem, r: int) -> tuple[tuple[float, ...], ...]:
+    """The activation-set counts per local stage at rank r's candidate peaks: the schedule's
+    (runtime.pipeline.generators.inflight_moments), or φ_r on every stage."""
+    if problem.moments:
+        return problem.moments[r]
+    v = problem.stages // problem.ranks
+    return ((problem.act_factor[r],) * v,)
 
 
 def rank_parts(problem: StageProblem, counts, r: int) -> RankParts:
-    phi, static, grads, act, steps = problem.act_factor[r], 0.0, 0.0, 0.0, 0.0
+    static, grads, acts, steps = 0.0, 0.0, [], 0.0
     for s in problem.stages_of(r):
         layers = [(c, o) for c, o in zip(counts[s], problem.options)]
         layers += [(1, e) for e in _ends(problem, s)]
         static += sum(c * o.static_bytes for c, o in layers)
         grads += sum(c * o.grad_bytes for c, o in layers)
-        act += sum(c * o.act_bytes for c, o in layers)
+        acts.append(sum(c * o.act_bytes for c, o in layers))
         steps += sum(c * o.step_s for c, o in layers)
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r]
-    return RankParts(static, grads, act, phi, temp, lazy, steps)
+    return RankParts(static, grads, tuple(acts), rank_moments(problem, r), temp, lazy, steps)
 
 
 def stage_time(problem: StageProblem, counts, s: int) -> float:
@@ -513,18 +539,16 @@ def _byte_unit(problem: StageProblem) -> float:
 
 
 def _rank_memory(problem: StageProblem, n, r: int) -> list:
-    """Rank r's peak-memory forms (RankParts.peaks, linear in n), in units of _byte_unit."""
-    phi, unit = problem.act_factor[r], _byte_unit(problem)
+    """Rank r's peak-memory forms (`rank_forms`, linear in n), in units of _byte_unit."""
+    unit = _byte_unit(problem)
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r]
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
-    # per form: (coefficient of the gradients, of one micro-batch's activations)
-    forms = [(0.0, phi)] if not lazy else [(-1.0, phi), (0.0, phi - min(phi, 1.0))]
     rows = []
-    for g, a in forms:
-        per_block = [(o.static_bytes + g * o.grad_bytes + a * o.act_bytes) / unit
-                     for o in problem.options]
+    for g, factors in rank_forms(rank_moments(problem, r), lazy):
         memory = _Lin({}, temp / unit)
-        for s in problem.stages_of(r):
+        for s, a in zip(problem.stages_of(r), factors):
+            per_block = [(o.static_bytes + g * o.grad_bytes + a * o.act_bytes) / unit
+                         for o in problem.options]
             memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
             for e in _ends(problem, s):
                 memory.add((e.static_bytes + g * e.grad_bytes + a * e.act_bytes) / unit)

@@ -421,8 +421,7 @@ def search(costs: ModelCosts, req: Request,
             open_bound = min(open_bound, max(bound, _finite(solution.bound, bound)))
         if solution.status in ("optimal", "feasible"):
             solution = ilp.polish(built[0], solution, req.time_limit_s)
-            plan = make_plan(costs, req, cand, *built, solution,
-                             transient_bytes(costs, req, cand))
+            plan = make_plan(costs, req, cand, *built, solution)
             _keep_best_per_configuration(found, plan)
             del found[req.top_k:]
     seconds = round(time.perf_counter() - start, 4)

@@ -39,7 +39,7 @@ class StagePlan:
     fwd_s: float = 0.0                 # forward of one micro-batch, tensor-parallel comm included
     bwd_s: float = 0.0                 # backward of one micro-batch (recompute included)
     step_s: float = 0.0                # the optimizer step over its parameters, per step
-    transient_bytes: float = 0.0       # of param_bytes: whole-layer buffers ZeRO 2-3 hold a moment
+    transient_bytes: float = 0.0       # of param_bytes: the rank's temporaries ("other" of rank_memory)
 
     @property
     def memory_bytes(self) -> float:

@@ -13,12 +13,13 @@ from cost_model.hardware.cluster import Cluster
 from cost_model.hardware.comm import collective_time
 from cost_model.layers.layer_cost import LayerCost
 from cost_model.layers.sharding import BACKWARD_SHARE, SyncParts
+from cost_model.layers.sharding import peak_transient_bytes as peak_transient
 from cost_model.layers.sharding import transient_bytes as zero_transient
 from cost_model.layers.strategy import Strategy, strategy_space
 from planner.search import ilp
 from planner.search import zero as zero_axis
 from planner.search.costs import ModelCosts
-from runtime.pipeline.generators import peak_inflight
+from runtime.pipeline.generators import inflight_moments, peak_inflight
 
 # (schedule, v) pairs the search tries; GPipe has 1F1B's time and more memory, so only a fix picks it.
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
@@ -121,6 +122,7 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     give each rank's largest temporary (`memory_terms`)."""
     embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
                    for cost in ends)
+    head = _untied(costs, req, c, head)
     p2p, parts, units = comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     inflight = peak_inflight(c.schedule, c.pp, c.microbatches, c.v)
@@ -137,7 +139,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             hide_alpha_s=parts.hide_alpha, hide_s_per_byte=parts.hide_slope,
                             hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
                             hide_least=max(cluster.comm_sm_share, 1 / units),
-                            rank_temp=temp, lazy_grads=lazy)
+                            rank_temp=temp, lazy_grads=lazy,
+                            moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v))
 
 
 def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tuple]:
@@ -154,6 +157,18 @@ def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tupl
                  for r in range(c.pp))
     unheld = c.dp * c.cp == 1 and c.zero == 0
     return temp, tuple(unheld and f >= c.microbatches * c.v for f in inflight)
+
+
+def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
+    """The head's terms without the weights it shares with the embedding when one stage holds
+    both: one tensor, held once (on different stages each holds a copy, runtime.training.tied)."""
+    if c.pp * c.v > 1 or not costs.tied_end_params or head.static_bytes == 0:
+        return head
+    shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
+    tied = costs.tied_end_params / shard
+    static = tied * sum(costs.static_per_param(zero_axis.sharding_of(c)))
+    return replace(head, static_bytes=head.static_bytes - static,
+                   grad_bytes=head.grad_bytes - tied * costs.training.grad_bytes)
 
 
 def actions_per_microbatch(schedule: str) -> int:
@@ -176,10 +191,13 @@ def runtime_terms(option, cost, req: Request, c: Candidate):
     return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
 
 
-def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None) -> float:
+def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None,
+                    freed: float | None = None) -> float:
     """Whole-sized buffers of one or two layers that ZeRO levels 2-3 hold for a moment
     (cost_model.layers.sharding.transient_bytes), for the largest layers the candidate may have
-    (`blocks`: the LayerCosts of a stated layout, else every block option of the request)."""
+    (`blocks`: the LayerCosts of a stated layout, else every block option of the request).
+    With `freed` (one activation set of a rank), what of them adds to that rank's peak
+    (sharding.peak_transient_bytes): the search reserves them whole, a plan reports this."""
     if c.zero < 2:
         return 0.0
     blocks = blocks if blocks is not None else block_costs(costs, req, c.tp, c.micro_batch, c.cp)
@@ -187,6 +205,9 @@ def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None) 
     layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
                                                        tp=c.tp)]
     t = costs.training
+    if freed is not None:
+        return peak_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c),
+                              freed)
     return zero_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
 
 

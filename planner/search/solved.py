@@ -8,20 +8,26 @@ from dataclasses import replace
 from planner.search import ilp
 from planner.search import zero as zero_axis
 from planner.search.plan import Plan, Predicted, StagePlan
+from planner.search.problem import transient_bytes
 from planner.search.step_prediction import simulated
 
 
-def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.0) -> Plan:
+def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
     """The plan of a solved candidate; `solver` says how it was solved: "optimal" or
     "feasible" (stopped by the time limit) and the gap to the proven bound; the seconds go to
-    `timing`, which equality and the JSON without timing leave out. `transient`: the whole-
-    layer buffers ZeRO levels 2-3 hold for a moment (planner.search.problem.transient_bytes)."""
+    `timing`, which equality and the JSON without timing leave out. Each rank's predicted
+    peak is `rank_memory`; a stage's "memory/device" holds its rank's "other" part (the
+    largest temporary, ZeRO's whole-layer buffers) on the rank's first stage."""
     parts = ilp.breakdown(problem, solution.counts)
     stages, index = [], 0
     prefix = costs.block_prefix
     end = ("vocab-tp" if costs.vocab_parallel(cand.tp, cand.micro_batch, req.cluster, cand.cp)
            else "none")
     ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
+    memory = tuple(rank_memory(costs, problem, solution.counts, zero_axis.sharding_of(cand), r,
+                               chosen_temp(problem, solution.counts, blocks, ends, r),
+                               lambda freed: transient_bytes(costs, req, cand, blocks, freed))
+                   for r in range(problem.ranks))
     for s, counts in enumerate(solution.counts):
         names = ["embed"] if s == 0 and costs.has("embed") else []
         strategies = [end] * len(names)
@@ -35,13 +41,14 @@ def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.
         layer_costs = [c for k, c in enumerate(blocks) for _ in range(counts[k])]
         layer_costs += [c for c in (ends[0] if s == 0 else None,
                                     ends[1] if s == problem.stages - 1 else None) if c]
-        stages.append(_stage_plan(costs, problem, s, counts, tuple(names), tuple(strategies),
-                                  zero_axis.sharding_of(cand), parts.stage_s[s], transient,
-                                  layer_costs))
+        stages.append(_stage_plan(costs, problem, s, solution.counts, tuple(names),
+                                  tuple(strategies),
+                                  zero_axis.sharding_of(cand), parts.stage_s[s],
+                                  memory[s][-1] if s < problem.ranks else 0.0, layer_costs))
     plan = Plan(req.model_name, req.gpus, req.cluster.name, cand.dp, cand.tp, cand.pp,
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
-                _predict(costs, req, cand, problem, blocks, solution.counts, parts, transient),
+                _predict(costs, req, cand, problem, blocks, solution.counts, parts, memory),
                 costs.notes(), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None, params=costs.param_count(),
@@ -52,9 +59,19 @@ def make_plan(costs, req, cand, problem, blocks, solution, transient: float = 0.
     return plan
 
 
-def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
-                transient: float = 0.0, layer_costs=()) -> StagePlan:
-    phi = problem.act_factor[problem.rank_of(s)]
+def peak_form(problem, counts, r: int) -> tuple[float, tuple[float, ...]]:
+    """Rank r's peak form (ilp.rank_forms): the gradients' coefficient and, per local stage,
+    the activation sets it holds at its peak."""
+    parts = ilp.rank_parts(problem, counts, r)
+    peaks = parts.peaks()
+    return ilp.rank_forms(parts.moments, parts.lazy)[peaks.index(max(peaks))]
+
+
+def _stage_plan(costs, problem, s, counts_all, names, strategies, dp, time_s,
+                other: float = 0.0, layer_costs=()) -> StagePlan:
+    counts = counts_all[s]
+    r = problem.rank_of(s)
+    phi = peak_form(problem, counts_all, r)[1][s // problem.ranks]
     ends = ilp._ends(problem, s)
     static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
     static += sum(e.static_bytes for e in ends)
@@ -63,13 +80,13 @@ def _stage_plan(costs, problem, s, counts, names, strategies, dp, time_s,
                  + sum(e.act_bytes for e in ends))
     step = sum(c * o.step_s for c, o in zip(counts, problem.options))
     step += sum(e.step_s for e in ends)
-    return StagePlan(names, strategies, time_s, weights + transient, opt, act,
+    return StagePlan(names, strategies, time_s, weights + other, opt, act,
                      sum(c.fwd_s for c in layer_costs), sum(c.bwd_s for c in layer_costs), step,
-                     transient)
+                     other)
 
 
 def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
-             transient: float) -> Predicted:
+             memory: tuple) -> Predicted:
     """Split the ILP's iteration time (from ilp.breakdown) into compute, exposed communication
     and bubble on the busiest rank."""
     m, busiest = cand.microbatches, parts.busiest
@@ -85,10 +102,6 @@ def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
     syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1],
                                  parts.rank_s[r]) + problem.tie_time(r)
                   for r in range(problem.ranks))
-    ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
-    memory = tuple(rank_memory(costs, problem, counts, zero_axis.sharding_of(cand), r,
-                               transient + chosen_temp(problem, counts, blocks, ends, r))
-                   for r in range(problem.ranks))
     return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
                      bubble / busy, max(sum(r) for r in memory),
                      req.global_batch * req.seq / iteration,
@@ -107,20 +120,20 @@ def chosen_temp(problem, counts, blocks, ends, r: int) -> float:
     return max(temps, default=0.0)
 
 
-def rank_memory(costs, problem, counts, sharding, r: int, other: float) -> tuple:
+def rank_memory(costs, problem, counts, sharding, r: int, temp: float, zero_peak) -> tuple:
     """Rank r's predicted peak as plan.MEMORY_PARTS: the static bytes split by the ZeRO level's
     shares, and of the rank's peak forms (ilp.RankParts.peaks) the largest — with lazy
     gradients, either all activation sets and no gradients, or the gradients and one
-    micro-batch's activations fewer. `other`: the largest temporary and ZeRO's whole-layer
-    buffers."""
+    micro-batch's activations fewer. "other": the largest temporary (`temp`) and what ZeRO's
+    whole-layer buffers add to the peak (`zero_peak(one activation set of the rank)`)."""
     parts = ilp.rank_parts(problem, counts, r)
     both, optimizer = costs.split_static(parts.static, sharding)
     t = costs.training
     fw, fg, _ = sharding.fractions()
     grads = both * t.grad_bytes * fg / (t.weight_bytes * fw + t.grad_bytes * fg)
-    act = parts.phi * parts.act
+    g, factors = peak_form(problem, counts, r)
+    act = sum(f * a for f, a in zip(factors, parts.acts))
     if parts.lazy:
-        peaks = parts.peaks()
-        grads = parts.grads if peaks[1] >= peaks[0] else 0.0
-        act = act - min(parts.phi, 1.0) * parts.act if grads else act
+        grads = parts.grads if g == 0 else 0.0
+    other = temp + zero_peak(sum(parts.acts))
     return (both - (grads if not parts.lazy else parts.grads), grads, optimizer, act, other)

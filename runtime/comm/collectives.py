@@ -36,6 +36,8 @@ only: the TP ones are identities, the SP ones change dimension `dim` by the fact
 """
 from __future__ import annotations
 
+import contextlib
+
 from collections import defaultdict
 
 import torch
@@ -88,7 +90,24 @@ def count_traffic(kind: str, tag: str, nbytes: int, n: int) -> None:
 
 
 def _fake(x: torch.Tensor) -> bool:
-    return x.is_meta or type(x).__name__ == "FakeTensor"
+    """A tensor of shapes only (meta, or fake while a model is captured or profiled): nothing to
+    communicate. In a dry run (`fake_run`) fake tensors are the run's own and communicate
+    through its fake process group, so that the collectives allocate what they would."""
+    return x.is_meta or (type(x).__name__ == "FakeTensor" and not _FAKE_RUN[0])
+
+
+_FAKE_RUN = [False]
+
+
+@contextlib.contextmanager
+def fake_run():
+    """Fake tensors are a dry run's (runtime.observe.dry_run): collectives and recomputation
+    run on them as on real ones."""
+    previous, _FAKE_RUN[0] = _FAKE_RUN[0], True
+    try:
+        yield
+    finally:
+        _FAKE_RUN[0] = previous
 
 
 def _active(x: torch.Tensor, name: str) -> bool:

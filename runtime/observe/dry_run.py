@@ -37,6 +37,7 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
 
     from planner.api import ParallelModel
     from planner.bench.memory import RankMemory, mark_state, meta_model
+    from runtime.comm.collectives import fake_run
     from runtime.observe.memory_tracker import MemoryTracker
     from runtime.training.trainer import TrainOptions
 
@@ -49,8 +50,11 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
     try:
         meta, batch_fn = meta_model(spec, lazy_batch=True) if model is None else (model, None)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
+        # The dispatch cache may answer an op that returns a view with a tensor of a storage
+        # of its own, which the tracker would count as memory the real op never takes.
+        fake.cache_enabled = False
         tracker = MemoryTracker(fake_mode=fake)
-        with fake, AnyScalar():
+        with fake, AnyScalar(), fake_run():
             batch = batch_fn() if batch_fn else _batch_like(plan, model)
             with tracker:
                 pm = ParallelModel(meta, plan, [], batch,

@@ -47,12 +47,12 @@ def _storage(t: torch.Tensor, fake_mode):
     """The tensor's storage, or None for tensors that have none to count: sparse, nested, meta,
     and fake tensors other than those of `fake_mode` (a capture's shape propagation inside
     the run makes fake tensors that hold no memory), or real ones when fake_mode is given."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        return None
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        return None   # a meta tensor, fake or not, holds nothing
     if isinstance(t, FakeTensor):
         if t.fake_mode is not fake_mode:
             return None
-    elif fake_mode is not None or t.device.type == "meta":
+    elif fake_mode is not None:
         return None
     try:
         return t.untyped_storage()

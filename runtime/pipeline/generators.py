@@ -17,6 +17,7 @@ receives between two ranks in posting order.
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 
 from runtime.pipeline.schedule import Action, Kind, Schedule
 
@@ -190,3 +191,29 @@ def peak_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     if name == "interleaved-1f1b":
         return tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
     raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
+
+
+@lru_cache(maxsize=4096)
+def inflight_moments(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the activation sets each of its stages (local index c: stage c·p + r) holds
+    at the moments one of them could peak: after each forward, the counts per local stage,
+    keeping only moments no other covers (at least as many sets on every stage). A set lives
+    from its stage's forward until the backward that frees its graph: B, or W under ZB-H1
+    (the runtime's W walks the graph again). With stages of unequal activations (the one with
+    the loss head, say) the peak is the largest Σ_c count_c · a_c over these moments, which
+    `peak_inflight`'s one count per rank cannot tell."""
+    schedule = make_schedule(name, p, m, v)
+    frees = Kind.W if name == "zb-h1" else Kind.B
+    result = []
+    for r, actions in enumerate(schedule.actions):
+        count, moments = [0] * v, set()
+        for a in actions:
+            if a.kind == Kind.F:
+                count[a.stage // p] += 1
+                moments.add(tuple(count))
+            elif a.kind == frees:
+                count[a.stage // p] -= 1
+        kept = [mo for mo in moments
+                if not any(o != mo and all(x >= y for x, y in zip(o, mo)) for o in moments)]
+        result.append(tuple(sorted(kept)))
+    return tuple(result)
