@@ -9,8 +9,13 @@ Per micro-batch of T tokens, hidden h, E experts of SwiGLU width f, top k, dtype
                                                  loaded EP rank times the imbalance factor
   dispatched rows   T k                          each of h values; the runtime keeps, per slot,
                                                  the expert input (h), the gate and up outputs,
-                                                 their SwiGLU product and its silu (4 f) and the
-                                                 expert output (h): T k (2h + 4f) d bytes saved
+                                                 their SwiGLU product and its silu (4 f), the
+                                                 expert output that the routing weight scales
+                                                 (h) and the scaled output, which index_add's
+                                                 backward keeps for its shape (h):
+                                                 T k (3h + 4f) d bytes saved; under expert
+                                                 parallelism the combine's received rows too,
+                                                 T k h d more (ExpertPricing)
   router saved      2 T E d                      (scores and their softmax / sigmoid)
   all-to-all bytes  4 T k h d r                  per micro-batch on each rank: dispatch and
                                                  combine forward, both again in backward; r is
@@ -96,8 +101,8 @@ class MoEFacts:
 
     @property
     def dispatched_bytes(self) -> float:
-        """Saved activations of the routed slots: T k (2h + 4f) d."""
-        return self.tokens * self.top_k * (2 * self.hidden + 4 * self.ffn) * self.dtype_bytes
+        """Saved activations of the routed slots: T k (3h + 4f) d (module docstring)."""
+        return self.tokens * self.top_k * (3 * self.hidden + 4 * self.ffn) * self.dtype_bytes
 
     def all_to_all_bytes(self, ep: int, remote: float | None = None) -> float:
         """Bytes one rank sends per micro-batch (forward and backward): 4 T k h d r."""
@@ -230,7 +235,11 @@ class ExpertPricing:
 
     @property
     def extra_activation_bytes(self) -> float:
-        return self.facts.dispatched_bytes * (self.imbalance - 1.0)
+        """The most loaded rank's extra slots, and under ep > 1 the combine's received rows
+        (runtime.experts.dispatch._expert_parallel: T k h d, its own tokens' slots)."""
+        f = self.facts
+        received = f.tokens * f.top_k * f.hidden * f.dtype_bytes if self.ep > 1 else 0.0
+        return f.dispatched_bytes * (self.imbalance - 1.0) + received
 
 
 def pricing(f: MoEFacts, ep: int, micro_batch_tokens: int | None = None,

@@ -244,7 +244,7 @@ def _layout_problem(costs, req, cand, names, stages, ends):
     blocks = [priced[k, n] for k, _ in runs for n in names]
     sharding = zero_axis.sharding_of(cand)  # the ZeRO level's shares, as the search prices
     option = [tuple(runtime_terms(costs.block_option(priced[k, n], sharding), priced[k, n], req,
-                                  cand) for n in names) for k, _ in runs]
+                                  cand, costs) for n in names) for k, _ in runs]
     run_of = []
     for j, (_, count) in enumerate(runs):
         run_of += [j] * count

@@ -265,16 +265,19 @@ class ModelCosts:
         """Parameters the embedding and the head share (a tied head): on different stages both
         hold them, and their gradients are summed across the two (runtime.training.tied)."""
         def params(kind: str) -> dict[int, int]:
+            """The parameters a layer of `kind` reads: its own get_attr and module nodes, and
+            those of other layers its nodes use (a head that reads the embedding's weight)."""
             layer = next((l for l in self.captured.layers if l.kind == kind), None)
             found, gm = {}, self.captured.gm
             nodes = {n.name: n for n in gm.graph.nodes}
             for name in (layer.nodes if layer else ()):
                 node = nodes[name]
-                if node.op == "get_attr":
-                    value = get_param(gm, str(node.target))
-                    if isinstance(value, torch.nn.Parameter):
-                        found[id(value)] = value.numel()
-                elif node.op == "call_module":
+                for read in (node, *node.all_input_nodes):
+                    if read.op == "get_attr":
+                        value = get_param(gm, str(read.target))
+                        if isinstance(value, torch.nn.Parameter):
+                            found[id(value)] = value.numel()
+                if node.op == "call_module":
                     found.update({id(p): p.numel() for p in
                                   gm.get_submodule(node.target).parameters()})
             return found

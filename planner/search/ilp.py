@@ -115,6 +115,9 @@ class BlockOption:
     act_bytes: float     # per micro-batch in flight
     grad_bytes: float    # gradient bytes all-reduced over dp
     step_s: float = 0.0  # the optimizer step over its parameters, once per step
+    # of its gradients, those no buffer holds between backwards (autograd makes them in the
+    # backward): absent at a rank's activation peak when no forward follows a backward there
+    lazy_grad_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class EndLayer:
     act_bytes: float
     grad_bytes: float
     step_s: float = 0.0
+    lazy_grad_bytes: float = 0.0  # BlockOption.lazy_grad_bytes
 
 
 @dataclass(frozen=True)
@@ -166,8 +170,8 @@ class StageProblem:
     hide_beside: float = 0.0        # κ
     hide_least: float = 1.0         # λ
     # The per-rank memory terms beyond the blocks' (module docstring, "Memory"): X_r, the
-    # largest temporary of the rank's layers; lazy_r, gradients that the backward makes and
-    # no forward outlives (no buffer holds them, no forward follows a backward)
+    # largest temporary of the rank's layers; lazy_r, no forward follows a backward on rank r
+    # (its options' lazy gradients are absent at its activation peak)
     rank_temp: tuple[float, ...] = ()
     lazy_grads: tuple[bool, ...] = ()
     # per rank, the activation-set counts per local stage at its candidate peaks (`rank_moments`;
@@ -431,6 +435,7 @@ class RankParts:
     are lazy; `peaks` are the forms whose largest is its peak (module docstring, "Memory")."""
     static: float
     grads: float
+    lazy_grads: float
     acts: tuple[float, ...]
     moments: tuple[tuple[float, ...], ...]
     temp: float
@@ -438,15 +443,15 @@ class RankParts:
     steps: float
 
     def peaks(self) -> list[float]:
-        return [self.static + g * self.grads + sum(f * a for f, a in zip(factors, self.acts))
-                + self.temp for g, factors in rank_forms(self.moments, self.lazy)]
+        return [self.static + g * self.lazy_grads
+                + sum(f * a for f, a in zip(factors, self.acts)) + self.temp
+                for g, factors in rank_forms(self.moments, self.lazy)]
 
 
 def rank_forms(moments, lazy: bool) -> list[tuple[float, tuple[float, ...]]]:
-    """The peak-memory forms of a rank as (coefficient of its gradients, per stage the
+    """The peak-memory forms of a rank as (coefficient of its lazy gradients, per stage the
     coefficient of one micro-batch's activations): one per moment; with lazy gradients two,
-    the gradients absent, or present with one set of the stage backwarded first (its last)
-    freed."""
+    those absent, or present with one set of the stage backwarded first (its last) freed."""
     forms = []
     for mo in moments:
         if not lazy:
@@ -468,17 +473,19 @@ def rank_moments(problem: StageProblem, r: int) -> tuple[tuple[float, ...], ...]
 
 
 def rank_parts(problem: StageProblem, counts, r: int) -> RankParts:
-    static, grads, acts, steps = 0.0, 0.0, [], 0.0
+    static, grads, lazy_grads, acts, steps = 0.0, 0.0, 0.0, [], 0.0
     for s in problem.stages_of(r):
         layers = [(c, o) for c, o in zip(counts[s], problem.options)]
         layers += [(1, e) for e in _ends(problem, s)]
         static += sum(c * o.static_bytes for c, o in layers)
         grads += sum(c * o.grad_bytes for c, o in layers)
+        lazy_grads += sum(c * o.lazy_grad_bytes for c, o in layers)
         acts.append(sum(c * o.act_bytes for c, o in layers))
         steps += sum(c * o.step_s for c, o in layers)
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
-    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r]
-    return RankParts(static, grads, tuple(acts), rank_moments(problem, r), temp, lazy, steps)
+    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and lazy_grads > 0
+    return RankParts(static, grads, lazy_grads, tuple(acts), rank_moments(problem, r), temp,
+                     lazy, steps)
 
 
 def stage_time(problem: StageProblem, counts, s: int) -> float:
@@ -541,17 +548,18 @@ def _byte_unit(problem: StageProblem) -> float:
 def _rank_memory(problem: StageProblem, n, r: int) -> list:
     """Rank r's peak-memory forms (`rank_forms`, linear in n), in units of _byte_unit."""
     unit = _byte_unit(problem)
-    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r]
+    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and any(
+        o.lazy_grad_bytes for o in (*problem.options, problem.embed, problem.head))
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
     rows = []
     for g, factors in rank_forms(rank_moments(problem, r), lazy):
         memory = _Lin({}, temp / unit)
         for s, a in zip(problem.stages_of(r), factors):
-            per_block = [(o.static_bytes + g * o.grad_bytes + a * o.act_bytes) / unit
+            per_block = [(o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes) / unit
                          for o in problem.options]
             memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
             for e in _ends(problem, s):
-                memory.add((e.static_bytes + g * e.grad_bytes + a * e.act_bytes) / unit)
+                memory.add((e.static_bytes + g * e.lazy_grad_bytes + a * e.act_bytes) / unit)
         rows.append(memory)
     return rows
 

@@ -99,7 +99,8 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     per_kind = []
     for kind in range(len(costs.kinds)):
         blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp, kind)
-        options = [runtime_terms(costs.block_option(cost, zero_axis.sharding_of(c)), cost, req, c)
+        options = [runtime_terms(costs.block_option(cost, zero_axis.sharding_of(c)), cost, req, c,
+                                 costs)
                    for cost in blocks]
         keep = _prune_dominated(options)
         per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
@@ -120,7 +121,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
     ilp.BlockRun) and end-layer costs (embed, head); `layer_costs`, the options' LayerCosts,
     give each rank's largest temporary (`memory_terms`)."""
-    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c)
+    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c,
+                                 costs)
                    for cost in ends)
     head = _untied(costs, req, c, head)
     p2p, parts, units = comm_terms(costs, req, c)
@@ -129,8 +131,6 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     phi = tuple(f / c.v for f in inflight)
     cluster = req.cluster
     temp, lazy = memory_terms(c, inflight, layer_costs, ends)
-    if cluster.runtime not in ("", "fxpar"):  # measured on fxpar's runtime only: others held
-        lazy = ()
     return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
                             p2p, memory_limit, parts.alpha, parts.slope,
                             phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
@@ -146,17 +146,15 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
 def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tuple]:
     """(X_r, lazy_r) per pipeline rank (planner.search.ilp, "Memory"). X_r: the largest
     temporary (LayerCost.temp_bytes) of any block option, or of the embedding on the first
-    rank and the loss's head on the last. lazy_r: no buffer holds the gradients between
-    backwards (no replica to sum with, no sharding: the runtime frees them with the step and
-    autograd makes them in the backward) and the rank runs every forward before its first
-    backward (it holds all m·v of its activation sets at once)."""
+    rank and the loss's head on the last. lazy_r: the rank runs every forward before its first
+    backward (it holds all m·v of its activation sets at once), so the gradients autograd
+    makes in the backward (`lazy_grad_bytes`) are not there at its activation peak."""
     blocks = max((b.temp_bytes for b in layer_costs), default=0.0)
     embed, head = (e.temp_bytes if e is not None else 0.0 for e in ends)
     first, last = 0, (c.pp * c.v - 1) % c.pp
     temp = tuple(max(blocks, embed if r == first else 0.0, head if r == last else 0.0)
                  for r in range(c.pp))
-    unheld = c.dp * c.cp == 1 and c.zero == 0
-    return temp, tuple(unheld and f >= c.microbatches * c.v for f in inflight)
+    return temp, tuple(f >= c.microbatches * c.v for f in inflight)
 
 
 def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
@@ -167,8 +165,9 @@ def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
     shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
     tied = costs.tied_end_params / shard
     static = tied * sum(costs.static_per_param(zero_axis.sharding_of(c)))
-    return replace(head, static_bytes=head.static_bytes - static,
-                   grad_bytes=head.grad_bytes - tied * costs.training.grad_bytes)
+    grads = head.grad_bytes - tied * costs.training.grad_bytes
+    return replace(head, static_bytes=head.static_bytes - static, grad_bytes=grads,
+                   lazy_grad_bytes=min(head.lazy_grad_bytes, grads))
 
 
 def actions_per_microbatch(schedule: str) -> int:
@@ -176,19 +175,37 @@ def actions_per_microbatch(schedule: str) -> int:
     return 3 if schedule == "zb-h1" else 2
 
 
-def runtime_terms(option, cost, req: Request, c: Candidate):
+def runtime_terms(option, cost, req: Request, c: Candidate, costs: ModelCosts):
     """An ILP option (ilp.BlockOption or EndLayer) with the runtime's own costs on this cluster:
     ZB-H1's second backward traversal (I and W each walk the graph: as calibration measured it
     where it measured the runtime, else from the layer's flops, LayerCost.retraverse_share; the
-    first stage, whose I has nothing to do, is priced alike) and the optimizer step over the
-    share of the parameters' states the rank holds (0 in the presets)."""
+    first stage, whose I has nothing to do, is priced alike), the optimizer step over the
+    share of the parameters' states the rank holds (0 in the presets) and the gradients the
+    runtime leaves to autograd to make (`lazy_grads`)."""
     if cost is None:
         return option
     cluster = req.cluster
     share = cluster.split_backward if cluster.runtime_priced else cost.retraverse_share
     split = cost.bwd_s * share if c.schedule == "zb-h1" else 0.0
     share = zero_axis.sharding_of(c).fractions()[2]
-    return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share)
+    return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share,
+                   lazy_grad_bytes=lazy_grads(costs, req, c, option, cost))
+
+
+def lazy_grads(costs: ModelCosts, req: Request, c: Candidate, option, cost) -> float:
+    """Gradient bytes of an option that no buffer holds between backwards, as fxpar's runtime
+    keeps them (runtime.training.trainer; other runtimes are taken to hold them all, as
+    Megatron's contiguous gradient buffer does): with no replica to sum with and no sharding,
+    every gradient (the step frees them, autograd makes them again); else the expert weights'
+    when no other rank holds the same experts (their gradients are not bucketed)."""
+    if req.cluster.runtime not in ("", "fxpar"):
+        return 0.0
+    if c.dp * c.cp == 1 and c.zero == 0:
+        return option.grad_bytes
+    if costs.ep_pricing is None or c.dp * c.cp > costs.ep:
+        return 0.0
+    experts = costs.ep_pricing.expert_params(costs._kind_of.get(cost.layer, -1))
+    return experts * costs.training.grad_bytes
 
 
 def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None,

@@ -123,8 +123,8 @@ def chosen_temp(problem, counts, blocks, ends, r: int) -> float:
 def rank_memory(costs, problem, counts, sharding, r: int, temp: float, zero_peak) -> tuple:
     """Rank r's predicted peak as plan.MEMORY_PARTS: the static bytes split by the ZeRO level's
     shares, and of the rank's peak forms (ilp.RankParts.peaks) the largest — with lazy
-    gradients, either all activation sets and no gradients, or the gradients and one
-    micro-batch's activations fewer. "other": the largest temporary (`temp`) and what ZeRO's
+    gradients, either all activation sets and none of those gradients, or all gradients and
+    one micro-batch's activations fewer. "other": the largest temporary (`temp`) and what ZeRO's
     whole-layer buffers add to the peak (`zero_peak(one activation set of the rank)`)."""
     parts = ilp.rank_parts(problem, counts, r)
     both, optimizer = costs.split_static(parts.static, sharding)
@@ -133,7 +133,7 @@ def rank_memory(costs, problem, counts, sharding, r: int, temp: float, zero_peak
     grads = both * t.grad_bytes * fg / (t.weight_bytes * fw + t.grad_bytes * fg)
     g, factors = peak_form(problem, counts, r)
     act = sum(f * a for f, a in zip(factors, parts.acts))
-    if parts.lazy:
-        grads = parts.grads if g == 0 else 0.0
+    weights = both - grads
+    grads += g * parts.lazy_grads    # the lazy ones absent at an activation peak
     other = temp + zero_peak(sum(parts.acts))
-    return (both - (grads if not parts.lazy else parts.grads), grads, optimizer, act, other)
+    return (weights, grads, optimizer, act, other)

@@ -99,6 +99,11 @@ def _fake(x: torch.Tensor) -> bool:
 _FAKE_RUN = [False]
 
 
+def dry_running() -> bool:
+    """Whether a dry run (`fake_run`) is on: tensors hold shapes, not values."""
+    return _FAKE_RUN[0]
+
+
 @contextlib.contextmanager
 def fake_run():
     """Fake tensors are a dry run's (runtime.observe.dry_run): collectives and recomputation

@@ -62,7 +62,8 @@ def bind_ep_group(group: dist.ProcessGroup | None) -> None:
 
 
 def _fake(x: torch.Tensor) -> bool:
-    return x.is_meta or type(x).__name__ == "FakeTensor"
+    """Shapes only, while a model is captured (a dry run's fake tensors route: `_balanced`)."""
+    return collectives._fake(x)
 
 
 def moe_ffn(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -233,14 +234,29 @@ def _routed(flat, weights, index, experts_w: ExpertWeights, experts: int, ep: in
     slots = index.flatten()
     order = torch.argsort(slots, stable=True)
     token = order // k
-    counts = torch.bincount(slots, minlength=experts)
     sent = flat[token]
-    if ep == 1:
-        out = _experts(sent, counts.tolist(), experts_w)
+    if collectives.dry_running():   # no values to route by: every expert gets its share
+        out = _balanced(sent, experts, experts_w, ep, tag)
+    elif ep == 1:
+        out = _experts(sent, torch.bincount(slots, minlength=experts).tolist(), experts_w)
     else:
-        out = _expert_parallel(sent, counts, experts_w, ep, tag)
+        out = _expert_parallel(sent, torch.bincount(slots, minlength=experts), experts_w, ep,
+                               tag)
     out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(flat).index_add(0, token, out)
+
+
+def _balanced(sent, experts: int, experts_w: ExpertWeights, ep: int, tag: str) -> torch.Tensor:
+    """A dry run's routing (runtime.observe.dry_run): the slots spread evenly over the experts,
+    as the planner prices a balanced router, through the same buffers as a real step."""
+    slots, local = sent.shape[0], experts_w.local
+    counts = [slots // experts + (e < slots % experts) for e in range(experts)]
+    if ep == 1:
+        return _experts(sent, counts, experts_w)
+    splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    received = AllToAll.apply(sent, splits, splits, tag)
+    out = _experts(received, [sum(splits) // local] * local, experts_w)
+    return AllToAll.apply(out, splits, splits, tag)
 
 
 def _experts(rows: torch.Tensor, counts: list[int], experts_w: ExpertWeights) -> torch.Tensor:
