@@ -227,7 +227,26 @@ def cmd_plan(args) -> int:
         print()
         print(explain(plans))
     print(f"planned in {time.perf_counter() - start:.2f} s")
+    if args.check or args.check_every_rank:
+        _check(args, best)
     return 0
+
+
+def _check(args, best) -> None:
+    """--check: the plan's rank programs dry-run on fake tensors (planner.report.memory_check)."""
+    import dataclasses
+
+    from planner.report.memory_check import check, check_table
+    start = time.perf_counter()
+    if args.hf or args.hf_config:
+        spec = _hf_model(args)
+    else:
+        spec = dataclasses.replace(_config(args), global_batch=best.global_batch)
+    dry = check(best, spec, every_rank=True if args.check_every_rank else None)
+    print()
+    print(check_table(best, dry))
+    print(f"dry-ran {len(dry)} rank{'s' if len(dry) > 1 else ''} in "
+          f"{time.perf_counter() - start:.1f} s")
 
 
 def cmd_simulate(args) -> int:
@@ -391,6 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
                    help="compare two plans written by --json")
     p.add_argument("--png", metavar="FILE", help="also draw the plan (stages x layers, memory)")
+    p.add_argument("--check", action="store_true", help="dry-run the plan's rank programs for "
+                   "two steps on fake tensors and print each rank's peak memory beside the "
+                   "prediction (one rank per pipeline rank over 16 GPUs)")
+    p.add_argument("--check-every-rank", action="store_true", help="--check on every rank")
     p.add_argument("--emit", choices=("torchtitan", "megatron"),
                    help="print the plan as a torchtitan TOML fragment or Megatron-LM flags")
     p.add_argument("--emit-csv", metavar="FILE.csv", help="where --emit torchtitan writes a "

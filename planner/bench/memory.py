@@ -58,6 +58,26 @@ def mark_state(tracker: MemoryTracker, trainer) -> None:
                  "optimizer")
 
 
+def tracked_steps(tracker: MemoryTracker, pm, batch, steps: int) -> None:
+    """Build the rank's shard and train `steps` (>= 2) steps under `tracker`, telling it what
+    the trainer's tensors are; the peak counted is that of the steps after the first (which
+    makes the optimizer's states): a training step's, set-up left out."""
+    if steps < 2:
+        raise ValueError(f"memory is measured over steps after the first: steps must be >= 2, "
+                         f"got {steps}")
+    trainer = pm.shard()
+    mark_state(tracker, trainer)
+    tracker.mark_unmarked("other")   # what set-up keeps: the batch, communication buffers
+    tracker.watch_optimizer(trainer.optimizer)
+    # gradients autograd makes (sharded ones are copied out of their unit and freed: "other")
+    tracker.watch_gradients(trainer.params if trainer.sharded is None else trainer._experts)
+    for step in range(steps):
+        pm.train_step(*batch)
+        mark_state(tracker, trainer)
+        if step == 0:
+            tracker.reset_peak()
+
+
 def measure_worker(spec, plan_json: str, steps: int = 2, options: dict | None = None
                    ) -> RankMemory:
     """Runs on every rank: this rank's measured peak over `steps` training steps, with the
@@ -75,14 +95,7 @@ def measure_worker(spec, plan_json: str, steps: int = 2, options: dict | None = 
         pm = ParallelModel(model, plan, [], batch,
                            lambda params: torch.optim.AdamW(params, lr=1e-4), seed=0,
                            options=TrainOptions(**(options or {})))
-        trainer = pm.shard()
-        mark_state(tracker, trainer)
-        tracker.mark_unmarked("other")   # what set-up keeps: the batch, communication buffers
-        tracker.watch_optimizer(trainer.optimizer)
-        tracker.reset_peak()
-        for _ in range(steps):
-            pm.train_step(*batch)
-            mark_state(tracker, trainer)
+        tracked_steps(tracker, pm, batch, steps)
     return RankMemory(dist.get_rank(), tracker.peak_bytes, tracker.split())
 
 

@@ -21,7 +21,7 @@ def attach_views(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) 
     """Every gradient its view (re-attached should anything have replaced it); the caller
     zeroes the buffer first."""
     for p, view in zip(params, views):
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+        if p.grad is None or not _same(p.grad, view):
             p.grad = view
 
 
@@ -30,9 +30,15 @@ def move_into_view(param: torch.Tensor, view: torch.Tensor) -> None:
     so that later accumulations add into the buffer; zero when it got none."""
     if param.grad is None:
         view.zero_()
-    elif param.grad.data_ptr() != view.data_ptr():
+    elif not _same(param.grad, view):
         view.copy_(param.grad)
     param.grad = view
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same element of one storage (by the storage object,
+    which fake tensors have too, not by an address, which they have not)."""
+    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset()
 
 
 def release(params: Sequence[torch.Tensor]) -> None:

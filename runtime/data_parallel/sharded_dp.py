@@ -505,9 +505,11 @@ class ShardedDP:
         if self.level != 3:
             return contextlib.nullcontext()
         def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            bucket = next((b for b in self.buckets if b.gathered and ptr
-                           and b.full.untyped_storage().data_ptr() == ptr), None)
+            # by storage, not address: a dry run's fake tensors have no address
+            # (runtime.observe.dry_run), and a storage is one Python object while it lives
+            storage = t.untyped_storage()
+            bucket = next((b for b in self.buckets if b.gathered and storage.nbytes()
+                           and b.full.untyped_storage() is storage), None)
             return bucket, t
 
         def unpack(packed):

@@ -26,17 +26,17 @@ class AnyScalar(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int = 2,
-                 model=None):
+def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int = 2):
     """Rank `rank` of `plan` for `steps` training steps on fake tensors (module docstring):
     its planner.bench.memory.RankMemory. `spec` builds the model (a preset config or an HFSpec,
-    as planner.training.local.build takes), or `model` is the module itself (meta or real)."""
+    as planner.training.local.build takes), or is (model, example inputs): a module (on the
+    meta device, or real) and inputs of the global batch's shapes (meta tensors will do)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from planner.api import ParallelModel
-    from planner.bench.memory import RankMemory, mark_state, meta_model
+    from planner.bench.memory import RankMemory, tracked_steps
     from runtime.comm.collectives import fake_run
     from runtime.observe.memory_tracker import MemoryTracker
     from runtime.training.trainer import TrainOptions
@@ -48,26 +48,19 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
     gather = dist.all_gather_object
     dist.all_gather_object = _own_object
     try:
-        meta, batch_fn = meta_model(spec, lazy_batch=True) if model is None else (model, None)
+        meta, batch_fn = _model_and_batch(spec)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         # The dispatch cache may answer an op that returns a view with a tensor of a storage
         # of its own, which the tracker would count as memory the real op never takes.
         fake.cache_enabled = False
         tracker = MemoryTracker(fake_mode=fake)
         with fake, AnyScalar(), fake_run():
-            batch = batch_fn() if batch_fn else _batch_like(plan, model)
+            batch = batch_fn()
             with tracker:
                 pm = ParallelModel(meta, plan, [], batch,
                                    lambda params: torch.optim.AdamW(params, lr=1e-4),
                                    options=TrainOptions(**(options or {})))
-                trainer = pm.shard()
-                mark_state(tracker, trainer)
-                tracker.mark_unmarked("other")
-                tracker.watch_optimizer(trainer.optimizer)
-                tracker.reset_peak()
-                for _ in range(steps):
-                    pm.train_step(*batch)
-                    mark_state(tracker, trainer)
+                tracked_steps(tracker, pm, batch, steps)
         return RankMemory(rank, tracker.peak_bytes, tracker.split())
     finally:
         dist.all_gather_object = gather
@@ -79,11 +72,51 @@ def _own_object(out: list, obj, group=None) -> None:
     out[:] = [obj] * len(out)
 
 
-def _batch_like(plan, model):
-    raise ValueError("a dry run of a module needs its spec (the model and a batch to build)")
+def _model_and_batch(spec):
+    """(the model, a function making its batch): inputs of the given shapes are zeros (token
+    0 everywhere: values do not matter to a dry run)."""
+    from planner.bench.memory import meta_model
+    if not isinstance(spec, tuple):
+        return meta_model(spec, lazy_batch=True)
+    model, inputs = spec
+    return model, lambda: tuple(torch.zeros(x.shape, dtype=x.dtype) for x in inputs)
 
 
 def dry_run(spec, plan, options: dict | None = None, ranks=None, steps: int = 2) -> list:
-    """Every rank of `plan` (or those in `ranks`) dry-run in turn: one RankMemory each."""
-    return [dry_run_rank(spec, plan, r, options, steps)
+    """Every rank of `plan` (or those in `ranks`) dry-run in turn: one RankMemory each. The
+    step runs the fewest micro-batches that reach the same peaks (`fewer_microbatches`)."""
+    short = fewer_microbatches(plan)
+    spec = _with_batch(spec, short.global_batch)
+    return [dry_run_rank(spec, short, r, options, steps)
             for r in (range(plan.gpus) if ranks is None else ranks)]
+
+
+def fewer_microbatches(plan):
+    """The plan with the fewest micro-batches per step at which every rank holds the same
+    activation sets at its peaks (runtime.pipeline.generators.inflight_moments) and runs a
+    forward after a backward exactly when it did: a pipeline reaches its steady state after
+    a few micro-batches, and what follows repeats it (a dry run of 1,024 micro-batches would
+    spend its time repeating)."""
+    from dataclasses import replace
+
+    from runtime.pipeline.generators import inflight_moments, schedule_error
+    m, p, v = plan.num_microbatches, plan.pp, plan.virtual_stages
+
+    def shape(k: int):
+        moments = inflight_moments(plan.schedule, p, k, v)
+        return moments, tuple(max(sum(mo) for mo in rank) < k * v for rank in moments)
+    target = shape(m)
+    for k in range(1, m):
+        if not schedule_error(plan.schedule, p, k, v) and shape(k) == target:
+            return replace(plan, num_microbatches=k,
+                           global_batch=plan.global_batch // m * k)
+    return plan
+
+
+def _with_batch(spec, global_batch: int):
+    """The spec with another global batch (the same samples' shapes)."""
+    from dataclasses import is_dataclass, replace
+    if isinstance(spec, tuple):
+        model, inputs = spec
+        return model, tuple(x[:global_batch] for x in inputs)
+    return replace(spec, global_batch=global_batch) if is_dataclass(spec) else spec

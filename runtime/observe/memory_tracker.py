@@ -3,15 +3,15 @@
 `MemoryTracker` is a TorchDispatchMode: every tensor an op returns has its storage recorded once
 (a storage is counted whole, however many views of it exist) with a weak reference whose callback
 subtracts its bytes when the storage is freed. So the tracker knows the live bytes after every op,
-and at each new peak it keeps the list of storages alive then. What each of those storages was
-is decided when the step is over, by what the trainer says it held (`mark`):
+split by what each storage holds as far as it is known then (`mark`, else who made it):
 
   parameters   the weights (and buffers) of the rank's stages
   gradients    the .grad tensors (or the flat buckets they are views of)
   optimizer    the optimizer's state tensors (moments, fp32 master copies)
-  activations  tensors autograd saved for backward (runtime.training.activation_memory's hooks)
-  other        everything else alive at the peak: communication buffers, the tensors a stage
-               sends or receives, the logits and the loss, temporaries of the op being run
+  activations  what a forward made that is still alive: what autograd saved for backward, the
+               tensors a stage hands on or receives, the logits and the loss
+  other        what a backward or an optimizer step made (temporaries, recomputed activations)
+               and what set-up left (communication buffers, the batch)
 
 It works on any device and on fake tensors (FakeTensorMode), whose storages have sizes but no
 data: which is how a dry run measures programs of any size (runtime.observe.dry_run). Storages
@@ -34,13 +34,20 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 class _Storage:
-    """What the tracker knows of one storage: its size, its category once known."""
+    """What the tracker knows of one storage: its size, its category once marked, whether a
+    forward made it (the category it has until marked: `kind`)."""
 
-    __slots__ = ("nbytes", "category", "ref", "origin", "forward", "__weakref__")
+    __slots__ = ("nbytes", "category", "ref", "forward", "__weakref__")
 
-    def __init__(self, nbytes: int, origin: str, forward: bool):
-        self.nbytes, self.category, self.ref, self.origin = nbytes, None, None, origin
-        self.forward = forward   # made outside any backward and optimizer step
+    def __init__(self, nbytes: int, forward: bool):
+        self.nbytes, self.category, self.ref, self.forward = nbytes, None, None, forward
+
+    @property
+    def kind(self) -> str:
+        """As marked, else an activation if a forward made it (it outlived the op that made
+        it: something keeps it for the backward, or it crosses to the next stage), else
+        "other" (the backward's and the optimizer's temporaries)."""
+        return self.category or ("activations" if self.forward else "other")
 
 
 def _storage(t: torch.Tensor, fake_mode):
@@ -63,15 +70,23 @@ def _storage(t: torch.Tensor, fake_mode):
 class MemoryTracker(TorchDispatchMode):
     """Tracks the live bytes of every tensor storage made while it is active (see the module
     docstring); `peak_bytes`, `split()` and `current_bytes` after the run. With `fake_mode`
-    (a FakeTensorMode) it counts that mode's fake tensors instead of real ones."""
+    (a FakeTensorMode) it counts that mode's fake tensors instead of real ones.
+
+    The live bytes are kept per category as storages come, go and are marked, and a new peak
+    copies those five sums: a step of a large model's program (hundreds of thousands of ops,
+    thousands of live storages) costs no more than its ops. A category is what is known when
+    the peak is reached, so mark before it: parameters and buffers after set-up, gradients
+    as autograd makes them (`watch_gradients`), optimizer states after a first step that the
+    peak then leaves out (`reset_peak`)."""
 
     def __init__(self, fake_mode=None):
         super().__init__()
         self.fake_mode = fake_mode
         self._known: dict[int, _Storage] = {}    # id(storage object) -> its record
+        self._live = dict.fromkeys(CATEGORIES, 0)
+        self._at_peak = dict(self._live)
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._at_peak: list[_Storage] = []
         self._phase = None                       # "optimizer" inside a watched step
         self._hooks = []
         self._resize = None
@@ -86,12 +101,18 @@ class MemoryTracker(TorchDispatchMode):
         for t in tensors:
             info = self._record(t)
             if info is not None and info.category is None:
-                info.category = category
+                self._recategorize(info, category)
 
     def mark_unmarked(self, category: str) -> None:
         """Every storage alive now that nothing marked is `category` (what set-up left)."""
-        for info in self._known.values():
-            info.category = info.category or category
+        for info in list(self._known.values()):
+            if info.category is None:
+                self._recategorize(info, category)
+
+    def _recategorize(self, info: _Storage, category: str) -> None:
+        self._live[info.kind] -= info.nbytes
+        info.category = category
+        self._live[category] += info.nbytes
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """What this optimizer's step makes and nothing marks is a temporary ("other"), not an
@@ -105,8 +126,14 @@ class MemoryTracker(TorchDispatchMode):
         self._hooks += [optimizer.register_step_pre_hook(enter),
                         optimizer.register_step_post_hook(leave)]
 
+    def watch_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Gradients autograd makes for these parameters are marked as it makes them."""
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                lambda p: self.mark([p.grad], "gradients")))
+
     # --- following allocations ---------------------------------------------------------------
-    def _record(self, t, origin: str = "") -> _Storage | None:
+    def _record(self, t) -> _Storage | None:
         storage = _storage(t, self.fake_mode)
         if storage is None:
             return None
@@ -114,32 +141,34 @@ class MemoryTracker(TorchDispatchMode):
         info = self._known.get(key)
         if info is not None and info.ref() is storage:
             return info
-        forward = self._phase is None and torch._C._current_graph_task_id() == -1
-        info = _Storage(storage.nbytes(), origin or f"{tuple(t.shape)}", forward)
+        info = _Storage(storage.nbytes(),
+                        self._phase is None and torch._C._current_graph_task_id() == -1)
         try:
             info.ref = weakref.ref(storage, lambda _, key=key, info=info: self._free(key, info))
         except TypeError:   # a storage type without weak references: counted, never freed
             info.ref = lambda storage=storage: storage
         self._known[key] = info
-        self.current_bytes += info.nbytes
-        self._update_peak()
+        self._grow(info, info.nbytes)
         return info
+
+    def _grow(self, info: _Storage, nbytes: int) -> None:
+        self._live[info.kind] += nbytes
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._at_peak = dict(self._live)
 
     def _free(self, key: int, info: _Storage) -> None:
         if self._known.get(key) is info:
             del self._known[key]
+        self._live[info.kind] -= info.nbytes
         self.current_bytes -= info.nbytes
-
-    def _update_peak(self) -> None:
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
-            self._at_peak = list(self._known.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._record(t, f"{func.__name__} {tuple(t.shape)}")
+                self._record(t)
         if func._overloadpacket in _RESIZES:   # resize_ may grow a storage in place
             self._resized(args[0].untyped_storage())
         return out
@@ -149,8 +178,7 @@ class MemoryTracker(TorchDispatchMode):
         if info is not None and info.ref() is storage and storage.nbytes() != info.nbytes:
             grown = storage.nbytes() - info.nbytes
             info.nbytes += grown
-            self.current_bytes += grown
-            self._update_peak()
+            self._grow(info, grown)
 
     def __enter__(self):
         # Sharded data parallel frees and regrows a gathered buffer's storage in place
@@ -173,29 +201,13 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- results -----------------------------------------------------------------------------
     def split(self) -> dict[str, int]:
-        """The peak's bytes by category (`_category`)."""
-        parts = dict.fromkeys(CATEGORIES, 0)
-        for info in self._at_peak:
-            parts[_category(info)] += info.nbytes
-        return parts
-
-    def largest_at_peak(self, category: str = "other", n: int = 10) -> list[tuple[int, str]]:
-        """The n largest storages of a category alive at the peak: (bytes, the op that made
-        them and its output's shape)."""
-        found = [(i.nbytes, i.origin) for i in self._at_peak if _category(i) == category]
-        return sorted(found, reverse=True)[:n]
+        """The peak's bytes by category."""
+        return dict(self._at_peak)
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now (e.g. after a warm-up step)."""
         self.peak_bytes = self.current_bytes
-        self._at_peak = list(self._known.values())
-
-
-def _category(info: _Storage) -> str:
-    """A storage's category: as marked, else an activation if a forward made it (it outlived
-    the op that made it: something keeps it for the backward, or it crosses to the next
-    stage), else "other" (the backward's and the optimizer's temporaries)."""
-    return info.category or ("activations" if info.forward else "other")
+        self._at_peak = dict(self._live)
 
 
 _RESIZES = {torch.ops.aten.resize_, torch.ops.aten.set_}

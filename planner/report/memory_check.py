@@ -1,0 +1,69 @@
+"""`fxpar plan --check`: the plan's rank programs dry-run on fake tensors (runtime.observe.
+dry_run), each rank's peak beside the plan's prediction, and a line wherever the two disagree.
+
+Ranks that differ only in their tensor-, context- or data-parallel index hold shards of equal
+shapes (every split is even, padded where it must be), so by default one rank per pipeline rank
+is dry-run for plans over 16 GPUs and its figure stands for the ranks of that pipeline rank;
+`every_rank` runs them all.
+"""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from planner.search.plan import MEMORY_PARTS, Plan
+
+GiB = 2**30
+DISAGREE = 0.10     # a relative difference the plan reports
+
+
+def ranks_to_check(plan: Plan, every_rank: bool | None = None) -> list[int]:
+    """Every rank, or the first rank of each pipeline rank (the default over 16 GPUs)."""
+    if every_rank or (every_rank is None and plan.gpus <= 16):
+        return list(range(plan.gpus))
+    per_stage = plan.gpus // plan.pp
+    return [p * per_stage for p in range(plan.pp)]
+
+
+def runtime_options(plan: Plan) -> dict:
+    """The options fxpar's runtime trains this plan with by default: autocast bf16 on GPUs
+    (fp32 weights and optimizer), fp32 on CPU ranks."""
+    return {"precision": "fp32" if plan.cluster.startswith("cpu") else "bf16"}
+
+
+def check(plan: Plan, spec, every_rank: bool | None = None, options: dict | None = None):
+    """{rank: RankMemory} of the dry run of the ranks `ranks_to_check` picks."""
+    from runtime.observe.dry_run import dry_run
+    ranks = ranks_to_check(plan, every_rank)
+    runs = dry_run(spec, plan, options if options is not None else runtime_options(plan), ranks)
+    return dict(zip(ranks, runs))
+
+
+def check_table(plan: Plan, dry: dict) -> str:
+    """Per dry-run rank: predicted and dry-run GiB of each part, and dry / predicted; then a
+    line per rank where they disagree by more than DISAGREE."""
+    per_stage = plan.gpus // plan.pp
+    rows, notes = [], []
+    for rank, run in dry.items():
+        predicted = dict(zip(MEMORY_PARTS, plan.predicted.rank_memory[rank // per_stage]))
+        total = sum(predicted.values())
+        stands = (f"{rank}-{rank + per_stage - 1}" if len(dry) < plan.gpus and per_stage > 1
+                  else str(rank))
+        rows.append([stands, *(f"{predicted[k] / GiB:.3g} / {run.split[k] / GiB:.3g}"
+                               for k in MEMORY_PARTS),
+                     f"{total / GiB:.3g} / {run.peak_bytes / GiB:.3g}",
+                     f"{run.peak_bytes / total:.3f}" if total else "-"])
+        if total and abs(run.peak_bytes / total - 1) > DISAGREE:
+            notes.append(f"rank {rank}: its programs peak at {run.peak_bytes / GiB:.3g} GiB, "
+                         f"the plan predicts {total / GiB:.3g} GiB "
+                         f"({run.peak_bytes / total - 1:+.0%}): the dry run is what these "
+                         f"programs allocate")
+    table = tabulate(rows, headers=["rank", *MEMORY_PARTS, "total", "dry/pred"],
+                     disable_numparse=True)
+    head = (f"dry run of the rank programs on fake tensors (GiB, predicted / dry run; "
+            f"live tensors, before the allocator's and the GPU's own terms):")
+    if len(dry) < plan.gpus:
+        head += (f" one rank per pipeline rank: the ranks it stands for hold shards of the "
+                 f"same shapes")
+    agree = (f"predicted and dry-run peaks agree within {DISAGREE:.0%} on every rank checked"
+             if not notes else "\n".join(notes))
+    return f"{head}\n{table}\n{agree}"
