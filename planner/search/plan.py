@@ -61,6 +61,9 @@ class Predicted:
     runtime_s: float = 0.0             # the optimizer step and the runtime's own time
     # per pipeline rank, its peak's parts in bytes: MEMORY_PARTS (planner.search.solved)
     rank_memory: tuple[tuple[float, ...], ...] = ()
+    # of peak_memory_bytes, what is not live tensors: CUDA context, workspaces, NCCL buffers,
+    # the allocator's reserve (cost_model.hardware.device_memory)
+    device_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,9 @@ class Plan:
             f"{_size(self.memory_limit_bytes, scale)} {unit}   {self._rate()}   "
             f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU",
         ]
+        if p.device_bytes:
+            tail.append(f"   of which {_size(p.device_bytes, scale)} {unit} not tensors: CUDA "
+                        f"context, workspaces, NCCL buffers, allocator reserve")
         if self.solver:
             seconds = self.timing.get("solve_s")
             tail.append(f"solver: {self.solver}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from cost_model.hardware.cluster import Cluster
 from cost_model.hardware.comm import collective_time
+from cost_model.hardware.device_memory import device_memory, groups_of
 from cost_model.layers.layer_cost import LayerCost
 from cost_model.layers.sharding import BACKWARD_SHARE, SyncParts
 from cost_model.layers.sharding import peak_transient_bytes as peak_transient
@@ -105,6 +106,7 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
         keep = _prune_dominated(options)
         per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
     ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
+    memory_limit = tensor_limit(costs, req, c, memory_limit)
     memory_limit -= transient_bytes(costs, req, c)  # whole-sized buffers of levels 2-3
     if len(costs.runs) == 1:
         options, blocks = per_kind[0]
@@ -206,6 +208,19 @@ def lazy_grads(costs: ModelCosts, req: Request, c: Candidate, option, cost) -> f
         return 0.0
     experts = costs.ep_pricing.expert_params(costs._kind_of.get(cost.layer, -1))
     return experts * costs.training.grad_bytes
+
+
+def tensor_limit(costs: ModelCosts, req: Request, c: Candidate, limit: float) -> float:
+    """What live tensors may take of a device limit: less the CUDA context, workspaces and
+    NCCL buffers of the candidate's process groups, and the allocator's reserve
+    (cost_model.hardware.device_memory)."""
+    return device_memory(req.cluster).usable(limit, groups_of(c.dp, c.tp, c.pp, c.cp, costs.ep))
+
+
+def device_bytes(costs: ModelCosts, req: Request, c: Candidate, tensor_peak: float) -> float:
+    """A predicted tensor peak as the device memory it takes (`tensor_limit`'s inverse)."""
+    return device_memory(req.cluster).device_bytes(tensor_peak,
+                                                   groups_of(c.dp, c.tp, c.pp, c.cp, costs.ep))
 
 
 def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None,

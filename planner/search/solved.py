@@ -8,7 +8,7 @@ from dataclasses import replace
 from planner.search import ilp
 from planner.search import zero as zero_axis
 from planner.search.plan import Plan, Predicted, StagePlan
-from planner.search.problem import transient_bytes
+from planner.search.problem import device_bytes, transient_bytes
 from planner.search.step_prediction import simulated
 
 
@@ -102,11 +102,13 @@ def _predict(costs, req, cand, problem, blocks, counts, parts: ilp.Breakdown,
     syncs = tuple(ilp._sync_time(problem, ilp._rank_load(problem, counts, r)[1],
                                  parts.rank_s[r]) + problem.tie_time(r)
                   for r in range(problem.ranks))
+    tensors = max(sum(r) for r in memory)
+    peak = device_bytes(costs, req, cand, tensors)
     return Predicted(iteration, busy - m * comm_per_mb, m * comm_per_mb + parts.sync_s, bubble,
-                     bubble / busy, max(sum(r) for r in memory),
+                     bubble / busy, peak,
                      req.global_batch * req.seq / iteration,
                      flops / iteration / req.gpus / 1e12, problem.p2p_s / 2, syncs,
-                     rank_memory=memory)
+                     rank_memory=memory, device_bytes=peak - tensors)
 
 
 def chosen_temp(problem, counts, blocks, ends, r: int) -> float:
