@@ -334,6 +334,8 @@ def cmd_bench(args) -> int:
     _preset_only(args, "bench")
     _own_runtime(args, "bench")
     plans = _plans(args, top_k=args.top_k)
+    if args.memory:
+        return _bench_memory(args, plans)
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
           f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
           f"each after {args.warmup} warm-up steps"
@@ -351,6 +353,30 @@ def cmd_bench(args) -> int:
                   f" {p.schedule} x{p.num_microbatches} micro-batches")
             print(explain_table(p, cluster, m.ranks))
             print(f"traces: {write_traces(p, cluster, m.ranks, f'{stem}-plan{i + 1}-trace.json')}")
+    return 0
+
+
+def _bench_memory(args, plans) -> int:
+    """fxpar bench --memory: each plan's rank programs trained for a few steps on local gloo
+    ranks under the tensor tracker, per rank the measured peak split beside the prediction."""
+    import dataclasses
+
+    from planner.bench.memory import measure_worker, memory_table
+    from planner.search.plan import plural
+    from runtime.launch.ranks import run_local
+    if plans[0].cluster != "cpu-gloo":
+        raise ValueError("fxpar bench --memory measures on local gloo CPU ranks: plan with "
+                         "--cluster cpu-gloo (on GPUs, fxpar train reports each rank's CUDA "
+                         "peak)")
+    for i, plan in enumerate(plans):
+        config = dataclasses.replace(_config(args), global_batch=plan.global_batch)
+        print(f"plan {i + 1}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
+              f"zero={plan.zero} {plan.schedule}, {plural(plan.num_microbatches, 'micro-batch')} "
+              f"of {plan.micro_batch}; peak live tensor MiB, predicted / measured over "
+              f"{max(args.steps, 2)} steps (the first left out):")
+        measured = run_local(measure_worker, plan.gpus, (config, plan.dumps(),
+                                                         max(args.steps, 2)), timeout_s=600)
+        print(memory_table(plan, measured))
     return 0
 
 
@@ -458,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "many times and report each one's median: on a shared host whose speed "
                    "drifts, every plan then sees the same spells")
     b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
+    b.add_argument("--memory", action="store_true", help="instead of timing: each plan's "
+                   "peak live tensor memory per rank, measured (parameters, gradients, "
+                   "optimizer states, activations, other) beside the prediction")
     b.add_argument("--explain", action="store_true", help="per plan, the step's parts "
                    "(compute per stage, p2p waits, data-parallel sync, optimizer, overhead, "
                    "idle) predicted beside measured on each rank, and Chrome traces of both "

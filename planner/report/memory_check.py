@@ -43,14 +43,16 @@ def check_table(plan: Plan, dry: dict) -> str:
     line per rank where they disagree by more than DISAGREE."""
     per_stage = plan.gpus // plan.pp
     rows, notes = [], []
+    unit, scale = ("GiB", GiB) if max(r.peak_bytes for r in dry.values()) >= GiB else \
+        ("MiB", 2**20)
     for rank, run in dry.items():
         predicted = dict(zip(MEMORY_PARTS, plan.predicted.rank_memory[rank // per_stage]))
         total = sum(predicted.values())
         stands = (f"{rank}-{rank + per_stage - 1}" if len(dry) < plan.gpus and per_stage > 1
                   else str(rank))
-        rows.append([stands, *(f"{predicted[k] / GiB:.3g} / {run.split[k] / GiB:.3g}"
+        rows.append([stands, *(f"{predicted[k] / scale:.3g} / {run.split[k] / scale:.3g}"
                                for k in MEMORY_PARTS),
-                     f"{total / GiB:.3g} / {run.peak_bytes / GiB:.3g}",
+                     f"{total / scale:.3g} / {run.peak_bytes / scale:.3g}",
                      f"{run.peak_bytes / total:.3f}" if total else "-"])
         if total and abs(run.peak_bytes / total - 1) > DISAGREE:
             notes.append(f"rank {rank}: its programs peak at {run.peak_bytes / GiB:.3g} GiB, "
@@ -59,11 +61,12 @@ def check_table(plan: Plan, dry: dict) -> str:
                          f"programs allocate")
     table = tabulate(rows, headers=["rank", *MEMORY_PARTS, "total", "dry/pred"],
                      disable_numparse=True)
-    head = (f"dry run of the rank programs on fake tensors (GiB, predicted / dry run; "
-            f"live tensors, before the allocator's and the GPU's own terms):")
+    head = (f"dry run of the rank programs on fake tensors, {unit} predicted / dry run, live "
+            f"tensors\n(before the allocator's reserve and the device's own terms)")
     if len(dry) < plan.gpus:
-        head += (f" one rank per pipeline rank: the ranks it stands for hold shards of the "
+        head += (f"; one rank per pipeline rank: the ranks it stands for hold shards of the "
                  f"same shapes")
+    head += ":"
     agree = (f"predicted and dry-run peaks agree within {DISAGREE:.0%} on every rank checked"
              if not notes else "\n".join(notes))
     return f"{head}\n{table}\n{agree}"

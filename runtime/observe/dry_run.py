@@ -50,9 +50,6 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
     try:
         meta, batch_fn = _model_and_batch(spec)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        # The dispatch cache may answer an op that returns a view with a tensor of a storage
-        # of its own, which the tracker would count as memory the real op never takes.
-        fake.cache_enabled = False
         tracker = MemoryTracker(fake_mode=fake)
         with fake, AnyScalar(), fake_run():
             batch = batch_fn()

@@ -37,10 +37,11 @@ class _Storage:
     """What the tracker knows of one storage: its size, its category once marked, whether a
     forward made it (the category it has until marked: `kind`)."""
 
-    __slots__ = ("nbytes", "category", "ref", "forward", "__weakref__")
+    __slots__ = ("nbytes", "category", "ref", "forward", "seq", "__weakref__")
 
-    def __init__(self, nbytes: int, forward: bool):
+    def __init__(self, nbytes: int, forward: bool, seq: int):
         self.nbytes, self.category, self.ref, self.forward = nbytes, None, None, forward
+        self.seq = seq          # the tracker's count of storages when this one came
 
     @property
     def kind(self) -> str:
@@ -74,10 +75,11 @@ class MemoryTracker(TorchDispatchMode):
 
     The live bytes are kept per category as storages come, go and are marked, and a new peak
     copies those five sums: a step of a large model's program (hundreds of thousands of ops,
-    thousands of live storages) costs no more than its ops. A category is what is known when
-    the peak is reached, so mark before it: parameters and buffers after set-up, gradients
-    as autograd makes them (`watch_gradients`), optimizer states after a first step that the
-    peak then leaves out (`reset_peak`)."""
+    thousands of live storages) costs no more than its ops. A storage marked later that was
+    alive at the peak (made before it, alive still) moves there too; what was freed unmarked
+    keeps the category it had: so mark parameters and buffers after set-up, gradients as
+    autograd makes them (`watch_gradients`), optimizer states after a first step that the peak
+    then leaves out (`reset_peak`)."""
 
     def __init__(self, fake_mode=None):
         super().__init__()
@@ -85,6 +87,8 @@ class MemoryTracker(TorchDispatchMode):
         self._known: dict[int, _Storage] = {}    # id(storage object) -> its record
         self._live = dict.fromkeys(CATEGORIES, 0)
         self._at_peak = dict(self._live)
+        self._seq = 0                            # storages recorded so far
+        self._peak_seq = 0                       # ... when the peak was reached
         self.current_bytes = 0
         self.peak_bytes = 0
         self._phase = None                       # "optimizer" inside a watched step
@@ -110,6 +114,9 @@ class MemoryTracker(TorchDispatchMode):
                 self._recategorize(info, category)
 
     def _recategorize(self, info: _Storage, category: str) -> None:
+        if info.seq <= self._peak_seq:   # alive now and made before the peak: alive at it
+            self._at_peak[info.kind] -= info.nbytes
+            self._at_peak[category] += info.nbytes
         self._live[info.kind] -= info.nbytes
         info.category = category
         self._live[category] += info.nbytes
@@ -141,8 +148,10 @@ class MemoryTracker(TorchDispatchMode):
         info = self._known.get(key)
         if info is not None and info.ref() is storage:
             return info
+        self._seq += 1
         info = _Storage(storage.nbytes(),
-                        self._phase is None and torch._C._current_graph_task_id() == -1)
+                        self._phase is None and torch._C._current_graph_task_id() == -1,
+                        self._seq)
         try:
             info.ref = weakref.ref(storage, lambda _, key=key, info=info: self._free(key, info))
         except TypeError:   # a storage type without weak references: counted, never freed
@@ -157,6 +166,7 @@ class MemoryTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self._at_peak = dict(self._live)
+            self._peak_seq = self._seq
 
     def _free(self, key: int, info: _Storage) -> None:
         if self._known.get(key) is info:
@@ -208,6 +218,7 @@ class MemoryTracker(TorchDispatchMode):
         """Start a new peak from what is alive now (e.g. after a warm-up step)."""
         self.peak_bytes = self.current_bytes
         self._at_peak = dict(self._live)
+        self._peak_seq = self._seq
 
 
 _RESIZES = {torch.ops.aten.resize_, torch.ops.aten.set_}

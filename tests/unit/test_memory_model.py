@@ -1,0 +1,52 @@
+"""The memory model's pieces against brute force and their own inverses: the activation sets a
+schedule holds, the dry run's shortened step, the device's own terms."""
+import pytest
+
+from cost_model.hardware.cluster import get_cluster
+from cost_model.hardware.device_memory import device_memory, groups_of
+from planner.api import plan
+from runtime.observe.dry_run import fewer_microbatches
+from runtime.pipeline.generators import inflight_moments, peak_inflight, schedule_error
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_moments_reach_the_closed_form_peak(name):
+    for p in (1, 2, 3, 4):
+        for m in range(1, 13):
+            for v in ((1,) if name != "interleaved-1f1b" else (2, 3)):
+                if schedule_error(name, p, m, v):
+                    continue
+                moments = inflight_moments(name, p, m, v)
+                most = tuple(max(sum(mo) for mo in rank) for rank in moments)
+                assert most == peak_inflight(name, p, m, v), (name, p, m, v)
+
+
+def test_a_shortened_step_reaches_the_same_peaks():
+    long = plan("gpt-tiny", 4, cluster="cpu-gloo", global_batch=64,
+                fix={"pp": 4, "dp": 1, "mb": 1, "schedule": "1f1b"})[0]
+    short = fewer_microbatches(long)
+    assert short.num_microbatches < long.num_microbatches
+    assert short.global_batch == short.num_microbatches * short.micro_batch * short.dp
+    assert (inflight_moments("1f1b", 4, short.num_microbatches)
+            == inflight_moments("1f1b", 4, long.num_microbatches))
+    gpipe = plan("gpt-tiny", 2, cluster="cpu-gloo", fix={"pp": 2, "dp": 1, "mb": 2,
+                                                         "schedule": "gpipe"})[0]
+    assert fewer_microbatches(gpipe) == gpipe    # every micro-batch is in flight at its peak
+
+
+def test_device_terms_invert_and_cpu_has_none():
+    terms = device_memory(get_cluster("h100-sxm-dgx"))
+    groups = groups_of(8, 8, 4, 1)
+    assert groups == 3
+    usable = terms.usable(80e9, groups)
+    assert terms.device_bytes(usable, groups) == pytest.approx(80e9)
+    assert terms.fixed_bytes(groups) > terms.fixed_bytes(0) > 0
+    cpu = device_memory(get_cluster("cpu-gloo"))
+    assert cpu.usable(1e9, 4) == 1e9 and cpu.device_bytes(1e9, 4) == 1e9
+
+
+def test_a_gpu_plan_reports_its_device_terms():
+    best = plan("llama2-7b", 8, cluster="h100-sxm-dgx")[0]
+    tensors = max(sum(r) for r in best.predicted.rank_memory)
+    assert best.predicted.peak_memory_bytes == pytest.approx(tensors + best.predicted.device_bytes)
+    assert best.predicted.device_bytes > 700 * 2**20
