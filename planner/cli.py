@@ -233,10 +233,10 @@ def cmd_plan(args) -> int:
 
 
 def _check(args, best) -> None:
-    """--check: the plan's rank programs dry-run on fake tensors (planner.report.memory_check)."""
+    """--check: the plan's rank programs dry-run on fake tensors (planner.bench.memory_check)."""
     import dataclasses
 
-    from planner.report.memory_check import check, check_table
+    from planner.bench.memory_check import check, check_table
     start = time.perf_counter()
     if args.hf or args.hf_config:
         spec = _hf_model(args)

@@ -4,8 +4,8 @@
 and hybrid sharding, tensor and sequence parallel, each pipeline schedule, context and expert
 parallel, each recomputation, tied embeddings across stages, autocast mixed precision and
 Hugging Face families — and `run_cases` measures each on real gloo ranks
-(planner.bench.memory) and dry-runs every rank of it (runtime.observe.dry_run), giving the
-table docs/fidelity.md shows (`cases_table`; `fxpar bench --memory-cases` prints it).
+(planner.bench.memory) and dry-runs every rank of it (planner.bench.dry_run), giving the
+table docs/fidelity.md shows (`cases_table`; examples/bench_memory_plans.py prints it).
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class CaseResult:
 def run_case(case: Case, pool) -> CaseResult:
     """Measure a case on `pool`'s ranks and dry-run each of its ranks here."""
     from planner.bench.memory import measure_worker
-    from runtime.observe.dry_run import dry_run
+    from planner.bench.dry_run import dry_run
     plan = case_plan(case)
     spec = case_spec(case)
     measured = pool.run(measure_worker, spec, plan.dumps(), 2, case.options)

@@ -261,7 +261,7 @@ def _empty_source(name: str, spec: ShardSpec | None, shape: tuple[int, ...]) -> 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of a meta model, made outside any FakeTensorMode (a dry run shards under one,
-    runtime.observe.dry_run, where copying would turn meta parameters into fake tensors)."""
+    planner.bench.dry_run, where copying would turn meta parameters into fake tensors)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
         return copy.deepcopy(model)
@@ -274,7 +274,7 @@ def value_source(model: nn.Module, weights: str | None, seed: int = 0) -> Values
     if weights is None and not is_meta(model):
         return None
     pristine = _meta_copy(model) if is_meta(model) else model
-    if _faking():   # a dry run (runtime.observe.dry_run): shapes, no values
+    if _faking():   # a dry run (planner.bench.dry_run): shapes, no values
         return Values(_empty_source, pristine, only_meta=weights is None)
     if weights is not None:
         from planner.weights.hf_weights import ShardReader

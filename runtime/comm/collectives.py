@@ -106,7 +106,7 @@ def dry_running() -> bool:
 
 @contextlib.contextmanager
 def fake_run():
-    """Fake tensors are a dry run's (runtime.observe.dry_run): collectives and recomputation
+    """Fake tensors are a dry run's (planner.bench.dry_run): collectives and recomputation
     run on them as on real ones."""
     previous, _FAKE_RUN[0] = _FAKE_RUN[0], True
     try:

@@ -506,7 +506,7 @@ class ShardedDP:
             return contextlib.nullcontext()
         def pack(t):
             # by storage, not address: a dry run's fake tensors have no address
-            # (runtime.observe.dry_run), and a storage is one Python object while it lives
+            # (planner.bench.dry_run), and a storage is one Python object while it lives
             storage = t.untyped_storage()
             bucket = next((b for b in self.buckets if b.gathered and storage.nbytes()
                            and b.full.untyped_storage() is storage), None)

@@ -247,7 +247,7 @@ def _routed(flat, weights, index, experts_w: ExpertWeights, experts: int, ep: in
 
 
 def _balanced(sent, experts: int, experts_w: ExpertWeights, ep: int, tag: str) -> torch.Tensor:
-    """A dry run's routing (runtime.observe.dry_run): the slots spread evenly over the experts,
+    """A dry run's routing (planner.bench.dry_run): the slots spread evenly over the experts,
     as the planner prices a balanced router, through the same buffers as a real step."""
     slots, local = sent.shape[0], experts_w.local
     counts = [slots // experts + (e < slots % experts) for e in range(experts)]

@@ -14,7 +14,7 @@ split by what each storage holds as far as it is known then (`mark`, else who ma
                and what set-up left (communication buffers, the batch)
 
 It works on any device and on fake tensors (FakeTensorMode), whose storages have sizes but no
-data: which is how a dry run measures programs of any size (runtime.observe.dry_run). Storages
+data: which is how a dry run measures programs of any size (planner.bench.dry_run). Storages
 made before the tracker started are not seen unless marked (`mark` adds them), so start it before
 the model is built or mark its parameters. The same idea as torch.distributed._tools.mem_tracker,
 written here because that one refuses a module whose forward runs more than once per step (every

@@ -59,7 +59,9 @@ def test_ep_prices_all_to_all_weights_and_imbalance_by_formula():
     extra = 0.25 * 6 * t * k * h * f / (cluster.peak_flops * cluster.matmul_eff)
     assert priced.fwd_s - base.fwd_s == pytest.approx(2 * a2a + extra)
     assert priced.bwd_s - base.bwd_s == pytest.approx(2 * a2a + 2 * extra)
-    assert priced.act_bytes - base.act_bytes == pytest.approx(0.25 * t * k * (2 * h + 4 * f) * d)
+    # the most loaded rank's extra slots, and the combine's received rows (ep > 1)
+    assert priced.act_bytes - base.act_bytes == pytest.approx(
+        0.25 * t * k * (3 * h + 4 * f) * d + t * k * h * d)
 
 
 def test_cp_prices_the_balance_all_reduce_and_routes_local_tokens():

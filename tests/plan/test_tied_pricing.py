@@ -15,8 +15,9 @@ def test_tied_head_adds_the_gradient_sum_across_the_end_stages(pp):
     untied, tied = (plan(get_config("gpt2-small", tie=t), 16 * pp, cluster="a100-80g-dgx",
                          fix={**FIX, "pp": pp})[0] for t in (False, True))
     extra = tied.predicted.iteration_s - untied.predicted.iteration_s
-    if pp == 1:
-        assert extra == pytest.approx(0.0, abs=1e-12)
+    if pp == 1:  # one stage holds one tensor: held, summed over dp and stepped once
+        assert extra <= 1e-12
+        assert tied.predicted.peak_memory_bytes < untied.predicted.peak_memory_bytes
         return
     config = get_config("gpt2-small")
     vocab_parallel = "vocab-tp" in tied.stages[0].strategies

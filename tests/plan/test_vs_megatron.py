@@ -31,7 +31,8 @@ def best_uniform(costs, req: Request) -> float:
                 problem, _ = build_problem(costs, req, cand, req.memory_limit)
                 for counts in _uniform_counts(problem, pp):
                     time_s, peak = ilp.evaluate(problem, counts)
-                    if peak <= req.memory_limit:
+                    # the tensors' share of the device, as the search holds it to
+                    if peak <= problem.memory_limit:
                         best = min(best, time_s)
     return best
 

@@ -5,7 +5,7 @@ import pytest
 from cost_model.hardware.cluster import get_cluster
 from cost_model.hardware.device_memory import device_memory, groups_of
 from planner.api import plan
-from runtime.observe.dry_run import fewer_microbatches
+from planner.bench.dry_run import fewer_microbatches
 from runtime.pipeline.generators import inflight_moments, peak_inflight, schedule_error
 
 

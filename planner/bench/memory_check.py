@@ -32,7 +32,7 @@ def runtime_options(plan: Plan) -> dict:
 
 def check(plan: Plan, spec, every_rank: bool | None = None, options: dict | None = None):
     """{rank: RankMemory} of the dry run of the ranks `ranks_to_check` picks."""
-    from runtime.observe.dry_run import dry_run
+    from planner.bench.dry_run import dry_run
     ranks = ranks_to_check(plan, every_rank)
     runs = dry_run(spec, plan, options if options is not None else runtime_options(plan), ranks)
     return dict(zip(ranks, runs))
