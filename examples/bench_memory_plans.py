@@ -26,8 +26,9 @@ def main() -> None:
     try:
         results = []
         for case in cases:
-            pool = pools.setdefault(case.gpus, RankPool(case.gpus, timeout_s=120))
-            results.append(run_case(case, pool))
+            if case.gpus not in pools:
+                pools[case.gpus] = RankPool(case.gpus, timeout_s=120)
+            results.append(run_case(case, pools[case.gpus]))
             print(f"{case.name}: {results[-1].plan_text}", flush=True)
         print(cases_table(results))
     finally:

@@ -123,17 +123,17 @@ def transient_bytes(unit_params: list[int], wb: int, gb: int, sharding: Sharding
     return grads + weights
 
 
-def peak_transient_bytes(unit_params: list[int], wb: int, gb: int, sharding: Sharding,
-                         freed: float) -> float:
-    """What of `transient_bytes` adds to a rank's activation peak. The peak comes as the last
-    backward starts, every activation set alive: then level 3 holds the whole weights of the
-    unit in use, and a unit's whole gradients (levels 2-3) appear only as its backward ends,
-    after it freed that micro-batch's activations (`freed`, one set of the rank's): they add
-    what they exceed it by."""
+def peak_buffers(unit_params: list[int], wb: int, gb: int, sharding: Sharding
+                 ) -> tuple[float, float]:
+    """What of `transient_bytes` can add to a rank's activation peak, as (in use, whole). The
+    peak comes as the last backward starts, every activation set alive: then level 3 holds the
+    whole weights of the unit in use; a unit's whole gradients (levels 2-3) appear only as its
+    backward ends, after it freed that micro-batch's activations, so the whole transient adds
+    to the peak less one activation set (planner.search.ilp, "Memory")."""
     if sharding.level < 2 or not unit_params:
-        return 0.0
+        return 0.0, 0.0
     in_use = max(unit_params) * wb if sharding.level == 3 else 0.0
-    return max(in_use, transient_bytes(unit_params, wb, gb, sharding) - freed)
+    return in_use, transient_bytes(unit_params, wb, gb, sharding)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,20 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
   Σ_s Σ_{k ∈ K_j} n[s,k] = N_j                     ∀ run j              `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
   Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
-  Σ_{s on r} Σ_k n[s,k]·(w_k + φ_r·a_k) + E, H terms ≤ M   ∀ r           `_add_memory`
+  Σ_{s on r} Σ_k n[s,k]·(w_k + γ·ℓ_k + μ_c(s)·a_k) + E, H terms + X_r + ζ ≤ M
+                                                   ∀ r, ∀ form (γ, μ, ζ) `_add_memory`
+
+Memory. A rank's peak is the largest of a few forms, each one row: μ counts the activation
+sets each of its stages holds at a moment it could peak (after each forward of the schedule,
+runtime.pipeline.generators.inflight_moments; φ_r on every stage when none are given); ℓ_k are
+option k's lazy gradients, those no buffer holds (autograd makes them in the backward): on a
+rank that runs every forward before its first backward they are absent at the activation peak
+(γ = −1), or present with one set of its last stage freed (γ = 0); elsewhere γ = 0. X_r is the
+largest temporary of any option the rank may hold (a constant; a plan reports its own layers').
+Under ZeRO 2-3 each form comes twice: with ζ the whole weights of the unit in use, or with ζ the
+whole transient (one or two units' gradients and weights, cost_model.layers.sharding) and one
+set of every stage freed (μ − 1), as the unit's gradients appear only after its backward. The
+limit M is what the device leaves live tensors (cost_model.hardware.device_memory).
 
 Heterogeneous blocks (`BlockRun`). The model is an ordered sequence of runs j = 0..R−1 of N_j
 identical blocks; blocks of one kind are alike, each kind has its own options, and option k
@@ -174,6 +187,10 @@ class StageProblem:
     # (its options' lazy gradients are absent at its activation peak)
     rank_temp: tuple[float, ...] = ()
     lazy_grads: tuple[bool, ...] = ()
+    # ZeRO levels 2-3 (cost_model.layers.sharding.peak_buffers): the whole weights of the unit
+    # in use at the activation peak, and the whole transient, which adds less one set
+    zero_in_use: float = 0.0
+    zero_whole: float = 0.0
     # per rank, the activation-set counts per local stage at its candidate peaks (`rank_moments`;
     # () : φ_r on every stage)
     moments: tuple = ()
@@ -441,17 +458,24 @@ class RankParts:
     temp: float
     lazy: bool
     steps: float
+    zero: tuple[float, float] = (0.0, 0.0)   # (in use, whole): StageProblem.zero_*
+
+    def forms(self) -> list[tuple[float, tuple[float, ...], float]]:
+        return rank_forms(self.moments, self.lazy, *self.zero)
 
     def peaks(self) -> list[float]:
         return [self.static + g * self.lazy_grads
-                + sum(f * a for f, a in zip(factors, self.acts)) + self.temp
-                for g, factors in rank_forms(self.moments, self.lazy)]
+                + sum(f * a for f, a in zip(factors, self.acts)) + self.temp + extra
+                for g, factors, extra in self.forms()]
 
 
-def rank_forms(moments, lazy: bool) -> list[tuple[float, tuple[float, ...]]]:
+def rank_forms(moments, lazy: bool, in_use: float = 0.0, whole: float = 0.0
+               ) -> list[tuple[float, tuple[float, ...], float]]:
     """The peak-memory forms of a rank as (coefficient of its lazy gradients, per stage the
-    coefficient of one micro-batch's activations): one per moment; with lazy gradients two,
-    those absent, or present with one set of the stage backwarded first (its last) freed."""
+    coefficient of one micro-batch's activations, bytes beside them): one per moment; with
+    lazy gradients two, those absent, or present with one set of the stage backwarded first
+    (its last) freed; under ZeRO 2-3 each twice again, with the unit in use, or with the whole
+    transient and one set of every stage freed."""
     forms = []
     for mo in moments:
         if not lazy:
@@ -460,7 +484,10 @@ def rank_forms(moments, lazy: bool) -> list[tuple[float, tuple[float, ...]]]:
         last = len(mo) - 1
         forms.append((-1.0, tuple(mo)))
         forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(mo))))
-    return forms
+    if not whole:
+        return [(g, factors, in_use) for g, factors in forms]
+    return [form for g, factors in forms for form in
+            ((g, factors, in_use), (g, tuple(max(f - 1.0, 0.0) for f in factors), whole))]
 
 
 def rank_moments(problem: StageProblem, r: int) -> tuple[tuple[float, ...], ...]:
@@ -485,7 +512,7 @@ def rank_parts(problem: StageProblem, counts, r: int) -> RankParts:
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and lazy_grads > 0
     return RankParts(static, grads, lazy_grads, tuple(acts), rank_moments(problem, r), temp,
-                     lazy, steps)
+                     lazy, steps, (problem.zero_in_use, problem.zero_whole))
 
 
 def stage_time(problem: StageProblem, counts, s: int) -> float:
@@ -552,8 +579,9 @@ def _rank_memory(problem: StageProblem, n, r: int) -> list:
         o.lazy_grad_bytes for o in (*problem.options, problem.embed, problem.head))
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
     rows = []
-    for g, factors in rank_forms(rank_moments(problem, r), lazy):
-        memory = _Lin({}, temp / unit)
+    for g, factors, extra in rank_forms(rank_moments(problem, r), lazy, problem.zero_in_use,
+                                        problem.zero_whole):
+        memory = _Lin({}, (temp + extra) / unit)
         for s, a in zip(problem.stages_of(r), factors):
             per_block = [(o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes) / unit
                          for o in problem.options]

@@ -27,8 +27,7 @@ from planner.search import ilp
 from planner.search.costs import ModelCosts, PlanningError  # noqa: F401 - re-exported
 from planner.search.plan import Plan
 from planner.search.problem import (Candidate, Request, build_problem, comm_terms, least_sync,
-                                    p2p_time, strategies, sync_parts, transient_bytes,
-                                    device_bytes)
+                                    p2p_time, strategies, sync_parts, device_bytes)
 from planner.search.solved import make_plan
 from planner.search import zero as zero_axis
 from runtime.pipeline.generators import SCHEDULES as RUNTIME_SCHEDULES
@@ -484,8 +483,7 @@ def smallest_memory(costs: ModelCosts, req: Request) -> tuple[float, Candidate |
         seen.add(kind)
         problem, _ = build_problem(costs, req, cand, math.inf)
         sol = ilp.solve(problem, objective="memory", time_limit_s=req.time_limit_s)
-        need = device_bytes(costs, req, cand,   # levels 2-3: whole layers; the device's own
-                            sol.objective + transient_bytes(costs, req, cand))
+        need = device_bytes(costs, req, cand, sol.objective)   # and the device's own terms
         if sol.status != "infeasible" and need < best:
             best, where = need, cand
     return best, where

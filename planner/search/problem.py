@@ -14,8 +14,7 @@ from cost_model.hardware.comm import collective_time
 from cost_model.hardware.device_memory import device_memory, groups_of
 from cost_model.layers.layer_cost import LayerCost
 from cost_model.layers.sharding import BACKWARD_SHARE, SyncParts
-from cost_model.layers.sharding import peak_transient_bytes as peak_transient
-from cost_model.layers.sharding import transient_bytes as zero_transient
+from cost_model.layers.sharding import peak_buffers
 from cost_model.layers.strategy import Strategy, strategy_space
 from planner.search import ilp
 from planner.search import zero as zero_axis
@@ -107,7 +106,6 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
         per_kind.append(([options[i] for i in keep], [blocks[i] for i in keep]))
     ends = costs.end_costs(c.micro_batch, req.cluster, padded=True, cp=c.cp, tp=c.tp)
     memory_limit = tensor_limit(costs, req, c, memory_limit)
-    memory_limit -= transient_bytes(costs, req, c)  # whole-sized buffers of levels 2-3
     if len(costs.runs) == 1:
         options, blocks = per_kind[0]
         return stage_problem(costs, req, c, tuple(options), ends, memory_limit,
@@ -133,6 +131,7 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     phi = tuple(f / c.v for f in inflight)
     cluster = req.cluster
     temp, lazy = memory_terms(c, inflight, layer_costs, ends)
+    in_use, whole = zero_buffers(costs, req, c, list(layer_costs) or None)
     return ilp.StageProblem(costs.num_blocks, options, embed, head, c.pp, c.pp * c.v, *weights,
                             p2p, memory_limit, parts.alpha, parts.slope,
                             phi, needs_tp=c.tp > 1, tie_s=tie_time(costs, req, c), runs=runs,
@@ -141,7 +140,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             hide_alpha_s=parts.hide_alpha, hide_s_per_byte=parts.hide_slope,
                             hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
                             hide_least=max(cluster.comm_sm_share, 1 / units),
-                            rank_temp=temp, lazy_grads=lazy,
+                            rank_temp=temp, lazy_grads=lazy, zero_in_use=in_use,
+                            zero_whole=whole,
                             moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v))
 
 
@@ -223,24 +223,20 @@ def device_bytes(costs: ModelCosts, req: Request, c: Candidate, tensor_peak: flo
                                                    groups_of(c.dp, c.tp, c.pp, c.cp, costs.ep))
 
 
-def transient_bytes(costs: ModelCosts, req: Request, c: Candidate, blocks=None,
-                    freed: float | None = None) -> float:
+def zero_buffers(costs: ModelCosts, req: Request, c: Candidate, blocks=None
+                 ) -> tuple[float, float]:
     """Whole-sized buffers of one or two layers that ZeRO levels 2-3 hold for a moment
-    (cost_model.layers.sharding.transient_bytes), for the largest layers the candidate may have
-    (`blocks`: the LayerCosts of a stated layout, else every block option of the request).
-    With `freed` (one activation set of a rank), what of them adds to that rank's peak
-    (sharding.peak_transient_bytes): the search reserves them whole, a plan reports this."""
+    (cost_model.layers.sharding.peak_buffers: the unit in use, and the whole transient), for
+    the largest layers the candidate may have (`blocks`: LayerCosts, else every block option
+    of the request)."""
     if c.zero < 2:
-        return 0.0
+        return 0.0, 0.0
     blocks = blocks if blocks is not None else block_costs(costs, req, c.tp, c.micro_batch, c.cp)
     layers = [cost.params for cost in blocks]
     layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
                                                        tp=c.tp)]
     t = costs.training
-    if freed is not None:
-        return peak_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c),
-                              freed)
-    return zero_transient(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
+    return peak_buffers(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
 
 
 def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from planner.search import ilp
 from planner.search import zero as zero_axis
 from planner.search.plan import Plan, Predicted, StagePlan
-from planner.search.problem import device_bytes, transient_bytes
+from planner.search.problem import device_bytes
 from planner.search.step_prediction import simulated
 
 
@@ -25,8 +25,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
            else "none")
     ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
     memory = tuple(rank_memory(costs, problem, solution.counts, zero_axis.sharding_of(cand), r,
-                               chosen_temp(problem, solution.counts, blocks, ends, r),
-                               lambda freed: transient_bytes(costs, req, cand, blocks, freed))
+                               chosen_temp(problem, solution.counts, blocks, ends, r))
                    for r in range(problem.ranks))
     for s, counts in enumerate(solution.counts):
         names = ["embed"] if s == 0 and costs.has("embed") else []
@@ -59,12 +58,12 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
     return plan
 
 
-def peak_form(problem, counts, r: int) -> tuple[float, tuple[float, ...]]:
-    """Rank r's peak form (ilp.rank_forms): the gradients' coefficient and, per local stage,
-    the activation sets it holds at its peak."""
+def peak_form(problem, counts, r: int) -> tuple[float, tuple[float, ...], float]:
+    """Rank r's peak form (ilp.rank_forms): the lazy gradients' coefficient, per local stage
+    the activation sets it holds at its peak, ZeRO's buffers beside them."""
     parts = ilp.rank_parts(problem, counts, r)
     peaks = parts.peaks()
-    return ilp.rank_forms(parts.moments, parts.lazy)[peaks.index(max(peaks))]
+    return parts.forms()[peaks.index(max(peaks))]
 
 
 def _stage_plan(costs, problem, s, counts_all, names, strategies, dp, time_s,
@@ -122,20 +121,19 @@ def chosen_temp(problem, counts, blocks, ends, r: int) -> float:
     return max(temps, default=0.0)
 
 
-def rank_memory(costs, problem, counts, sharding, r: int, temp: float, zero_peak) -> tuple:
+def rank_memory(costs, problem, counts, sharding, r: int, temp: float) -> tuple:
     """Rank r's predicted peak as plan.MEMORY_PARTS: the static bytes split by the ZeRO level's
     shares, and of the rank's peak forms (ilp.RankParts.peaks) the largest — with lazy
     gradients, either all activation sets and none of those gradients, or all gradients and
-    one micro-batch's activations fewer. "other": the largest temporary (`temp`) and what ZeRO's
-    whole-layer buffers add to the peak (`zero_peak(one activation set of the rank)`)."""
+    one micro-batch's activations fewer. "other": the largest temporary of the rank's own
+    layers (`temp`) and what ZeRO's whole-layer buffers add to the peak."""
     parts = ilp.rank_parts(problem, counts, r)
     both, optimizer = costs.split_static(parts.static, sharding)
     t = costs.training
     fw, fg, _ = sharding.fractions()
     grads = both * t.grad_bytes * fg / (t.weight_bytes * fw + t.grad_bytes * fg)
-    g, factors = peak_form(problem, counts, r)
+    g, factors, zero = peak_form(problem, counts, r)
     act = sum(f * a for f, a in zip(factors, parts.acts))
     weights = both - grads
     grads += g * parts.lazy_grads    # the lazy ones absent at an activation peak
-    other = temp + zero_peak(sum(parts.acts))
-    return (weights, grads, optimizer, act, other)
+    return (weights, grads, optimizer, act, temp + zero)
