@@ -1,4 +1,4 @@
-"""A dry run: one rank's real programs for one training step on fake tensors, on one CPU.
+"""A dry run: one rank's real programs for two training steps on fake tensors, on one CPU.
 
 The rank joins a fake process group (torch.distributed's "fake" backend: collectives return at
 once, nothing is sent) of the plan's world size as the rank it is asked to be, builds its shard
@@ -7,7 +7,9 @@ trains under a runtime.observe.memory_tracker MemoryTracker counting that mode's
 the programs allocate and free is what a real rank's would; only values are missing, so a
 step's scalars (a loss read with .item(), a count of targets) read as 1 and a branch on a value
 takes that side, and a collective that exchanges Python objects (all_gather_object: which
-stages hold a tied weight, for one) answers every rank's share with this rank's own.
+stages hold a tied weight, for one) answers every rank's share with this rank's own. Mixture-
+of-experts layers route evenly (runtime.experts.dispatch: no values to route by), and a step
+runs the fewest micro-batches that reach the plan's peaks (`fewer_microbatches`).
 """
 from __future__ import annotations
 

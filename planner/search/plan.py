@@ -8,11 +8,12 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from tabulate import tabulate
 
 from passes.stages.program import Layout
+from runtime.observe.memory_tracker import CATEGORIES
 
 GiB = 2**30
-# What a rank's predicted peak holds (Predicted.rank_memory), as runtime.observe.memory_tracker
-# splits a measured one
-MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
+# What a rank's predicted peak holds (Predicted.rank_memory): the parts the tracker splits a
+# measured one into
+MEMORY_PARTS = CATEGORIES
 
 
 def gib(nbytes: float, up: bool = False) -> str:
