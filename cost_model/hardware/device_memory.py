@@ -21,10 +21,12 @@ also holds, before and beside them:
               defaults: NVLink SHARP (NVLS) and user-buffer registration take more, and are off
               unless asked for.
   reserve     the caching allocator keeps freed blocks for reuse and splits large blocks, so
-              what it reserves exceeds what tensors hold: max_memory_reserved over
-              max_memory_allocated, 1.05 here, an estimate (PyTorch's CUDA-semantics notes:
-              fragmentation, and expandable_segments to curb it); not yet measured on a
-              device by this project.
+              what it reserves can exceed what tensors hold (max_memory_reserved over
+              max_memory_allocated; PyTorch's CUDA-semantics notes on fragmentation). With
+              expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which
+              torchtitan's launch script sets) segments grow in place and the two stay close;
+              without, fragmentation can take several percent. Not measured by this project
+              on a device yet, so 1 (no reserve) until a GPU run sets it.
 
 `DeviceMemory.usable(limit, groups)` is what the planner lets tensors take of a device limit;
 `device_bytes` is what it adds to a predicted tensor peak. CPU ranks have none of these.
@@ -60,8 +62,8 @@ class DeviceMemory:
 NONE = DeviceMemory()
 
 _BY_ARCH = {
-    "hopper": DeviceMemory(700 * MiB, 2 * 2 * 32 * MiB, 16 * 2 * 4 * MiB, 1.05),
-    "ampere": DeviceMemory(700 * MiB, 2 * 2 * 4 * MiB, 16 * 2 * 4 * MiB, 1.05),
+    "hopper": DeviceMemory(700 * MiB, 2 * 2 * 32 * MiB, 16 * 2 * 4 * MiB),
+    "ampere": DeviceMemory(700 * MiB, 2 * 2 * 4 * MiB, 16 * 2 * 4 * MiB),
 }
 
 
