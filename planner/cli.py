@@ -357,26 +357,14 @@ def cmd_bench(args) -> int:
 
 
 def _bench_memory(args, plans) -> int:
-    """fxpar bench --memory: each plan's rank programs trained for a few steps on local gloo
-    ranks under the tensor tracker, per rank the measured peak split beside the prediction."""
-    import dataclasses
-
-    from planner.bench.memory import measure_worker, memory_table
-    from planner.search.plan import plural
-    from runtime.launch.ranks import run_local
+    """fxpar bench --memory (planner.bench.memory.bench_memory)."""
+    from planner.bench.memory import bench_memory
     if plans[0].cluster != "cpu-gloo":
         raise ValueError("fxpar bench --memory measures on local gloo CPU ranks: plan with "
                          "--cluster cpu-gloo (on GPUs, fxpar train reports each rank's CUDA "
                          "peak)")
-    for i, plan in enumerate(plans):
-        config = dataclasses.replace(_config(args), global_batch=plan.global_batch)
-        print(f"plan {i + 1}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
-              f"zero={plan.zero} {plan.schedule}, {plural(plan.num_microbatches, 'micro-batch')} "
-              f"of {plan.micro_batch}; peak live tensor MiB, predicted / measured over "
-              f"{max(args.steps, 2)} steps (the first left out):")
-        measured = run_local(measure_worker, plan.gpus, (config, plan.dumps(),
-                                                         max(args.steps, 2)), timeout_s=600)
-        print(memory_table(plan, measured))
+    for text in bench_memory(plans, _config(args), max(args.steps, 2)):
+        print(text)
     return 0
 
 

@@ -132,6 +132,23 @@ def predicted_split(plan: Plan) -> list[dict]:
             for rank in range(plan.gpus)]
 
 
+def bench_memory(plans: list[Plan], config, steps: int):
+    """Each plan's ranks measured on local gloo ranks (`measure_worker`, `steps` steps): its
+    heading, then its `memory_table`."""
+    import dataclasses
+
+    from planner.search.plan import plural
+    from runtime.launch.ranks import run_local
+    for i, plan in enumerate(plans):
+        spec = dataclasses.replace(config, global_batch=plan.global_batch)
+        yield (f"plan {i + 1}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
+               f"zero={plan.zero} {plan.schedule}, {plural(plan.num_microbatches, 'micro-batch')} "
+               f"of {plan.micro_batch}; peak live tensor MiB, predicted / measured over {steps} "
+               f"steps (the first left out):")
+        yield memory_table(plan, run_local(measure_worker, plan.gpus, (spec, plan.dumps(), steps),
+                                           timeout_s=600))
+
+
 def memory_table(plan: Plan, measured: list[RankMemory]) -> str:
     """Per rank, predicted and measured MiB of each category and of the total."""
     rows = []

@@ -118,6 +118,8 @@ from dataclasses import dataclass, replace
 import pulp
 
 from planner.search import highs
+from planner.search.rank_memory import RankParts, rank_forms, rank_moments, rank_parts  # noqa: F401
+from planner.search.rank_memory import stage_ends as _ends
 
 
 @dataclass(frozen=True)
@@ -444,77 +446,6 @@ def _rank_load(problem: StageProblem, counts, r: int) -> tuple[float, float, flo
     return max(parts.peaks()), parts.grads, parts.steps
 
 
-@dataclass(frozen=True)
-class RankParts:
-    """Rank r's memory terms for a block assignment: static bytes (weights, gradients and
-    optimizer states), the gradients among them, each of its stages' activations of one
-    micro-batch, the moments' activation-set counts per stage, X_r and whether its gradients
-    are lazy; `peaks` are the forms whose largest is its peak (module docstring, "Memory")."""
-    static: float
-    grads: float
-    lazy_grads: float
-    acts: tuple[float, ...]
-    moments: tuple[tuple[float, ...], ...]
-    temp: float
-    lazy: bool
-    steps: float
-    zero: tuple[float, float] = (0.0, 0.0)   # (in use, whole): StageProblem.zero_*
-
-    def forms(self) -> list[tuple[float, tuple[float, ...], float]]:
-        return rank_forms(self.moments, self.lazy, *self.zero)
-
-    def peaks(self) -> list[float]:
-        return [self.static + g * self.lazy_grads
-                + sum(f * a for f, a in zip(factors, self.acts)) + self.temp + extra
-                for g, factors, extra in self.forms()]
-
-
-def rank_forms(moments, lazy: bool, in_use: float = 0.0, whole: float = 0.0
-               ) -> list[tuple[float, tuple[float, ...], float]]:
-    """The peak-memory forms of a rank as (coefficient of its lazy gradients, per stage the
-    coefficient of one micro-batch's activations, bytes beside them): one per moment; with
-    lazy gradients two, those absent, or present with one set of the stage backwarded first
-    (its last) freed; under ZeRO 2-3 each twice again, with the unit in use, or with the whole
-    transient and one set of every stage freed."""
-    forms = []
-    for mo in moments:
-        if not lazy:
-            forms.append((0.0, tuple(mo)))
-            continue
-        last = len(mo) - 1
-        forms.append((-1.0, tuple(mo)))
-        forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(mo))))
-    if not whole:
-        return [(g, factors, in_use) for g, factors in forms]
-    return [form for g, factors in forms for form in
-            ((g, factors, in_use), (g, tuple(max(f - 1.0, 0.0) for f in factors), whole))]
-
-
-def rank_moments(problem: StageProblem, r: int) -> tuple[tuple[float, ...], ...]:
-    """The activation-set counts per local stage at rank r's candidate peaks: the schedule's
-    (runtime.pipeline.generators.inflight_moments), or φ_r on every stage."""
-    if problem.moments:
-        return problem.moments[r]
-    v = problem.stages // problem.ranks
-    return ((problem.act_factor[r],) * v,)
-
-
-def rank_parts(problem: StageProblem, counts, r: int) -> RankParts:
-    static, grads, lazy_grads, acts, steps = 0.0, 0.0, 0.0, [], 0.0
-    for s in problem.stages_of(r):
-        layers = [(c, o) for c, o in zip(counts[s], problem.options)]
-        layers += [(1, e) for e in _ends(problem, s)]
-        static += sum(c * o.static_bytes for c, o in layers)
-        grads += sum(c * o.grad_bytes for c, o in layers)
-        lazy_grads += sum(c * o.lazy_grad_bytes for c, o in layers)
-        acts.append(sum(c * o.act_bytes for c, o in layers))
-        steps += sum(c * o.step_s for c, o in layers)
-    temp = problem.rank_temp[r] if problem.rank_temp else 0.0
-    lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and lazy_grads > 0
-    return RankParts(static, grads, lazy_grads, tuple(acts), rank_moments(problem, r), temp,
-                     lazy, steps, (problem.zero_in_use, problem.zero_whole))
-
-
 def stage_time(problem: StageProblem, counts, s: int) -> float:
     """T_s for a concrete assignment (seconds per micro-batch, p2p included)."""
     t = sum(c * o.time_s for c, o in zip(counts[s], problem.options))
@@ -543,10 +474,6 @@ def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
     if hasattr(prob, "add_variable"):
         return prob.add_variable(name, 0, upper, cat=cat)
     return pulp.LpVariable(name, 0, upper, cat=cat)
-
-
-def _ends(problem: StageProblem, s: int) -> list[EndLayer]:
-    return ([problem.embed] if s == 0 else []) + ([problem.head] if s == problem.stages - 1 else [])
 
 
 def _stage_time(problem: StageProblem, n, s: int) -> _Lin:

@@ -50,3 +50,20 @@ def test_a_gpu_plan_reports_its_device_terms():
     tensors = max(sum(r) for r in best.predicted.rank_memory)
     assert best.predicted.peak_memory_bytes == pytest.approx(tensors + best.predicted.device_bytes)
     assert best.predicted.device_bytes > 700 * 2**20
+
+
+def test_plan_check_dry_runs_every_rank_beside_the_prediction(capsys):
+    from planner.cli import main
+    assert main(["plan", "--model", "gpt-tiny", "--gpus", "2", "--cluster", "cpu-gloo",
+                 "--fix", "pp=2", "--check"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("dry run of the rank programs"):]
+    assert [line.split()[0] for line in table.splitlines()[4:6]] == ["0", "1"]
+    assert "agree within 10% on every rank checked" in out
+
+
+def test_bench_memory_refuses_a_gpu_cluster(capsys):
+    from planner.cli import main
+    assert main(["bench", "--model", "gpt-tiny", "--gpus", "2", "--cluster", "a100-80g-dgx",
+                 "--memory"]) != 0
+    assert "measures on local gloo CPU ranks" in capsys.readouterr().err
