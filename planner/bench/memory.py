@@ -149,6 +149,18 @@ def bench_memory(plans: list[Plan], config, steps: int):
                                            timeout_s=600))
 
 
+def memory_terms(plan) -> str:
+    """The fullest rank's predicted peak term by term (planner.search.plan.MEMORY_PARTS, then
+    what is not tensors), in GiB."""
+    from planner.search.plan import GiB
+    p = plan.predicted
+    if not p.rank_memory:
+        return "no per-rank terms"
+    fullest = max(p.rank_memory, key=sum)
+    parts = [f"{name} {value / GiB:.1f}" for name, value in zip(MEMORY_PARTS, fullest)]
+    return ", ".join(parts + [f"device {p.device_bytes / GiB:.1f}"])
+
+
 def memory_table(plan: Plan, measured: list[RankMemory]) -> str:
     """Per rank, predicted and measured MiB of each category and of the total."""
     rows = []

@@ -488,22 +488,11 @@ def _best(costs, request):
         raise refusal
     if _NEEDED[key] == 1.0:
         return best, ""
+    from planner.bench.memory import memory_terms
     need = best.predicted.peak_memory_bytes / GiB
     return best, (f"fxpar's memory model puts this plan at {need:.1f} GiB per device "
                   f"({memory_terms(best)}), above the {request.memory_limit / GiB:.1f} GiB it "
                   f"has; the run fit: memory over-estimated")
-
-
-def memory_terms(plan) -> str:
-    """The fullest rank's predicted peak term by term (planner.search.plan.MEMORY_PARTS, then
-    what is not tensors), in GiB."""
-    from planner.search.plan import MEMORY_PARTS, GiB
-    p = plan.predicted
-    if not p.rank_memory:
-        return "no per-rank terms"
-    fullest = max(p.rank_memory, key=sum)
-    parts = [f"{name} {value / GiB:.1f}" for name, value in zip(MEMORY_PARTS, fullest)]
-    return ", ".join(parts + [f"device {p.device_bytes / GiB:.1f}"])
 
 
 def model_costs(spec: ModelSpec, gbs: int, seq: int):
