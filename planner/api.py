@@ -18,7 +18,8 @@ from planner.search.experts import search_experts
 from planner.models.loss import with_loss
 from planner.models.moe_config import captured_config, preset_runs
 from planner.weights.materialize import capture_inputs, give_values, value_source
-from planner.models.presets import ModelConfig, build_model, get_config
+from planner.models.presets import (ModelConfig, build_model, example_batch, get_config,
+                                     is_preset)
 from planner.models.structure import structure_notes
 from planner.search.plan import GiB, Plan, gib
 from planner.search.costs import ModelCosts, PlanningError
@@ -69,6 +70,8 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
         if fix.setdefault("zero", 1) != 1:
             raise ValueError(f"zero1 contradicts zero={fix['zero']}; give one of them")
     check_fix(fix)
+    if is_preset(model) and not getattr(get_config(model), "sequences", True):
+        sequence_dim = _not_sequences(get_config(model), fix)
     if sequence_dim not in (1, None):
         raise ValueError(f"sequence_dim={sequence_dim!r}: fxpar splits sequences on dim 1 of the "
                          f"inputs (batch on dim 0); transpose the inputs, or say "
@@ -88,6 +91,16 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     return plan_costs(costs, req, moe_imbalance)
 
 
+def _not_sequences(cfg, fix: dict) -> None:
+    """sequence_dim of a preset whose inputs are not sequences (a DiT's latent images): None,
+    with context parallelism (which cuts dim 1 of the inputs) left out."""
+    if fix.setdefault("cp", 1) != 1:
+        raise ValueError(f"cp={fix['cp']}: {cfg.name}'s inputs are latent images, which context "
+                         f"parallelism (a split of dim 1 of token inputs) does not cut; leave cp "
+                         f"out, or use tp+sp to split its patches")
+    return None
+
+
 def with_runtime(cluster: str | Cluster, runtime: str | None = None) -> Cluster:
     """The cluster preset or profile under a runtime profile (default fxpar's own); a Cluster
     that names its runtime already (runtimes.apply) is priced as it is."""
@@ -104,7 +117,9 @@ def with_runtime(cluster: str | Cluster, runtime: str | None = None) -> Cluster:
 def _sizes_from(model, example_inputs, global_batch, asked_seq, seq: int,
                 sequences: bool) -> str:
     """Where the plan's sequence length and global batch came from, as the plan states it."""
-    if isinstance(model, (str, ModelConfig)):
+    if is_preset(model):
+        if hasattr(get_config(model), "sizes_text"):
+            return get_config(model).sizes_text(bool(global_batch))
         return (f"seq {seq}: {'given' if asked_seq else 'preset'}   global batch: "
                 f"{'given' if global_batch else 'preset'}")
     shape = list(example_inputs[0].shape)
@@ -162,14 +177,13 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds. A
     config is planned for bf16 mixed precision, or with fp32 for fp32 training (what CPU ranks
     run, on a profile calibrated on them: Cluster.runtime_priced)."""
-    if isinstance(model, (str, ModelConfig)):
+    if is_preset(model):
         cfg = get_config(model, seq=seq)
         _, runs = preset_runs(cfg)  # one block per kind (MoE: dense first blocks, then MoE)
         dtype_bytes = 4 if fp32 else 2
-        meta = build_model(captured_config(cfg), device="meta",
-                           dtype=torch.float32 if fp32 else torch.bfloat16)
-        tokens = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
-        captured = capture(meta, (tokens, tokens))
+        dtype = torch.float32 if fp32 else torch.bfloat16
+        meta = build_model(captured_config(cfg), device="meta", dtype=dtype)
+        captured = capture(meta, example_batch(cfg, 1, device="meta", dtype=dtype))
         training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
         return (ModelCosts(captured, cfg.layers, dtype_bytes, training, runs=runs), cfg.name,
                 global_batch or cfg.global_batch, cfg.seq)
@@ -182,7 +196,7 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     dtype_bytes = next(model.parameters()).element_size()
     training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
     costs = ModelCosts(captured, len(captured.blocks), dtype_bytes, training)
-    costs.structure_notes = structure_notes(model, costs.block_prefix)
+    costs.structure_notes = structure_notes(model, captured.parts)
     return costs, getattr(model, "fxpar_name", type(model).__name__), batch, seq
 
 
@@ -311,6 +325,8 @@ def _collect_full(trainer, grads, groups, canonical, mine) -> None:
     for program in trainer.programs.values():
         specs = shard_specs(program.gm)
         for name, param in program.gm.named_parameters():
+            if grads and param.grad is None:  # the loss does not read it (alike on every rank)
+                continue
             value = (param.grad if grads else param).detach().clone()
             if name in specs and groups.tp is not None:
                 shards = [torch.empty_like(value) for _ in range(groups.mesh.tp)]

@@ -44,7 +44,8 @@ _table("relu", 1, "output")
 _table("silu", 4, "input")  # sigmoid + multiply
 _table("gelu", 8, "input")  # tanh form: cube, fma, tanh, add, multiply
 _table("softmax log_softmax", 5, "output")  # max, subtract, exp, sum, divide
-_table("masked_fill where tril triu index_fill scatter scatter_add index_add", 1, "index")
+_table("masked_fill masked_scatter where tril triu index_fill scatter scatter_add index_add", 1,
+       "index")
 _table("gather index_select take_along_dim index", 0, "index")
 _table("eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and"
        " bitwise_or bitwise_xor bitwise_not isinf isneginf isposinf isnan isfinite sign floor ceil"

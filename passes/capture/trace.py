@@ -7,7 +7,12 @@ Shapes come from FakeTensorProp, so a model on the meta device is captured witho
 Layers: the largest outermost `nn.ModuleList` is the list of repeated blocks (its children need
 not be alike: passes.capture.block_runs groups them into runs of identical blocks); each block is one
 layer, everything before the first block is the "embed" layer and everything after the last one
-the "head" layer.
+the "head" layer. A model of several parts - a vision tower's layers then a decoder's, an
+encoder's then a decoder's - has several outermost lists of blocks that run one after the other:
+each is a part, and their blocks make one chain in the order they run ("embed",
+"encoder.block.0", ..., "decoder.block.0", ..., "head"). A node between two parts goes with the
+latest block whose output it reads (a projector after the vision tower), or with "embed" when it
+reads none (a decoder's token embedding), and crosses the stages in between to its users.
 
 Every node computed from no input and no trained parameter (position tables, BLOOM's ALiBi bias,
 masks from aranges) carries node.meta[CONSTANT] = True, which a layer cut out of the graph still
@@ -52,6 +57,7 @@ class Captured:
     batch: int = 1              # samples in the example inputs (dim 0): every shape is at this size
     seq: int = 1                # their dim 1 (tokens per sample), when they have one
     tied: tuple[tuple[str, ...], ...] = ()  # names of one parameter used in several places
+    parts: tuple[str, ...] = ()  # the block lists split into stages, in the order they run
 
     def layer_of(self) -> dict[str, str]:
         return {n: layer.name for layer in self.layers for n in layer.nodes}
@@ -69,7 +75,7 @@ _FUSED_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
 
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     """Trace `model` and propagate fake shapes of `example_inputs` through it."""
-    block_prefix = _block_list_name(model)
+    lists = _block_lists(model)
     fused = next((m for m in model.modules() if isinstance(m, _FUSED_MODULES)), None)
     try:
         if fused is not None:  # symbolic_trace keeps them whole (leaves no rule prices)
@@ -80,13 +86,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     propagate_shapes(gm, example_inputs)
     check_loss(gm, model)
     mark_constants(gm)
-    layers = _group_layers(gm, block_prefix)
+    parts = _parts(gm, lists)
+    layers = _group_layers(gm, parts)
     inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
     batch = int(first.shape[0]) if first is not None and first.dim() else 1
     seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
     return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq,
-                    tied_parameters(model))
+                    tied_parameters(model), parts)
 
 
 def mark_constants(gm: fx.GraphModule) -> None:
@@ -231,19 +238,49 @@ def _where(err: BaseException, root: torch.nn.Module) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _block_list_name(model: torch.nn.Module) -> str | None:
-    """The outermost nn.ModuleList with the most children. Outermost: a list inside an element
-    of another list (the experts of a mixture-of-experts block, per-head modules) is part of a
-    block, however long it is. Its children need not be alike (passes.capture.block_runs groups them)."""
+def _block_lists(model: torch.nn.Module) -> tuple[str, ...]:
+    """Candidate parts: the outermost nn.ModuleLists (a list inside an element of another list -
+    the experts of a mixture-of-experts block, per-head modules - is part of a block, however
+    long it is). With several, a list counts only if each of its children is a block (two or
+    more submodules holding parameters: attention, an MLP, norms), so a list of bare linears or
+    embeddings beside the blocks stays in the layer around it; with one, any list does. Their
+    children need not be alike (passes.capture.block_runs groups them); `_parts` then keeps those
+    that run one after the other."""
     lists = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
     def nested(name: str) -> bool:
         return any(name.startswith(f"{outer}.") for outer in lists if outer != name)
-    best, size = None, 0
-    for name in lists:
-        module = model.get_submodule(name)
-        if not nested(name) and len(module) > size:
-            best, size = name, len(module)
-    return best
+    outer = [name for name in lists if not nested(name) and len(model.get_submodule(name))]
+    blocks = [name for name in outer if len(model.get_submodule(name)) >= 2 and all(
+        _is_block(child) for child in model.get_submodule(name).children())]
+    if len(blocks) >= 2:
+        return tuple(blocks)
+    largest = max(outer, key=lambda name: len(model.get_submodule(name)), default=None)
+    return (largest,) if largest is not None else ()
+
+
+def _is_block(module: torch.nn.Module) -> bool:
+    held = [m for m in module.modules() if m is not module
+            and any(True for _ in m.parameters(recurse=False))]
+    return len(held) >= 2
+
+
+def _parts(gm: fx.GraphModule, lists: tuple[str, ...]) -> tuple[str, ...]:
+    """The lists whose blocks run one list after the other, in the order they run (a vision
+    tower then a decoder, an encoder then a decoder). Lists whose blocks interleave (two towers
+    run in alternation, a list called twice) cannot be contiguous runs of pipeline stages: then
+    only the longest one is split and the others run inside the layer around them."""
+    if len(lists) < 2:
+        return lists
+    spans: dict[str, list[int]] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        found = _block_of(node, lists)
+        if found:
+            span = spans.setdefault(found.rsplit(".", 1)[0], [i, i])
+            span[1] = i
+    ordered = sorted(spans, key=lambda name: spans[name][0])
+    if all(spans[a][1] < spans[b][0] for a, b in zip(ordered, ordered[1:])):
+        return tuple(ordered)
+    return (max(ordered, key=lambda name: spans[name][1] - spans[name][0]),)
 
 
 def _module_paths(node: fx.Node) -> list[str]:
@@ -255,27 +292,26 @@ def _module_paths(node: fx.Node) -> list[str]:
     return paths
 
 
-def _block_of(node: fx.Node, prefix: str | None) -> str | None:
-    if prefix is None:
-        return None
-    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)")
+def _block_of(node: fx.Node, prefixes: tuple[str, ...]) -> str | None:
     candidates = _module_paths(node)
     if node.op == "call_module":
         candidates.append(str(node.target))
-    for path in candidates:
-        path = path.replace("_", ".") if path.startswith(prefix.replace(".", "_")) else path
-        match = pattern.match(path)
-        if match:
-            return f"{prefix}.{match.group(1)}"
+    for prefix in prefixes:
+        pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)")
+        for path in candidates:
+            path = path.replace("_", ".") if path.startswith(prefix.replace(".", "_")) else path
+            match = pattern.match(path)
+            if match:
+                return f"{prefix}.{match.group(1)}"
     return None
 
 
-def _group_layers(gm: fx.GraphModule, prefix: str | None) -> tuple[Layer, ...]:
+def _group_layers(gm: fx.GraphModule, prefixes: tuple[str, ...]) -> tuple[Layer, ...]:
     nodes = list(gm.graph.nodes)
     assigned: dict[fx.Node, str] = {}
     for n in nodes:
         if n.op in ("call_module", "call_function", "call_method"):
-            block = _block_of(n, prefix)
+            block = _block_of(n, prefixes)
             if block:
                 assigned[n] = block
     blocks = list(dict.fromkeys(assigned.values()))
@@ -298,11 +334,11 @@ def _group_layers(gm: fx.GraphModule, prefix: str | None) -> tuple[Layer, ...]:
 def _nearest_block(node: fx.Node, assigned: dict, order: dict[str, int]) -> str:
     """A node between blocks with no module of its own belongs to the latest layer that produced
     one of its inputs (`x + block(x)` written in the parent goes with the block, not with x's
-    producer), so every layer only reads earlier ones."""
+    producer), so every layer only reads earlier ones. One that reads no block's output (a
+    decoder's embedding between an encoder and the decoder, the decoder's masks) is computed
+    with the embedding, on the first stage, and carried to the blocks that read it."""
     producers = [assigned[arg] for arg in node.all_input_nodes if arg in assigned]
-    if not producers:
-        raise CaptureError(f"cannot assign node {node.name} ({node.target}) to a layer")
-    return max(producers, key=lambda layer: order.get(layer, -1))
+    return max(producers, key=lambda layer: order.get(layer, -1), default="embed")
 
 
 def _make_layer(name: str, index: int, nodes: list[fx.Node], blocks: list[str]) -> Layer:

@@ -1,10 +1,12 @@
-"""What of a model's structure the plan does not follow, said in the plan.
+"""What of a model's structure the plan does not follow, said in the plan, and the names of
+the parts it does follow.
 
-fxpar splits one chain of repeated blocks (the model's block list) into pipeline stages and
-prices every block as a layer of its own; everything else runs inside the embedding or the head
-layer, whole, on the first or last stage. A second list of layers - the decoder of an
-encoder-decoder, a second tower - is planned that way too: never spread over stages, never
-tensor-parallel apart from its end layer. The plan says so, naming the lists."""
+fxpar splits one chain of repeated blocks into pipeline stages and prices every block as a layer
+of its own: the blocks of each part (a vision tower's, a decoder's; an encoder's, a decoder's:
+passes.capture.trace), one part after the other. Everything else runs inside the embedding or
+the head layer, or beside the block before it. A list of layers that is not a part - two towers
+that run in alternation, a list of bare layers beside the blocks - runs there, whole, never spread
+over stages, never tensor-parallel apart from its end layer. The plan says so, naming the lists."""
 from __future__ import annotations
 
 import torch.nn as nn
@@ -29,13 +31,16 @@ def _inside(name: str, prefix: str) -> bool:
     return bool(prefix) and name.startswith(prefix + ".")
 
 
-def structure_notes(model: nn.Module, block_prefix: str) -> tuple[str, ...]:
-    """The plan's notes on layer lists beside the blocks it splits."""
-    lists = [(n, k, t) for n, k, t in other_layer_lists(model, block_prefix)
-             if not block_prefix.startswith(n + ".")]
+def structure_notes(model: nn.Module, parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's notes on layer lists beside the blocks it splits (`parts`: the captured
+    lists' names, passes.capture.trace.Captured.parts)."""
+    lists = [(n, k, t) for n, k, t in other_layer_lists(model, parts[0] if parts else "")
+             if not any(n == p or p.startswith(n + ".") or _inside(n, p) for p in parts)]
     if not lists:
         return ()
     named = ", ".join(f"{name} ({count} x {kind})" for name, count, kind in lists)
-    return (f"only {block_prefix} is split into blocks and stages; {named} "
-            f"{'runs' if len(lists) == 1 else 'run'} inside the embedding or head layer, whole "
-            f"on its stage and priced there (assumed: one chain of blocks)",)
+    split = " and ".join(parts)
+    return (f"only {split} {'is' if len(parts) == 1 else 'are'} split into blocks and stages; "
+            f"{named} {'runs' if len(lists) == 1 else 'run'} inside the embedding or head "
+            f"layer, whole on its stage and priced there",)
+

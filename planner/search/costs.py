@@ -101,6 +101,13 @@ class ModelCosts:
         self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
         self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
 
+    def block_name(self, i: int) -> str:
+        """Block i's layer name: the captured one (a model of several parts names each part's
+        blocks by its own list), or, for a preset captured with fewer blocks than it has, its
+        list's name and i."""
+        blocks = self.captured.blocks
+        return blocks[i].name if len(blocks) == self.num_blocks else f"{self.block_prefix}.{i}"
+
     @property
     def block_sequence(self) -> tuple[int, ...]:
         """The kind of every block, in model order."""

@@ -194,7 +194,10 @@ class Plan:
                 f"model {_count(self.params)} parameters" if self.params else "",
                 self.sizes_from))))
         unit, scale = ("GiB", GiB) if p.peak_memory_bytes >= GiB else ("MiB", 2**20)
-        rows = [[f"{s} (rank {s % self.pp})" if self.virtual_stages > 1 else s, _span(st.layers), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
+        labels = part_labels(prefix for st in self.stages for prefix, _ in
+                             _block_groups(st.layers))
+        rows = [[f"{s} (rank {s % self.pp})" if self.virtual_stages > 1 else s,
+                 _span(st.layers, labels), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
                  *(_size(b, scale) for b in (st.param_bytes, st.optimizer_bytes,
                                              st.activation_bytes, st.memory_bytes))]
                 for s, st in enumerate(self.stages)]
@@ -202,6 +205,8 @@ class Plan:
                                         f"params+grads {unit}", f"optimizer {unit}",
                                         f"activations {unit}", f"memory/device {unit}"],
                          tablefmt="simple", disable_numparse=True)
+        if len(labels) > 1:
+            table += "\n" + self._parts_table(labels)
         tail = [
             f"predicted iteration {p.iteration_s:.4g} s = compute {p.compute_s:.4g} + exposed "
             f"comm {p.comm_s:.4g} + bubble {p.bubble_s:.4g}"
@@ -221,6 +226,28 @@ class Plan:
                         + (f", {seconds:.2f} s" if seconds is not None else ""))
         tail += [f"note: {n}" for n in self.notes]
         return "\n".join(head + [table] + tail)
+
+
+    def _parts_table(self, labels: dict[str, str]) -> str:
+        """Each part's plan: its blocks, the stages that hold them, their strategies (tp: split
+        over the tp group; none: whole on each of its ranks)."""
+        rows = []
+        for prefix, label in labels.items():
+            stages, strategies, count = [], [], 0
+            for s, st in enumerate(self.stages):
+                mine = [(layer, how) for layer, how in zip(st.layers, st.strategies)
+                        if layer.rpartition(".")[0] == prefix]
+                if mine:
+                    stages.append(s)
+                    strategies += [how for _, how in mine]
+                    count += len(mine)
+            where = (f"{stages[0]}" if stages[0] == stages[-1] else f"{stages[0]}-{stages[-1]}")
+            split = sum("tp" in how.split("+") for how in strategies)
+            tp = (f"tp={self.tp}" if split == count else "whole" if not split
+                  else f"tp={self.tp} on {split} of {count}") if self.tp > 1 else "-"
+            rows.append([label, count, where, tp, _strategies(tuple(strategies))])
+        return tabulate(rows, headers=["part", "blocks", "stages", "tensor parallel",
+                                       "strategies"], tablefmt="simple", disable_numparse=True)
 
 
 def plural(n: int, word: str) -> str:
@@ -264,15 +291,52 @@ def _size(nbytes: float, scale: float) -> str:
     return f"{value:.2f}" if value < 100 else f"{value:,.0f}"
 
 
-def _span(layers: tuple[str, ...]) -> str:
-    blocks = [l for l in layers if l not in ("embed", "head")]
+def _span(layers: tuple[str, ...], labels: dict[str, str] | None = None) -> str:
+    """'embed + blocks 0-3', or with parts 'embed + vision_tower 0-23 + language_model 0-3'."""
+    labels = labels or {}
     parts = ["embed"] if "embed" in layers else []
-    if blocks:
-        first, last = blocks[0].rsplit(".", 1)[-1], blocks[-1].rsplit(".", 1)[-1]
-        parts.append(f"blocks {first}-{last}" if first != last else f"block {first}")
+    for prefix, numbers in _block_groups(layers):
+        label = labels.get(prefix, "blocks")
+        first, last = numbers[0], numbers[-1]
+        if label == "blocks":
+            parts.append(f"blocks {first}-{last}" if first != last else f"block {first}")
+        else:
+            parts.append(f"{label} {first}-{last}" if first != last else f"{label} {first}")
     if "head" in layers:
         parts.append("head")
     return " + ".join(parts)
+
+
+def _block_groups(layers) -> list[tuple[str, list[str]]]:
+    """Consecutive blocks of one list: [(list name, [block numbers])]."""
+    groups: list[tuple[str, list[str]]] = []
+    for layer in layers:
+        if layer in ("embed", "head"):
+            continue
+        prefix, _, number = layer.rpartition(".")
+        if groups and groups[-1][0] == prefix:
+            groups[-1][1].append(number)
+        else:
+            groups.append((prefix, [number]))
+    return groups
+
+
+def part_labels(parts) -> dict[str, str]:
+    """Short names of a model's parts (its lists of blocks) for the plan: the first component
+    of their paths that differs ("model.vision_tower.encoder.layers",
+    "model.language_model.layers" -> "vision_tower", "language_model"); "blocks" for a model of
+    one part."""
+    parts = list(dict.fromkeys(parts))
+    if len(parts) < 2:
+        return {p: "blocks" for p in parts}
+    split = [p.split(".") for p in parts]
+    common = 0
+    while all(len(s) > common + 1 for s in split) and len({s[common] for s in split}) == 1:
+        common += 1
+    labels = {p: s[common] for p, s in zip(parts, split)}
+    if len(set(labels.values())) < len(parts):  # they differ only further in: the whole rest
+        labels = {p: ".".join(s[common:]) for p, s in zip(parts, split)}
+    return labels
 
 
 def _strategies(strategies: tuple[str, ...]) -> str:

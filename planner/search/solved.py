@@ -20,7 +20,6 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
     largest temporary, ZeRO's whole-layer buffers) on the rank's first stage."""
     parts = ilp.breakdown(problem, solution.counts)
     stages, index = [], 0
-    prefix = costs.block_prefix
     end = ("vocab-tp" if costs.vocab_parallel(cand.tp, cand.micro_batch, req.cluster, cand.cp)
            else "none")
     ends = costs.end_costs(cand.micro_batch, req.cluster, padded=True, cp=cand.cp, tp=cand.tp)
@@ -31,7 +30,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
         names = ["embed"] if s == 0 and costs.has("embed") else []
         strategies = [end] * len(names)
         for k, count in enumerate(counts):
-            names += [f"{prefix}.{index + i}" for i in range(count)]
+            names += [costs.block_name(index + i) for i in range(count)]
             strategies += [problem.options[k].name] * count
             index += count
         if s == problem.stages - 1 and costs.has("head"):

@@ -1,0 +1,188 @@
+"""Vision-language Hugging Face models: a vision tower, a projector and a decoder (Llava and the
+families built like it), trained on (tokens, images, targets).
+
+transformers merges the image features into the token embeddings where the tokens hold the
+image token: `inputs_embeds.masked_scatter(mask, image_features)` after
+`get_placeholder_mask`, which checks that the whole batch holds as many image tokens as there
+are features - a count read from the tokens' values, a data-dependent step fxpar cannot capture
+on fake tensors. `fixed_image_merge` replaces that check by one the graph keeps
+(`torch._assert_async`, run on the real tokens at every step): every sample holds the same
+number of image tokens, its share of the features. That is also what makes the merge exact
+under data and pipeline parallelism: masked_scatter fills the mask's positions in order, and a
+micro-batch of whole samples, with its own samples' images, fills them as the whole batch would.
+Under context parallelism a rank holds part of each sequence and would fill its image tokens
+from the first features: refused (passes.rewrite.context_parallel, `masked_scatter`).
+
+The vision tower's blocks and the decoder's are two parts of one chain (passes.capture.trace):
+each block gets its own strategy, and the stages split the chain wherever the search puts them.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# The vision tower at sizes that train on CPU ranks: 16x16 images of 4x4 patches (16 per image)
+VISION_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, image_size=16, patch_size=4)
+
+
+def _transformers():
+    from planner.models.hf import _transformers as tf
+    return tf()
+
+
+def architectures() -> list[str]:
+    """The model_types of image-text-to-text models whose merge fxpar rewrites (they fill the
+    image tokens' embeddings through `get_placeholder_mask`)."""
+    tf = _transformers()
+    mapping = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    return sorted(t for t, cls in tf.CONFIG_MAPPING.items() if cls in mapping
+                  and hasattr(_base_model_class(tf, cls), "get_placeholder_mask"))
+
+
+def is_vision_language(config) -> bool:
+    tf = _transformers()
+    return (type(config) in tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+            and hasattr(config, "vision_config") and hasattr(config, "text_config"))
+
+
+def _base_model_class(tf, config_cls):
+    return tf.MODEL_MAPPING.get(config_cls, type(None)) if config_cls in tf.MODEL_MAPPING \
+        else type(None)
+
+
+@contextlib.contextmanager
+def fixed_image_merge(model: torch.nn.Module):
+    """While active, every `get_placeholder_mask` of `model`'s modules checks per sample (in
+    the graph) instead of over the batch (in Python, on the tokens' values)."""
+    owners = {type(m) for m in model.modules() if hasattr(type(m), "get_placeholder_mask")}
+    saved = {cls: cls.get_placeholder_mask for cls in owners}
+    for cls in owners:
+        cls.get_placeholder_mask = _placeholder_mask
+    try:
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.get_placeholder_mask = method
+
+
+def _placeholder_mask(self, input_ids, inputs_embeds=None, image_features=None, **_):
+    if input_ids is None:
+        raise ValueError("fxpar trains vision-language models from token ids (input_ids), "
+                         "not from inputs_embeds")
+    mask = input_ids == self.config.image_token_id
+    if image_features is not None:
+        per_sample = image_features.numel() // (inputs_embeds.shape[-1] * input_ids.shape[0])
+        torch._assert_async((mask.sum(-1) == per_sample).all(),
+                            f"every sample must hold {per_sample} image tokens (the features "
+                            f"of its own images, one after another), as the example batch did")
+    return mask.unsqueeze(-1).expand_as(inputs_embeds)
+
+
+class HFVisionLM(torch.nn.Module):
+    """(tokens, pixel_values, targets) -> the mean cross-entropy of every position against its
+    target, the next token (image positions included: give them the loss's ignore index -100
+    to leave them out)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    @property
+    def fxpar_name(self) -> str:
+        return type(self.model).__name__
+
+    def forward(self, tokens, pixel_values, targets):
+        from planner.models.hf_attention import plain_positions
+        with fixed_image_merge(self.model), plain_positions():
+            logits = self.model(input_ids=tokens, pixel_values=pixel_values,
+                                use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               ignore_index=-100)
+
+    def image_tokens(self) -> int:
+        """Image tokens per image: the config's, or the vision tower's patches."""
+        config = self.model.config
+        count = getattr(config, "image_seq_length", None)
+        if count:
+            return int(count)
+        vision = config.vision_config
+        return (vision.image_size // vision.patch_size) ** 2
+
+    def example_inputs(self, batch: int, seq: int, device="cpu",
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """Random tokens with one image's tokens after the first token of each sample, random
+        images, targets with the image positions left out (-100)."""
+        config, count = self.model.config, self.image_tokens()
+        if seq < count + 2:
+            raise ValueError(f"a sequence of {seq} tokens cannot hold an image of {count} "
+                             f"tokens and text: give --seq of at least {count + 2}")
+        vision, image_id = config.vision_config, config.image_token_id
+        vocab = config.text_config.vocab_size
+        shape, images = (batch, seq), (batch, vision.num_channels, vision.image_size,
+                                       vision.image_size)
+        if device == "meta" or str(device) == "meta":
+            tokens = torch.zeros(shape, dtype=torch.long, device="meta")
+            return tokens, torch.zeros(images, device="meta"), tokens
+        tokens = torch.randint(0, vocab - 1, shape, generator=generator)
+        tokens = torch.where(tokens >= image_id, tokens + 1, tokens) % vocab
+        tokens[:, 1:1 + count] = image_id
+        targets = torch.randint(0, vocab, shape, generator=generator)
+        targets[:, :1 + count] = -100
+        return tokens, torch.randn(images, generator=generator), targets
+
+
+def small_config(arch: str, **overrides):
+    """`arch`'s config with a small decoder (planner.models.hf.small_config's sizes for its text
+    model_type) and a small vision tower (VISION_SMALL); `overrides` go to the text config,
+    `vision_*` ones to the vision config (vision_num_hidden_layers=4)."""
+    from planner.models.hf import small_config as small_text
+    tf = _transformers()
+    known = architectures()
+    if arch not in known:
+        raise ValueError(f"unknown vision-language architecture {arch!r}: fxpar's are "
+                         f"{', '.join(known)}")
+    defaults = tf.AutoConfig.for_model(arch)
+    text = {k: v for k, v in overrides.items() if not k.startswith("vision_")}
+    vision = {k.removeprefix("vision_"): v for k, v in overrides.items()
+              if k.startswith("vision_")}
+    text_config = small_text(defaults.text_config.model_type, **text)
+    vision_config = type(defaults.vision_config)(**{**VISION_SMALL, **vision})
+    image_id = text_config.vocab_size - 1
+    patches = (vision_config.image_size // vision_config.patch_size) ** 2
+    fields = dict(text_config=text_config.to_dict(), vision_config=vision_config.to_dict(),
+                  image_token_id=image_id)
+    if hasattr(defaults, "image_seq_length"):
+        fields["image_seq_length"] = patches
+    return tf.AutoConfig.for_model(arch, **fields)
+
+
+def from_config(config) -> HFVisionLM:
+    """The model of `config` with planner.models.hf_attention's SDPA (the decoder's plain causal
+    attention stays is_causal; the vision tower's has no mask)."""
+    tf = _transformers()
+    from planner.models import hf_attention
+    model_cls = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    attention = (hf_attention.register() if getattr(model_cls, "_supports_attention_backend",
+                                                    False) else "sdpa")
+    return HFVisionLM(tf.AutoModelForImageTextToText.from_config(
+        config, attn_implementation=attention))
+
+
+@dataclass(frozen=True)
+class HFVisionSpec:
+    """A vision-language architecture at small sizes (small_config), with its random batch:
+    pooled ranks build the same model and batch from it."""
+
+    arch: str = "llava"
+    global_batch: int = 8
+    overrides: tuple[tuple[str, object], ...] = ()
+    seq: int = 32
+
+    def build(self):
+        model = from_config(small_config(self.arch, **dict(self.overrides)))
+        gen = torch.Generator().manual_seed(0)
+        return model, model.example_inputs(self.global_batch, self.seq, generator=gen)
