@@ -92,7 +92,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", default=None if not required else "gpt-tiny",
                    help="preset: gpt-tiny, gpt2-small, gpt2-xl, gpt3-175b, llama-tiny, "
                         "llama2-7b, llama2-70b, mixtral-tiny, mixtral-8x7b, deepseek-tiny, "
-                        "deepseek-v3")
+                        "deepseek-v3; diffusion transformers dit-tiny, dit-xl-2")
     p.add_argument("--gpus", type=_positive_int, required=required, help="number of devices")
     p.add_argument("--cluster", default=None,
                    help="cluster preset (cpu-gloo, a100-80g-dgx, h100-sxm-dgx, h200-sxm-dgx) "
@@ -134,7 +134,7 @@ def _hf_model(args):
     """The Hugging Face model and a global batch, on the meta device (no weights allocated)."""
     import torch
 
-    from planner.models.hf import build_hf, build_hf_from_file, sequence_length
+    from planner.models.hf import build_hf, build_hf_from_file, example_inputs, sequence_length
     from planner.models.hf_moe import has_experts, use_routed_experts
     sizes = {name: getattr(args, flag) for flag, name in _HF_SIZES.items()
              if getattr(args, flag) is not None}
@@ -149,9 +149,7 @@ def _hf_model(args):
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
         use_routed_experts(model)
     seq = args.seq or sequence_length(model)
-    tokens = torch.zeros(args.global_batch or HF_GLOBAL_BATCH, seq, dtype=torch.long,
-                         device="meta")
-    return model, (tokens, tokens)
+    return model, example_inputs(model, args.global_batch or HF_GLOBAL_BATCH, seq)
 
 
 HF_GLOBAL_BATCH = 16   # a Hugging Face model's global batch without --global-batch

@@ -47,6 +47,11 @@ _table("softmax log_softmax", 5, "output")  # max, subtract, exp, sum, divide
 _table("masked_fill masked_scatter where tril triu index_fill scatter scatter_add index_add", 1,
        "index")
 _table("gather index_select take_along_dim index", 0, "index")
+# pooling (a vision projector pooling patches into fewer image tokens): one add per input
+# element; average pooling's backward needs only the shapes, max pooling's its chosen indices
+_table("avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d"
+       " adaptive_avg_pool3d", 1, "none")
+_table("max_pool1d max_pool2d max_pool3d adaptive_max_pool1d adaptive_max_pool2d", 1, "output")
 _table("eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and"
        " bitwise_or bitwise_xor bitwise_not isinf isneginf isposinf isnan isfinite sign floor ceil"
        " round trunc floor_divide argmax argmin any all", 1, "none", differentiable=False)

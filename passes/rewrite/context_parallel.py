@@ -125,7 +125,14 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
 
 def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | None:
     """None when context_parallel can rewrite this graph, else the reason it cannot."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "masked_scatter" in str(node.target):
+            return (f"{node.name} (masked_scatter) fills the positions a mask selects, in order "
+                    f"over the whole sequence (image features merged into the token "
+                    f"embeddings): a rank holding part of each sequence would fill its "
+                    f"positions from the first features; plan with cp=1")
     try:
+        _check_token_lengths(gm, _sequence_length(gm))
         return None if find_attentions(gm, layers) else (
             "the graph has no attention to ring: context parallel needs "
             "F.scaled_dot_product_attention or softmax(q @ "
@@ -133,6 +140,22 @@ def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | No
             "neither (soft-capped scores, a position bias such as ALiBi); plan with cp=1")
     except ContextParallelError as err:
         return str(err)
+
+
+def _check_token_lengths(gm: fx.GraphModule, seq: int) -> None:
+    """Every input is cut on dim 1 into the same 2·cp chunks (runtime.training.trainer), and only
+    those of the first input's length are localised: a sequence of tokens of another length (an
+    encoder-decoder's decoder tokens, shorter than the encoder's) would be cut at other places
+    than the graph assumes."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and not val.is_floating_point() \
+                and val.shape[1] != seq:
+            raise ContextParallelError(
+                f"input {node.name} holds {val.shape[1]} tokens per sample and the first input "
+                f"{seq}: context parallel splits every sequence of the batch into the same "
+                f"chunks, so they must be equally long (an encoder-decoder's decoder tokens as "
+                f"many as the encoder's); plan with cp=1")
 
 
 def _sequence_length(gm: fx.GraphModule) -> int:

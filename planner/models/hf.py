@@ -142,7 +142,13 @@ def from_config(config) -> HFCausalLM:
 
 def build_hf(arch: str, **overrides) -> HFCausalLM:
     """A randomly initialised model of any transformers decoder-only architecture (its
-    model_type: gpt2, llama, gemma2, ...) at small default sizes."""
+    model_type: gpt2, llama, gemma2, ...) at small default sizes; a vision-language one (llava,
+    paligemma, ...: planner.models.hf_vlm) with a small vision tower beside."""
+    from planner.models import hf_seq2seq, hf_vlm
+    if arch not in architectures() and arch in hf_vlm.architectures():
+        return hf_vlm.from_config(hf_vlm.small_config(arch, small_config, **overrides))
+    if arch not in architectures() and arch in hf_seq2seq.architectures():  # t5, bart, ...
+        return hf_seq2seq.build_seq2seq(arch, **overrides)
     return from_config(small_config(arch, **overrides))
 
 
@@ -202,12 +208,24 @@ def build_hf_from_file(path: str) -> HFCausalLM:
         config = tf.AutoConfig.for_model(**data)
     except Exception as err:  # noqa: BLE001 - transformers raises assorted types for bad fields
         raise ValueError(f"{path}: transformers rejects the config: {_one_line(err)}") from None
+    from planner.models import hf_vlm
+    if hf_vlm.is_vision_language(config):
+        return _built(path, hf_vlm.from_config, config)
+    from planner.models import hf_seq2seq
+    if hf_seq2seq.is_seq2seq(config):  # before the causal LM: BART has a decoder-only one too
+        return _built(path, hf_seq2seq.from_config, config)
     if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"{path}: model_type {model_type!r} has no causal language model in "
                          f"transformers (AutoModelForCausalLM); fxpar plans models that take "
                          f"tokens and return the loss")
+    return _built(path, from_config, config)
+
+
+def _built(path: str, build, config):
     try:
-        return from_config(config)
+        return build(config)
+    except ValueError as err:  # fxpar's own refusals are one line already
+        raise ValueError(f"{path}: {err}") from None
     except Exception as err:  # noqa: BLE001 - as above, while building the modules
         raise ValueError(f"{path}: transformers cannot build the model: {_one_line(err)}") \
             from None
@@ -264,8 +282,14 @@ def _one_line(err: Exception, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def sequence_length(model: HFCausalLM) -> int:
+def _text_config(model):
+    """The config of the model's language part (a vision-language model's text_config)."""
     config = model.model.config
+    return getattr(config, "text_config", None) or config
+
+
+def sequence_length(model: HFCausalLM) -> int:
+    config = _text_config(model)
     length = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings",
                                                              None)
     if not length:
@@ -275,7 +299,21 @@ def sequence_length(model: HFCausalLM) -> int:
 
 
 def vocab_size(model: HFCausalLM) -> int:
-    return int(model.model.config.vocab_size)
+    return int(_text_config(model).vocab_size)
+
+
+def example_inputs(model, batch: int, seq: int, device="meta",
+                   generator: torch.Generator | None = None) -> tuple:
+    """The inputs a model built here takes: (tokens, targets), or the model's own form (a
+    vision-language model's tokens, images and targets); random unless on the meta device."""
+    own = getattr(model, "example_inputs", None)
+    if own is not None:
+        return own(batch, seq, device=device, generator=generator)
+    if str(device) == "meta":
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        return tokens, tokens
+    return tuple(torch.randint(0, vocab_size(model), (batch, seq), generator=generator)
+                 for _ in "xy")
 
 
 @dataclass(frozen=True)
@@ -298,7 +336,7 @@ class HFSpec:
         model = build_hf(self.arch, **dict(self.overrides))
         gen = torch.Generator().manual_seed(0)
         shape = (self.global_batch, self.seq or sequence_length(model))
-        batch = tuple(torch.randint(0, vocab_size(model), shape, generator=gen) for _ in "xy")
+        batch = example_inputs(model, *shape, device="cpu", generator=gen)
         if not self.extra_inputs:
             return model, batch
         from planner.models.loss import causal_lm_loss, with_loss

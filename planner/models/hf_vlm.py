@@ -19,8 +19,6 @@ each block gets its own strategy, and the stages split the chain wherever the se
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -30,8 +28,8 @@ VISION_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
 
 
 def _transformers():
-    from planner.models.hf import _transformers as tf
-    return tf()
+    import transformers  # reached through planner.models.hf, which checks that it is installed
+    return transformers
 
 
 def architectures() -> list[str]:
@@ -89,6 +87,7 @@ class HFVisionLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
+        _check_fixed_images(model)
         self.model = model
 
     @property
@@ -104,13 +103,28 @@ class HFVisionLM(torch.nn.Module):
                                ignore_index=-100)
 
     def image_tokens(self) -> int:
-        """Image tokens per image: the config's, or the vision tower's patches."""
+        """Image tokens per image: what the vision tower and projector make of one image
+        (patches, less a class token, merged or pooled by the projector), counted on fake
+        tensors."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        counted: list[int] = []
         config = self.model.config
-        count = getattr(config, "image_seq_length", None)
-        if count:
-            return int(count)
-        vision = config.vision_config
-        return (vision.image_size // vision.patch_size) ** 2
+        device = next(self.model.parameters()).device  # meta for a model without weights
+        with FakeTensorMode(allow_non_fake_inputs=True), _counting(self.model, counted):
+            tokens = torch.full((1, 2), config.image_token_id, dtype=torch.long, device=device)
+            self.model(input_ids=tokens, use_cache=False,
+                       pixel_values=torch.zeros(self.image_shape(1), device=device))
+        if not counted:
+            raise ValueError(f"{type(self.model).__name__} did not merge image features "
+                             f"through get_placeholder_mask: fxpar cannot place its image "
+                             f"tokens")
+        return counted[0]
+
+    def image_shape(self, batch: int) -> tuple[int, ...]:
+        vision = self.model.config.vision_config
+        size = vision.image_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        return (batch, vision.num_channels, height, width)
 
     def example_inputs(self, batch: int, seq: int, device="cpu",
                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
@@ -120,11 +134,9 @@ class HFVisionLM(torch.nn.Module):
         if seq < count + 2:
             raise ValueError(f"a sequence of {seq} tokens cannot hold an image of {count} "
                              f"tokens and text: give --seq of at least {count + 2}")
-        vision, image_id = config.vision_config, config.image_token_id
-        vocab = config.text_config.vocab_size
-        shape, images = (batch, seq), (batch, vision.num_channels, vision.image_size,
-                                       vision.image_size)
-        if device == "meta" or str(device) == "meta":
+        image_id, vocab = config.image_token_id, config.text_config.vocab_size
+        shape, images = (batch, seq), self.image_shape(batch)
+        if str(device) == "meta":
             tokens = torch.zeros(shape, dtype=torch.long, device="meta")
             return tokens, torch.zeros(images, device="meta"), tokens
         tokens = torch.randint(0, vocab - 1, shape, generator=generator)
@@ -135,11 +147,60 @@ class HFVisionLM(torch.nn.Module):
         return tokens, torch.randn(images, generator=generator), targets
 
 
-def small_config(arch: str, **overrides):
+def _check_fixed_images(model: torch.nn.Module) -> None:
+    """Families whose images make a number of tokens that values decide are refused: fxpar
+    captures shapes. The sign is what their image encoder needs beside the pixels: image_sizes
+    (tiles of any resolution: LLaVA-NeXT, Pixtral), a patch grid per image (image_grid_thw:
+    Qwen2-VL's images of any size), a mask of which images are padding (Idefics 3)."""
+    import inspect
+    encode = getattr(model.base_model, "get_image_features", None)
+    if encode is None:
+        raise ValueError(f"{type(model).__name__} has no get_image_features: fxpar does not "
+                         f"know where it encodes its images")
+    taken = inspect.signature(encode).parameters
+    needed = [name for name, p in taken.items() if name not in ("pixel_values", "kwargs")
+              and (p.default is inspect.Parameter.empty or name in _ALWAYS_READ)]
+    if needed:
+        raise ValueError(f"{type(model).__name__} encodes its images with {', '.join(needed)}: "
+                         f"{_VALUE_SHAPED.get(needed[0], 'values beside the pixels')} decide "
+                         f"how many tokens each image makes, a data-dependent shape fxpar "
+                         f"cannot capture; it trains vision-language models whose images make "
+                         f"a fixed number of tokens ({', '.join(FAMILIES)})")
+
+
+_VALUE_SHAPED = {"image_sizes": "the images' sizes (their tiles)",
+                 "image_grid_thw": "each image's grid of patches",
+                 "pixel_attention_mask": "which images are padding"}
+_ALWAYS_READ = ("image_grid_thw", "pixel_attention_mask")  # read when given, made when not
+# the families tests train exactly against one process (tests/dist/test_hf_vlm.py)
+FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava")
+
+
+@contextlib.contextmanager
+def _counting(model, counted: list[int]):
+    """get_placeholder_mask records the image features' tokens per image, checks nothing."""
+    def record(self, input_ids, inputs_embeds=None, image_features=None, **_):
+        if image_features is not None:
+            counted.append(image_features.numel() // inputs_embeds.shape[-1])
+        return torch.zeros_like(input_ids, dtype=torch.bool).unsqueeze(-1).expand_as(
+            inputs_embeds)
+    owners = {type(m) for m in model.modules() if hasattr(type(m), "get_placeholder_mask")}
+    saved = {cls: cls.get_placeholder_mask for cls in owners}
+    for cls in owners:
+        cls.get_placeholder_mask = record
+    try:
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.get_placeholder_mask = method
+
+
+def small_config(arch: str, small_text, **overrides):
     """`arch`'s config with a small decoder (planner.models.hf.small_config's sizes for its text
     model_type) and a small vision tower (VISION_SMALL); `overrides` go to the text config,
-    `vision_*` ones to the vision config (vision_num_hidden_layers=4)."""
-    from planner.models.hf import small_config as small_text
+    `vision_*` ones to the vision config (vision_num_hidden_layers=4), those of _SMALL_FIELDS
+    to the model's config. `small_text(model_type, **fields)` makes the small text config
+    (planner.models.hf.small_config)."""
     tf = _transformers()
     known = architectures()
     if arch not in known:
@@ -150,14 +211,37 @@ def small_config(arch: str, **overrides):
     vision = {k.removeprefix("vision_"): v for k, v in overrides.items()
               if k.startswith("vision_")}
     text_config = small_text(defaults.text_config.model_type, **text)
-    vision_config = type(defaults.vision_config)(**{**VISION_SMALL, **vision})
-    image_id = text_config.vocab_size - 1
-    patches = (vision_config.image_size // vision_config.patch_size) ** 2
+    sizes = {**VISION_SMALL, **vision}
+    if isinstance(defaults.vision_config.image_size, (tuple, list)):  # (height, width) forms
+        sizes = {k: (v, v) if k in ("image_size", "patch_size") and isinstance(v, int) else v
+                 for k, v in sizes.items()}
+    if hasattr(defaults.vision_config, "projection_dim"):
+        sizes.setdefault("projection_dim", text_config.hidden_size)
+    vision_config = type(defaults.vision_config)(**sizes)
     fields = dict(text_config=text_config.to_dict(), vision_config=vision_config.to_dict(),
-                  image_token_id=image_id)
-    if hasattr(defaults, "image_seq_length"):
-        fields["image_seq_length"] = patches
+                  image_token_id=text_config.vocab_size - 1)
+    fields.update({k: v(vision_config, text_config) for k, v in _SMALL_FIELDS.items()
+                   if hasattr(defaults, k)})
+    fields.update({k: v for k, v in overrides.items() if k in _SMALL_FIELDS})
     return tf.AutoConfig.for_model(arch, **fields)
+
+
+def _patches(vision) -> int:
+    size, patch = vision.image_size, vision.patch_size
+    size = size if isinstance(size, int) else size[0]
+    patch = patch if isinstance(patch, int) else patch[0]
+    return (size // patch) ** 2
+
+
+# Fields of the families' configs that follow the small vision tower: its patches per image (Llava
+# counts them), tokens per image after pooling (Gemma 3: 4 of 16 patches), the projector's
+# width, the layers whose outputs are merged (VipLlava: the last two of two)
+_SMALL_FIELDS = {
+    "image_seq_length": lambda vision, text: _patches(vision),
+    "mm_tokens_per_image": lambda vision, text: _patches(vision) // 4,
+    "projection_dim": lambda vision, text: text.hidden_size,
+    "vision_feature_layers": lambda vision, text: (-2, -1),
+}
 
 
 def from_config(config) -> HFVisionLM:
@@ -170,19 +254,3 @@ def from_config(config) -> HFVisionLM:
                                                     False) else "sdpa")
     return HFVisionLM(tf.AutoModelForImageTextToText.from_config(
         config, attn_implementation=attention))
-
-
-@dataclass(frozen=True)
-class HFVisionSpec:
-    """A vision-language architecture at small sizes (small_config), with its random batch:
-    pooled ranks build the same model and batch from it."""
-
-    arch: str = "llava"
-    global_batch: int = 8
-    overrides: tuple[tuple[str, object], ...] = ()
-    seq: int = 32
-
-    def build(self):
-        model = from_config(small_config(self.arch, **dict(self.overrides)))
-        gen = torch.Generator().manual_seed(0)
-        return model, model.example_inputs(self.global_batch, self.seq, generator=gen)
