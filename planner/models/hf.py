@@ -9,6 +9,7 @@ KV cache off. `small_config` / `build_hf` make any decoder-only `model_type` at 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import json
 from dataclasses import dataclass
@@ -83,11 +84,12 @@ def architectures() -> list[str]:
                   and not any(cls in mapping for mapping in other))
 
 
-def small_config(arch: str, **overrides):
+def small_config(arch: str, text_part: bool = False, **overrides):
     """`arch`'s config at the small sizes above; dropout off (as an override, any rate); token
-    ids outside the small vocabulary moved to 0."""
+    ids outside the small vocabulary moved to 0. text_part: `arch` is the text model of a
+    vision-language one (qwen2_vl_text), which need not be a causal LM of its own."""
     tf = _transformers()
-    known = architectures()
+    known = architectures() if not text_part else list(tf.CONFIG_MAPPING.keys())
     if arch not in known:
         close = difflib.get_close_matches(arch, known, n=3)
         raise ValueError(f"unknown Hugging Face architecture {arch!r}: transformers "
@@ -145,8 +147,9 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
     model_type: gpt2, llama, gemma2, ...) at small default sizes; a vision-language one (llava,
     paligemma, ...: planner.models.hf_vlm) with a small vision tower beside."""
     from planner.models import hf_seq2seq, hf_vlm
-    if arch not in architectures() and arch in hf_vlm.architectures():
-        return hf_vlm.from_config(hf_vlm.small_config(arch, small_config, **overrides))
+    if arch in hf_vlm.architectures():  # gemma3 is also a causal LM: of text and images
+        return hf_vlm.from_config(hf_vlm.small_config(
+            arch, functools.partial(small_config, text_part=True), **overrides))
     if arch not in architectures() and arch in hf_seq2seq.architectures():  # t5, bart, ...
         return hf_seq2seq.build_seq2seq(arch, **overrides)
     return from_config(small_config(arch, **overrides))

@@ -206,6 +206,9 @@ def small_config(arch: str, small_text, **overrides):
     if arch not in known:
         raise ValueError(f"unknown vision-language architecture {arch!r}: fxpar's are "
                          f"{', '.join(known)}")
+    from planner.models import hf_qwen_vl
+    if arch in hf_qwen_vl.MODEL_TYPES:  # its vision config has other fields: its own sizes
+        return hf_qwen_vl.small_config(arch, small_text, **overrides)
     defaults = tf.AutoConfig.for_model(arch)
     text = {k: v for k, v in overrides.items() if not k.startswith("vision_")}
     vision = {k.removeprefix("vision_"): v for k, v in overrides.items()
@@ -248,7 +251,9 @@ def from_config(config) -> HFVisionLM:
     """The model of `config` with planner.models.hf_attention's SDPA (the decoder's plain causal
     attention stays is_causal; the vision tower's has no mask)."""
     tf = _transformers()
-    from planner.models import hf_attention
+    from planner.models import hf_attention, hf_qwen_vl
+    if hf_qwen_vl.handles(config):  # images of a fixed grid: its own wrapper
+        return hf_qwen_vl.from_config(config)
     model_cls = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     attention = (hf_attention.register() if getattr(model_cls, "_supports_attention_backend",
                                                     False) else "sdpa")

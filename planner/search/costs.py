@@ -13,7 +13,7 @@ from cost_model.layers.memory import TrainingMemory
 from cost_model.layers.sharding import Sharding
 from cost_model.layers.strategy import Strategy
 from passes.capture.block_runs import block_kinds, block_runs, describe
-from passes.capture.trace import Captured
+from passes.capture.trace import Captured, tensor_bytes
 from passes.rewrite.cp_trial import trial_error
 from passes.rewrite.context_parallel import why_not
 from passes.rewrite.sharding import get_param
@@ -85,6 +85,7 @@ class ModelCosts:
         self.structure_notes: tuple[str, ...] = ()  # what the capture could not follow
         self._profiles: dict[int, LayerProfile] = {1: self._kind_profiles[0, 1]}
         self.tp_errors: dict[int, str] = {}
+        self.kind_tp_errors: dict[tuple[int, int], str] = {}  # (kind, tp) -> why it runs whole
         self.vocab_errors: dict[int, str] = {}  # tp -> why the ends are not vocabulary-parallel
         # The search asks for the same prices once per mesh and schedule. Per-instance caches:
         # they go with the ModelCosts instead of keeping every instance alive.
@@ -118,22 +119,39 @@ class ModelCosts:
 
     def block_profile(self, tp: int, kind: int | None = None) -> LayerProfile | None:
         """The block of `kind` rewritten for tensor-parallel size tp, or None when it does not
-        divide. Without a kind: kind 0's, and None unless every kind divides (a mesh's tp
-        applies to all blocks that use it)."""
+        divide. Without a kind: the first kind's that divides, None when none does (tp is then
+        left out: `tp_errors`). A kind that does not divide where others do runs whole on every
+        rank of the tp group (strategies without tp: `kind_tp_errors` says why, and the plan)."""
         if tp not in self._profiles and tp not in self.tp_errors:
+            errors = {}
             for k, layer in enumerate(self.kinds):
                 try:
                     self._kind_profiles[k, tp] = profile_layer(self.captured, layer, tp)
                 except ShardingError as err:
-                    where = f"{layer.name}: " if len(self.kinds) > 1 else ""
-                    self.tp_errors[tp] = (f"{where}{err}; fxpar leaves tp={tp} out for this "
-                                          f"model: plan with another tp, or change that op")
-                    break
+                    errors[k] = str(err)
+            if len(errors) == len(self.kinds) or (errors and not self._parts_may_differ()):
+                k = min(errors)
+                where = f"{self.kinds[k].name}: " if len(self.kinds) > 1 else ""
+                self.tp_errors[tp] = (f"{where}{errors[k]}; fxpar leaves tp={tp} out for this "
+                                      f"model: plan with another tp, or change that op")
             else:
-                self._profiles[tp] = self._kind_profiles[0, tp]
+                self.kind_tp_errors.update({(k, tp): why for k, why in errors.items()})
+                self._profiles[tp] = next(self._kind_profiles[k, tp]
+                                          for k in range(len(self.kinds)) if k not in errors)
         if kind is None or tp not in self._profiles:
             return self._profiles.get(tp)
-        return self._kind_profiles[kind, tp]
+        return self._kind_profiles.get((kind, tp))
+
+    def _parts_may_differ(self) -> bool:
+        """Whether blocks may differ in tensor parallelism: across a model's parts (a vision
+        tower whole on each rank beside a tensor-parallel decoder). Within one list of blocks a
+        kind that does not divide leaves tp out, as it always has."""
+        return len(self.captured.parts) > 1
+
+    def shards(self, tp: int, kind: int) -> bool:
+        """Whether blocks of `kind` can be tensor-parallel at tp."""
+        return tp > 1 and self.block_profile(tp) is not None and \
+            self.block_profile(tp, kind) is not None
 
     def price_block(self, strategy: Strategy, micro_batch: int, cluster: Cluster,
                     tp: int, cp: int = 1, kind: int = 0) -> LayerCost:
@@ -163,7 +181,7 @@ class ModelCosts:
         if tp == 1 or self.block_profile(tp) is None:
             return False
         return (all(self.block_profile(tp, k).sp_collectives is not None
-                    for k in range(len(self.kinds)))
+                    for k in range(len(self.kinds)) if self.shards(tp, k))
                 and seq % cp == 0 and (seq // cp) % tp == 0)
 
     def sp_error(self, tp: int) -> str | None:
@@ -172,7 +190,7 @@ class ModelCosts:
         if tp == 1 or self.block_profile(tp) is None:
             return None
         return next((self.block_profile(tp, k).sp_error for k in range(len(self.kinds))
-                     if self.block_profile(tp, k).sp_error), None)
+                     if self.shards(tp, k) and self.block_profile(tp, k).sp_error), None)
 
     @cached_property
     def cp_error(self) -> str | None:
@@ -292,9 +310,34 @@ class ModelCosts:
         return sum(n for key, n in embed.items() if key in head)
 
     def boundary_bytes(self, micro_batch: int) -> float:
-        """Bytes a stage boundary carries: the largest block output of any kind."""
+        """Bytes a stage boundary carries: the largest block output of any kind, and what
+        earlier layers hand past the cut to later ones (`carried_bytes`)."""
         return max(p.output_bytes * micro_batch / p.batch
-                   for (_, tp), p in self._kind_profiles.items() if tp == 1)
+                   for (_, tp), p in self._kind_profiles.items() if tp == 1) + \
+            self.carried_bytes * micro_batch / self.captured.batch
+
+    @cached_property
+    def carried_bytes(self) -> float:
+        """The most bytes, at the captured batch, that any cut between two layers carries from
+        a layer before the one ending at the cut to one after it (passes.stages.pipeline_split
+        passes them through every stage in between): in a model of several parts, an encoder's
+        output read by every decoder block, a decoder's token embeddings made before the encoder
+        blocks. Counted as if each had a batch dimension. A model of one part carries only
+        position tables of a few KiB, left unpriced (0) as they always were."""
+        captured = self.captured
+        if len(captured.parts) < 2:
+            return 0.0
+        index = {layer.name: layer.index for layer in captured.layers}
+        at = {name: index[layer] for name, layer in captured.layer_of().items()}
+        last_layer = len(captured.layers) - 1
+        carried = [0] * len(captured.layers)  # carried[k]: past layer k, from before it
+        for node in captured.gm.graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr") or node.name not in at:
+                continue
+            last = max((at.get(u.name, last_layer) for u in node.users), default=0)
+            for k in range(at[node.name] + 1, last):
+                carried[k] += tensor_bytes(node.meta.get("val"))
+        return float(max(carried))
 
     def param_count(self) -> int:
         """Every parameter of the model, unsharded (each block kind times its count)."""
@@ -313,6 +356,11 @@ class ModelCosts:
             first = min(self.tp_errors)
             notes.append(f"planned without tensor parallelism: no tp size above 1 can shard "
                          f"the model ({self.tp_errors[first]})")
+        for k in sorted({k for k, _ in self.kind_tp_errors}):
+            sizes = sorted(tp for kind, tp in self.kind_tp_errors if kind == k)
+            notes.append(f"blocks of kind {k} ({self.kinds[k].name}) run whole on every rank "
+                         f"of the tp group at tp={'/'.join(map(str, sizes))}: "
+                         f"{self.kind_tp_errors[k, sizes[0]]}")
         if len(self.kinds) > 1:
             notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
                          f"contiguous stages: {describe(self.captured.blocks)}")

@@ -263,11 +263,11 @@ class _LeastCosts:
         self._layout_of, self._layouts, self._static = {}, {}, {}
         self._p2p, self._sync = {}, {}
 
-    def twins(self, tp: int, cp: int) -> list[Strategy]:
-        if (tp, cp) not in self._twins:
-            self._twins[tp, cp] = sorted({replace(s, recompute="none")
-                                          for s in strategies(self.req, tp, self.costs, cp)})
-        return self._twins[tp, cp]
+    def twins(self, tp: int, cp: int, kind: int = 0) -> list[Strategy]:
+        if (tp, cp, kind) not in self._twins:
+            self._twins[tp, cp, kind] = sorted({replace(s, recompute="none") for s in
+                                                strategies(self.req, tp, self.costs, cp, kind)})
+        return self._twins[tp, cp, kind]
 
     def kind(self, tp: int, cp: int, b: int, kind: int) -> tuple[float, LayerCost, float]:
         """(least time, the twin with the fewest parameters, least gradient bytes) of a block of
@@ -276,7 +276,8 @@ class _LeastCosts:
         key = (tp, cp, b, kind)
         if key not in self._kinds:
             costs, cluster = self.costs, self.req.cluster
-            priced = [costs.price_block(s, b, cluster, tp, cp, kind) for s in self.twins(tp, cp)]
+            priced = [costs.price_block(s, b, cluster, tp, cp, kind)
+                      for s in self.twins(tp, cp, kind)]
             options = [costs.block_option(cost) for cost in priced]
             lightest = min(range(len(priced)), key=lambda i: priced[i].params)
             self._kinds[key] = (min(o.time_s for o in options), priced[lightest],

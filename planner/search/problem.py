@@ -58,9 +58,11 @@ class Candidate:
 
 
 def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
-                cp: int = 1) -> list[Strategy]:
+                cp: int = 1, kind: int | None = None) -> list[Strategy]:
     """The block strategies to consider at tp (and, given the model's costs, cp): the fix's, and
-    with sequence parallelism only where the model's sequence admits it."""
+    with sequence parallelism only where the model's sequence admits it. For blocks of `kind`
+    that tp does not divide where others do (costs.kind_tp_errors): whole on every rank of the
+    tp group."""
     space = strategy_space(tp)
     if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
         fixed = Strategy.parse(req.fix["strategy"])
@@ -70,13 +72,15 @@ def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
                 [Strategy(recompute=req.fix["recompute"])]
     if costs is not None and any(s.sp for s in space) and not costs.supports_sp(tp, cp, req.seq):
         space = [s for s in space if not s.sp]
+    if costs is not None and kind is not None and tp > 1 and not costs.shards(tp, kind):
+        space = list(dict.fromkeys(Strategy(recompute=s.recompute) for s in space))
     return space
 
 
 def block_costs(costs: ModelCosts, req: Request, tp: int, b: int, cp: int = 1,
                 kind: int = 0) -> list[LayerCost]:
     return [costs.price_block(s, b, req.cluster, tp, cp, kind)
-            for s in strategies(req, tp, costs, cp)]
+            for s in strategies(req, tp, costs, cp, kind)]
 
 
 def _prune_dominated(options: list[ilp.BlockOption]) -> list[int]:
