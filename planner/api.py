@@ -197,6 +197,9 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
     costs = ModelCosts(captured, len(captured.blocks), dtype_bytes, training)
     costs.structure_notes = structure_notes(model, captured.parts)
+    own_notes = getattr(model, "fxpar_plan_notes", None)  # what the model's inputs mean
+    if callable(own_notes):
+        costs.structure_notes += tuple(own_notes(example_inputs))
     return costs, getattr(model, "fxpar_name", type(model).__name__), batch, seq
 
 
@@ -287,7 +290,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
     values = value_source(model, weights, seed)  # None: sharded from the model's own weights
     micro = capture_inputs(model, tuple(x[: plan.micro_batch] for x in example_inputs))
-    captured = capture(model, micro)
+    captured = capture(model, micro, parts=plan.parts() or None)
     layout = plan.layout()
     if len(captured.layers) != sum(layout.stage_sizes):
         raise ValueError(f"the plan covers {sum(layout.stage_sizes)} layers, the model has "

@@ -92,7 +92,7 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", default=None if not required else "gpt-tiny",
                    help="preset: gpt-tiny, gpt2-small, gpt2-xl, gpt3-175b, llama-tiny, "
                         "llama2-7b, llama2-70b, mixtral-tiny, mixtral-8x7b, deepseek-tiny, "
-                        "deepseek-v3; diffusion transformers dit-tiny, dit-xl-2")
+                        "deepseek-v3; diffusion transformers dit-tiny, dit-tiny-cross, dit-xl-2")
     p.add_argument("--gpus", type=_positive_int, required=required, help="number of devices")
     p.add_argument("--cluster", default=None,
                    help="cluster preset (cpu-gloo, a100-80g-dgx, h100-sxm-dgx, h200-sxm-dgx) "
@@ -113,9 +113,13 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="mixture of experts: the most loaded expert-parallel rank's tokens over "
                         "the mean (>= 1; default: the expected maximum of uniform routing)")
     p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (any decoder-only "
-                   "model_type: gpt2, llama, gemma2, ...) at small sizes, built from its config; "
-                   "needs the hf extra")
+                   "model_type: gpt2, llama, gemma2, ...; encoder-decoder: t5, bart, ...) at small "
+                   "sizes, built from its config; needs the hf extra")
     p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
+    p.add_argument("--parts", metavar="LIST[,LIST]", default=None,
+                   help="a Hugging Face model's lists of blocks to split into stages (module "
+                        "names, e.g. model.language_model.layers); default: every outermost "
+                        "list of blocks that runs after the others")
     for size in ("layers", "hidden", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{size}", type=_positive_int, default=None,
                        help=f"override the preset's (or --hf's) {size.replace('-', ' ')}")
@@ -124,6 +128,9 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 def _config(args):
     """The preset with the size overrides and --global-batch: what is planned is what trains."""
     from planner.models.presets import get_config
+    if getattr(args, "parts", None):
+        raise ValueError("--parts names a Hugging Face model's lists of blocks (--hf, "
+                         "--hf-config); a preset has one list, split as it is")
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
     sizes["seq"] = args.seq
     sizes["global_batch"] = args.global_batch
@@ -148,6 +155,8 @@ def _hf_model(args):
                                                                                    **sizes)
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
         use_routed_experts(model)
+    if getattr(args, "parts", None):
+        model.fxpar_parts = tuple(filter(None, (p.strip() for p in args.parts.split(","))))
     seq = args.seq or sequence_length(model)
     return model, example_inputs(model, args.global_batch or HF_GLOBAL_BATCH, seq)
 

@@ -73,9 +73,13 @@ _FUSED_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                   torch.nn.TransformerDecoderLayer)
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
-    """Trace `model` and propagate fake shapes of `example_inputs` through it."""
-    lists = _block_lists(model)
+def capture(model: torch.nn.Module, example_inputs: tuple,
+            parts: tuple[str, ...] | None = None) -> Captured:
+    """Trace `model` and propagate fake shapes of `example_inputs` through it. `parts` (or the
+    model's `fxpar_parts` attribute) names the lists of blocks to split into stages, overriding
+    the lists found (`_block_lists`): a list left out runs inside the layer around it."""
+    parts = parts or getattr(model, "fxpar_parts", None)
+    lists = _named_lists(model, tuple(parts)) if parts else _block_lists(model)
     fused = next((m for m in model.modules() if isinstance(m, _FUSED_MODULES)), None)
     try:
         if fused is not None:  # symbolic_trace keeps them whole (leaves no rule prices)
@@ -256,6 +260,17 @@ def _block_lists(model: torch.nn.Module) -> tuple[str, ...]:
         return tuple(blocks)
     largest = max(outer, key=lambda name: len(model.get_submodule(name)), default=None)
     return (largest,) if largest is not None else ()
+
+
+def _named_lists(model: torch.nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The lists `names` gives, each checked to be an nn.ModuleList of the model."""
+    found = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    for name in names:
+        if name not in found:
+            raise CaptureError(f"parts: {name!r} is not an nn.ModuleList of "
+                               f"{type(model).__name__}; its lists of layers are "
+                               f"{', '.join(found[:6]) or 'none'}")
+    return names
 
 
 def _is_block(module: torch.nn.Module) -> bool:

@@ -84,13 +84,23 @@ def architectures() -> list[str]:
                   and not any(cls in mapping for mapping in other))
 
 
+def is_causal(arch: str) -> bool:
+    """Whether `arch` is one of architectures(), importing only its own config's module."""
+    tf = _transformers()
+    if arch not in tf.CONFIG_MAPPING.keys():
+        return False
+    cls = tf.CONFIG_MAPPING[arch]
+    return cls in tf.MODEL_FOR_CAUSAL_LM_MAPPING and not any(
+        cls in m for m in (tf.MODEL_FOR_MASKED_LM_MAPPING, tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING))
+
+
 def small_config(arch: str, text_part: bool = False, **overrides):
     """`arch`'s config at the small sizes above; dropout off (as an override, any rate); token
     ids outside the small vocabulary moved to 0. text_part: `arch` is the text model of a
     vision-language one (qwen2_vl_text), which need not be a causal LM of its own."""
     tf = _transformers()
-    known = architectures() if not text_part else list(tf.CONFIG_MAPPING.keys())
-    if arch not in known:
+    if not (arch in tf.CONFIG_MAPPING.keys() if text_part else is_causal(arch)):
+        known = architectures() if not text_part else list(tf.CONFIG_MAPPING.keys())
         close = difflib.get_close_matches(arch, known, n=3)
         raise ValueError(f"unknown Hugging Face architecture {arch!r}: transformers "
                          f"{tf.__version__} has no decoder-only causal LM of that model_type"
@@ -147,7 +157,7 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
     model_type: gpt2, llama, gemma2, ...) at small default sizes; a vision-language one (llava,
     paligemma, ...: planner.models.hf_vlm) with a small vision tower beside."""
     from planner.models import hf_seq2seq, hf_vlm
-    if arch in hf_vlm.architectures():  # gemma3 is also a causal LM: of text and images
+    if hf_vlm.is_vision_language_arch(arch):  # gemma3 is also a causal LM: of text and images
         return hf_vlm.from_config(hf_vlm.small_config(
             arch, functools.partial(small_config, text_part=True), **overrides))
     if arch not in architectures() and arch in hf_seq2seq.architectures():  # t5, bart, ...

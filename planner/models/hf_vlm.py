@@ -19,6 +19,7 @@ each block gets its own strategy, and the stages split the chain wherever the se
 from __future__ import annotations
 
 import contextlib
+import functools
 import torch
 import torch.nn.functional as F
 
@@ -41,10 +42,24 @@ def architectures() -> list[str]:
                   and hasattr(_base_model_class(tf, cls), "get_placeholder_mask"))
 
 
+@functools.lru_cache(maxsize=None)
+def is_vision_language_arch(arch: str) -> bool:
+    """Whether `arch` is an image-text-to-text model of a vision tower and a text model (only
+    its config's module is imported)."""
+    tf = _transformers()
+    if arch not in tf.CONFIG_MAPPING.keys():
+        return False
+    cls = tf.CONFIG_MAPPING[arch]
+    return cls in tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and _has_parts(cls())
+
+
+def _has_parts(config) -> bool:
+    return hasattr(config, "vision_config") and hasattr(config, "text_config")
+
+
 def is_vision_language(config) -> bool:
     tf = _transformers()
-    return (type(config) in tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-            and hasattr(config, "vision_config") and hasattr(config, "text_config"))
+    return type(config) in tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and _has_parts(config)
 
 
 def _base_model_class(tf, config_cls):
@@ -202,10 +217,9 @@ def small_config(arch: str, small_text, **overrides):
     to the model's config. `small_text(model_type, **fields)` makes the small text config
     (planner.models.hf.small_config)."""
     tf = _transformers()
-    known = architectures()
-    if arch not in known:
-        raise ValueError(f"unknown vision-language architecture {arch!r}: fxpar's are "
-                         f"{', '.join(known)}")
+    if not is_vision_language_arch(arch):
+        raise ValueError(f"unknown vision-language architecture {arch!r}: transformers' are "
+                         f"{', '.join(architectures())}")
     from planner.models import hf_qwen_vl
     if arch in hf_qwen_vl.MODEL_TYPES:  # its vision config has other fields: its own sizes
         return hf_qwen_vl.small_config(arch, small_text, **overrides)

@@ -107,6 +107,12 @@ class Plan:
         return Layout(self.tp, strategies, tuple(len(st.layers) for st in self.stages),
                       pad_vocab=vocab, cp=self.cp, ep=self.ep)
 
+    def parts(self) -> tuple[str, ...]:
+        """The lists of blocks the plan splits, in model order ("blocks"; a vision-language
+        model's vision tower's and decoder's): what the runtime captures as blocks."""
+        return tuple(dict.fromkeys(prefix for st in self.stages
+                                   for prefix, _ in _block_groups(st.layers)))
+
     def with_ends(self, strategy: str, ends: tuple[str, ...] = ("embed", "head")) -> "Plan":
         """The plan with the end layers named `ends` given `strategy` ("vocab-tp": what a GPU
         cluster's prices choose where this one's would not), everything else as it is."""
