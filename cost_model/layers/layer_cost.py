@@ -356,6 +356,7 @@ _MOVES = {
     C.sp_reduce_scatter: ("reduce_scatter", "all_gather"),
     C.sp_scatter: (None, "all_gather"),
     C.sp_gather: ("all_gather", None),
+    C.tp_gather: ("all_gather", None),   # a modulation's [b, k·h] output (passes.rewrite.tp_gather)
     C.sp_gather_linear: ("all_gather", "reduce_scatter"),  # + the re-gather in backward
     C.whole_sequence: ("all_gather", None),
 }

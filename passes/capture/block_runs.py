@@ -41,8 +41,10 @@ def block_runs(blocks) -> tuple[Run, ...]:
 
 
 def describe(blocks) -> str:
-    """'blocks 0-1 (kind 0: DenseBlock-like, 12 nodes), blocks 2-3 (kind 1, 15 nodes)'."""
+    """'blocks 0-1 (kind 0, 12 nodes), blocks 2-3 (kind 1, 15 nodes)'; a model of several parts
+    names each part's blocks by the part: 'vision_tower 0-21 (kind 0, 40 nodes), ...'."""
     kinds, runs = block_kinds(blocks), block_runs(blocks)
+    labels = part_labels(b.name.rpartition(".")[0] for b in blocks)
     if len(runs) > 6:  # an alternating pattern: say how many of each, not every run
         counts = [sum(r.count for r in runs if r.kind == k) for k in range(len(kinds))]
         return (f"{len(blocks)} blocks in {len(runs)} runs: " + ", ".join(
@@ -50,7 +52,31 @@ def describe(blocks) -> str:
             for k, n in enumerate(counts)))
     parts = []
     for run in runs:
-        last = run.first + run.count - 1
-        span = f"block {run.first}" if run.count == 1 else f"blocks {run.first}-{last}"
+        first, last = blocks[run.first], blocks[run.first + run.count - 1]
+        prefix, _, a = first.name.rpartition(".")
+        label, b = labels.get(prefix, "blocks"), last.name.rpartition(".")[2]
+        if label == "blocks" or len(labels) < 2:
+            a, b = run.first, run.first + run.count - 1
+            span = f"block {a}" if run.count == 1 else f"blocks {a}-{b}"
+        else:
+            span = f"{label} {a}" if run.count == 1 else f"{label} {a}-{b}"
         parts.append(f"{span} (kind {run.kind}, {len(kinds[run.kind].nodes)} nodes)")
     return ", ".join(parts)
+
+
+def part_labels(parts) -> dict[str, str]:
+    """Short names of a model's parts (its lists of blocks) for the plan: the first component
+    of their paths that differs ("model.vision_tower.encoder.layers",
+    "model.language_model.layers" -> "vision_tower", "language_model"); "blocks" for a model of
+    one part."""
+    parts = list(dict.fromkeys(parts))
+    if len(parts) < 2:
+        return {p: "blocks" for p in parts}
+    split = [p.split(".") for p in parts]
+    common = 0
+    while all(len(s) > common + 1 for s in split) and len({s[common] for s in split}) == 1:
+        common += 1
+    labels = {p: s[common] for p, s in zip(parts, split)}
+    if len(set(labels.values())) < len(parts):  # they differ only further in: the whole rest
+        labels = {p: ".".join(s[common:]) for p, s in zip(parts, split)}
+    return labels

@@ -22,12 +22,17 @@ Collectives inserted, as named call nodes:
   tp_all_reduce(y)  after each row-parallel linear, before its bias is added
   tp_grad_sum(w)    on the weights of replicated k/v projections (uneven GQA only), and on
                     whole parameters applied to sharded values (per-head q/k norms)
+  tp_gather(y)      after a column-parallel linear whose output is needed whole (a DiT's adaLN
+                    modulation, cut into parts that scale and shift replicated values:
+                    passes.rewrite.tp_gather says why that is exact and what it costs)
   tp_sum(s)         after a sum or mean over the sharded features (passes.rewrite.tp_dataflow finds
                     them: an RMSNorm over all heads, OLMo-2's q/k norms), a mean then divided
                     by tp; that norm's weight is sharded like the features
 so each attention and MLP pair costs one all-reduce forward and one backward, and each norm over
 all heads one more of each. A constant per head built outside the layer (BLOOM's ALiBi bias) is
-read per rank: unflatten / narrow / flatten to the rank's heads, no communication.
+read per rank: unflatten / narrow / flatten to the rank's heads, no communication; a whole value
+per head with a gradient (T5's relative position bias, from a trained embedding) the same way
+after a tp_copy, whose backward all-reduce sums the ranks' parts of its gradient.
 
 Inserted nodes are tagged with their layer; afterwards node.meta["val"] holds local shapes
 (`passes.rewrite.sharding.localize_shapes`).
@@ -50,6 +55,7 @@ from passes.rewrite.sharding import (_RESHAPES, LAYER, LinearSite, ShardingError
                              replace_param, shard_of, shard_param, shard_specs, tag_layers)
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
+from passes.rewrite.tp_gather import gather_column
 from runtime.comm import collectives
 from runtime.training import rng
 
@@ -115,7 +121,10 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
     for path, dim in found.cut_params.items():  # weights of norms over all heads' features
         replace_param(gm, path, shard_of(get_param(gm, path), ShardSpec(dim, tp, rank), path,
                                          layer))
-    for (user, whole), (dim, heads) in found.sliced.items():  # constants per head (ALiBi)
+    copies: dict[fx.Node, fx.Node] = {}  # whole values with a gradient -> their tp_copy
+    for (user, whole), (dim, heads) in found.sliced.items():  # values per head (ALiBi, T5)
+        if (user, whole) in found.copied:
+            whole = _copy_once(gm, user, whole, copies, layer, group)
         _take_heads(gm, user, whole, dim, heads, tp, rank, layer)
     sharded: set[fx.Node] = set()
     selected: set[fx.Node] = set()  # kv heads taken from a replicated projection: already local
@@ -138,6 +147,8 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
                 taken = _make_replicated(gm, site, layer, replicated[node], group)
                 sharded.update(taken)
                 selected.update(taken)
+            elif node in found.gathered:  # needed whole (a DiT's modulation): tp_gather
+                gather_column(gm, site, layer, tp, rank, group)
             else:
                 make_column(gm, site, layer, tp, rank)
                 sharded.add(node)
@@ -188,8 +199,21 @@ def _take_heads(gm, user: fx.Node, whole: fx.Node, dim: int, heads: int, tp: int
         mine = graph.call_function(torch.narrow, (split, dim + 1, rank * local, local))
         taken = graph.call_function(torch.flatten, (mine, dim, dim + 1))
     for new in (split, mine, taken):
-        new.meta = {LAYER: layer, CONSTANT: True}
+        new.meta = {LAYER: layer, **({CONSTANT: True} if whole.meta.get(CONSTANT) else {})}
     user.replace_input_with(whole, taken)
+
+
+def _copy_once(gm, user: fx.Node, whole: fx.Node, copies: dict, layer: str,
+               group: str) -> fx.Node:
+    """`whole` read through tp_copy (one per value and layer): a whole value with a gradient
+    (T5's position bias) of which each rank takes its heads, so that the gradient coming back -
+    on each rank its heads' part - is summed over the group, whole again for what computed it."""
+    if whole not in copies:
+        with gm.graph.inserting_before(user):
+            copies[whole] = gm.graph.call_function(collectives.tp_copy, (whole, group, layer))
+        copies[whole].meta = {**whole.meta, LAYER: layer}
+    user.replace_input_with(whole, copies[whole])
+    return copies[whole]
 
 
 def _sum_over_group(gm, node: fx.Node, op: str, layer: str, tp: int, group: str) -> None:
@@ -225,6 +249,8 @@ def _from_params_only(gm, node: fx.Node) -> bool:
             continue
         seen.add(current)
         if current.op == "placeholder" or len(seen) > 64:  # an activation, or too far to be one
+            return False
+        if current.target is collectives.tp_copy:  # each rank's part: its gradient summed there
             return False
         if current.op == "get_attr":
             trained = trained or _is_trained_param(gm, str(current.target))

@@ -32,7 +32,11 @@ row, which batched matmuls, elementwise ops and views that split the dimensions 
 which no linear may contract. A whole value computed from no input and no trained parameter
 (passes.capture.trace marks them: BLOOM's ALiBi bias, built before the blocks per batch row and head)
 that meets such a value along the sharded dimension is read per rank, its heads' part only
-(`Findings.sliced`).
+(`Findings.sliced`). So is a whole value that carries a gradient (T5's relative position bias,
+[1, heads, q, k] from a trained embedding in the first block, reused by every later one; an
+attention mask per head): it is the same on every rank, so each rank's part is exact forward, and
+read through tp_copy (`Findings.copied`) its gradient - on each rank only its heads' part - is
+summed over the group on the way back, whole again for what computed it.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import torch.nn as nn
 
 from passes.capture.trace import CONSTANT
 from passes.rewrite.sharding import ShardingError, chunk_user, linear_site
+from passes.rewrite.tp_gather import GatherNeeded, modulation_source
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "truediv", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
@@ -77,6 +82,10 @@ class Findings:
     # (node, whole constant operand) -> (its dim along the sharded one, heads in that dim):
     # each rank reads its heads' part
     sliced: dict[tuple[fx.Node, fx.Node], tuple[int, int]] = field(default_factory=dict)
+    # column-parallel linears whose output is all-gathered whole (passes.rewrite.tp_gather)
+    gathered: set[fx.Node] = field(default_factory=set)
+    # those of `sliced` that carry a gradient: read through tp_copy before their part is taken
+    copied: set[tuple[fx.Node, fx.Node]] = field(default_factory=set)
 
 
 def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -105,8 +114,9 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 class _Flow:
     """The walk over one layer: sharded dimension of each value (full-shape index)."""
 
-    def __init__(self, gm, layer: str, nodes: list[fx.Node], tp: int, whole_heads: set):
-        self.gm, self.layer, self.tp = gm, layer, tp
+    def __init__(self, gm, layer: str, nodes: list[fx.Node], tp: int, whole_heads: set,
+                 gathered: set = frozenset()):
+        self.gm, self.layer, self.tp, self.gathered = gm, layer, tp, gathered
         self.nodes = nodes
         self.inside = set(nodes)
         self.dim: dict[fx.Node, int] = {}
@@ -143,6 +153,8 @@ class _Flow:
     def _linear(self, node: fx.Node, site) -> None:
         x = site.x
         if x not in self.dim:  # column-parallel: output features sharded
+            if node in self.gathered:  # ... and gathered whole again (passes.rewrite.tp_gather)
+                return
             out = _val(node)
             if out is not None:
                 self.dim[node] = out.dim() - 1
@@ -219,6 +231,7 @@ class _Flow:
                         all(self.outer.get(x, 1) == 1 for x in sharded):
                     self.found.cut_params[str(a.target)] = aligned
                     continue
+                self._gather_instead(sharded)  # a modulation's part: gathered, not a cut
                 if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
                     continue
                 self.fail(node, f"combines a sharded value with {a.name}, which is whole along "
@@ -228,17 +241,20 @@ class _Flow:
             self.blocks.add(node)
 
     def _slices(self, node, a: fx.Node, v: torch.Tensor, dim: int, size: int, sharded) -> bool:
-        """A whole value computed from no input and no trained parameter (an ALiBi bias built
-        before the blocks), as long along `dim` as the sharded dimension it meets: each rank can
-        take its part of it (no gradient to sum)."""
+        """A whole value as long along `dim` as the sharded dimension it meets (an ALiBi bias
+        built before the blocks, T5's position bias): each rank can take its part of it; one
+        computed from no input and no trained parameter has no gradient to sum, any other is
+        read through tp_copy, which sums each rank's part of its gradient."""
         outers = {self.outer.get(x, 1) for x in sharded}
-        if v.shape[dim] != size or len(outers) != 1 or not self._constant(a):
+        if v.shape[dim] != size or len(outers) != 1:
             return False
         heads = size // outers.pop()
         if heads % self.tp:
             self.fail(node, f"meets {a.name}, whole along {heads} heads, which tp={self.tp} "
                             f"does not divide")
         self.found.sliced[(node, a)] = (dim, heads)
+        if not self._constant(a):
+            self.found.copied.add((node, a))
         return True
 
     def _constant(self, value: fx.Node, limit: int = 256) -> bool:
@@ -417,6 +433,7 @@ class _Flow:
     def _split(self, node, src, d) -> None:
         dim = _arg(node, 2, "dim", 0) % _val(src).dim()
         if dim == d and node not in self.fused_splits and not self._of_whole(src):
+            self._gather_instead([src], split=True)
             self.fail(node, f"splits the sharded dimension of {src.name} "
                             f"({op_name(self.gm, src)}); a split is cut per rank only where it "
                             f"reads a linear's output itself (a fused projection): split before "
@@ -424,6 +441,15 @@ class _Flow:
         if self._of_whole(src):
             self.whole_heads.add(node)
         self.dim[node] = d
+
+    def _gather_instead(self, sharded: list[fx.Node], split: bool = False) -> None:
+        """Where a column-parallel output's parts are refused, gather the linear whole instead
+        when the value is such a part (passes.rewrite.tp_gather): GatherNeeded reruns the check."""
+        for value in sharded:
+            linear = modulation_source(self.gm, value, op_name, split)
+            if linear is not None and linear in self.dim and \
+                    linear_site(self.gm, linear).x not in self.dim:
+                raise GatherNeeded(linear)
 
     def _of_whole(self, value: fx.Node) -> bool:
         """`value` is a projection kept whole (or views of it), whose parts each rank reads its
@@ -467,7 +493,9 @@ class _Flow:
         if isinstance(mask, fx.Node) and mask not in self.dim and _val(mask) is not None:
             m = _val(mask)
             aligned = heads - (_val(q).dim() - m.dim())
-            if aligned >= 0 and m.shape[aligned] > 1:
+            if aligned >= 0 and m.shape[aligned] > 1 and not (
+                    q in self.blocks and self._slices(node, mask, m, aligned,
+                                                      _val(q).shape[heads], [q])):
                 self.fail(node, f"adds a bias per head ({mask.name}) that is whole, not "
                                 f"sharded by heads")
         self.dim[node] = heads
@@ -519,7 +547,7 @@ class _Flow:
 
     def _baddbmm(self, node, src, d) -> None:
         """bias + a @ b (BLOOM's ALiBi scores): the product as a matmul; the bias as an
-        elementwise operand of it (sliced when whole and constant)."""
+        elementwise operand of it (sliced when whole)."""
         bias, a, b = node.args[:3]
         self._product(node, a, b)
         if not isinstance(bias, fx.Node):
@@ -546,6 +574,13 @@ def check_layer(gm: fx.GraphModule, layer: str, nodes: list[fx.Node], tp: int,
     given the sums and parameter cuts it returns (Findings) are added.
     `whole_heads`: linears kept whole on every rank, of whose output each selects whole heads
     (grouped-query k/v projections whose heads tp does not divide)."""
-    if tp > 1:
-        return _Flow(gm, layer, nodes, tp, whole_heads).run()
+    gathered: set[fx.Node] = set()
+    while tp > 1:
+        try:
+            found = _Flow(gm, layer, nodes, tp, whole_heads, gathered).run()
+        except GatherNeeded as need:  # one more linear gathered (each at most once)
+            gathered.add(need.linear)
+            continue
+        found.gathered = gathered
+        return found
     return Findings()

@@ -99,7 +99,7 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     import torch.distributed as dist
 
     from planner.api import ParallelModel
-    from planner.models.presets import ModelConfig, build_model, example_batch
+    from planner.models.presets import build_model, config_from_dict, example_batch
     from planner.training.local import make_optimizer
     from runtime.launch.ranks import init_from_env
     from runtime.observe.step_timing import StepClock, rank_record
@@ -109,7 +109,7 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     with open(plan_path) as f:
         plan = Plan.from_json(f.read())
     with open(config_path) as f:
-        config = ModelConfig(**json.load(f))
+        config = config_from_dict(json.load(f))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Built on the meta device: each rank materialises only its shard (planner.weights.materialize).
     model = build_model(config, device="meta")

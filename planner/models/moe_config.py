@@ -39,5 +39,6 @@ def preset_runs(cfg) -> tuple[int, tuple[tuple[int, int], ...] | None]:
 def captured_config(cfg):
     """The config preset_runs captures: its first `kinds` blocks, one dense where it has any."""
     kinds, _ = preset_runs(cfg)
-    return cfg.with_(layers=kinds, dense_layers=min(cfg.dense_layers, 1)) if cfg.experts \
-        else cfg.with_(layers=kinds)
+    if getattr(cfg, "experts", 0):  # (a DiT's config has no experts)
+        return cfg.with_(layers=kinds, dense_layers=min(cfg.dense_layers, 1))
+    return cfg.with_(layers=kinds)

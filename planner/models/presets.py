@@ -7,6 +7,9 @@ training computation.
 The code is written so that sharding does not require rewriting constants in the graph: head counts
 never appear in reshapes (`unflatten(-1, (-1, head_dim))`), the fused QKV projection is split with
 `chunk(3)` (a count, not a size), and the loss flattens with `flatten(0, 1)` instead of `view(-1, V)`.
+
+The diffusion transformers of planner.models.dit are presets too (`dit-tiny`, `dit-xl-2`): their
+`DiTConfig` goes wherever a ModelConfig does here, and builds its own model and batch.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planner.models.dit import DIT_PRESETS, DiTConfig
 from planner.models.moe_config import check_moe
 from planner.models.moe import MoELlama
 
@@ -133,31 +137,53 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_config(name: str | ModelConfig, **overrides) -> ModelConfig:
+# Every preset config: the language models above and the diffusion transformers
+# (planner.models.dit.DiTConfig, whose configs build and feed their own models).
+PRESET_CONFIGS = (ModelConfig, DiTConfig)
+
+
+def is_preset(model) -> bool:
+    """A preset's name or config (planned one block at a time), not a module."""
+    return isinstance(model, (str, *PRESET_CONFIGS))
+
+
+def get_config(name: str | ModelConfig | DiTConfig, **overrides) -> ModelConfig | DiTConfig:
     """A preset by name (with optional size overrides), or a config passed through."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if isinstance(name, ModelConfig):
+    if isinstance(name, PRESET_CONFIGS):
         base = name
-    elif name in PRESETS:
-        base = PRESETS[name]
+    elif name in PRESETS or name in DIT_PRESETS:
+        base = PRESETS.get(name) or DIT_PRESETS[name]
     else:
-        known = ", ".join(sorted(PRESETS))
+        known = ", ".join(sorted([*PRESETS, *DIT_PRESETS]))
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}")
     return base.with_(**overrides) if overrides else base
 
 
-def build_model(config: str | ModelConfig, device: str | torch.device = "cpu",
+def config_from_dict(data: dict) -> ModelConfig | DiTConfig:
+    """A preset config from `dataclasses.asdict` of one (the model.json that `fxpar run
+    --torchrun` and `fxpar bench` hand their ranks): a DiT's is the one with a latent size."""
+    return DiTConfig(**data) if "latent" in data else ModelConfig(**data)
+
+
+def build_model(config: str | ModelConfig | DiTConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     """Instantiate a model; on device="meta" no memory is allocated for weights."""
     config = get_config(config)
+    if isinstance(config, DiTConfig):
+        return config.model(device, dtype)
     cls = GPT if config.arch == "gpt" else Llama
     with torch.device(device):
         model = MoELlama(config, LlamaAttention) if config.experts else cls(config)
     return model.to(dtype)
 
 
-def example_batch(config: ModelConfig, batch: int, seed: int = 0, device="cpu"):
-    """Random (tokens, targets) of shape [batch, seq]."""
+def example_batch(config: ModelConfig | DiTConfig, batch: int, seed: int = 0, device="cpu",
+                  dtype: torch.dtype = torch.float32):
+    """Random (tokens, targets) of shape [batch, seq]; a DiT's (latents, timesteps, classes,
+    noise), its floating inputs in `dtype`."""
+    if isinstance(config, DiTConfig):
+        return config.example(batch, seed, device, dtype)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab, (batch, config.seq), generator=gen)
     targets = torch.randint(0, config.vocab, (batch, config.seq), generator=gen)

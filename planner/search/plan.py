@@ -7,6 +7,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from tabulate import tabulate
 
+from passes.capture.block_runs import part_labels
 from passes.stages.program import Layout
 from runtime.observe.memory_tracker import CATEGORIES
 
@@ -326,23 +327,6 @@ def _block_groups(layers) -> list[tuple[str, list[str]]]:
             groups.append((prefix, [number]))
     return groups
 
-
-def part_labels(parts) -> dict[str, str]:
-    """Short names of a model's parts (its lists of blocks) for the plan: the first component
-    of their paths that differs ("model.vision_tower.encoder.layers",
-    "model.language_model.layers" -> "vision_tower", "language_model"); "blocks" for a model of
-    one part."""
-    parts = list(dict.fromkeys(parts))
-    if len(parts) < 2:
-        return {p: "blocks" for p in parts}
-    split = [p.split(".") for p in parts]
-    common = 0
-    while all(len(s) > common + 1 for s in split) and len({s[common] for s in split}) == 1:
-        common += 1
-    labels = {p: s[common] for p, s in zip(parts, split)}
-    if len(set(labels.values())) < len(parts):  # they differ only further in: the whole rest
-        labels = {p: ".".join(s[common:]) for p, s in zip(parts, split)}
-    return labels
 
 
 def _strategies(strategies: tuple[str, ...]) -> str:

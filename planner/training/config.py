@@ -440,7 +440,12 @@ def check_together(config: TrainConfig) -> None:
             raise ConfigError(f"[model] {', '.join(sizes)} override a preset's sizes; a Hugging "
                               f"Face model takes them from its config.json")
     else:
+        from planner.models.dit import DIT_PRESETS
         from planner.models.presets import PRESETS
+        if m.preset in DIT_PRESETS:
+            raise ConfigError(f"[model] preset {m.preset!r} is a diffusion transformer: fxpar "
+                              f"train trains language models on token files; train it with "
+                              f"`fxpar run --model {m.preset}` or autoparallelize")
         if m.preset not in PRESETS:
             raise _unknown("preset", repr(m.preset), sorted(PRESETS))
     if not config.data.path:

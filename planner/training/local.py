@@ -33,10 +33,19 @@ class RunResult:
 
 
 def build(spec: ModelConfig | HFSpec):
-    """(model, global batch) from a spec, the same on every rank given the same seed."""
+    """(model, global batch) from a spec, the same on every rank given the same seed; a spec
+    other than a ModelConfig builds itself (HFSpec, MixedSpec, a DiT's DiTConfig)."""
     if isinstance(spec, ModelConfig):
         return build_model(spec), example_batch(spec, spec.global_batch)
     return spec.build()
+
+
+def tokens_in(config, batch: tuple) -> int:
+    """The tokens of a batch, what progress rates count: the first input's elements, or for a
+    model whose inputs are not sequences (a DiT's latents) its samples' patches."""
+    if getattr(config, "sequences", True):
+        return batch[0].numel()
+    return batch[0].shape[0] * config.seq
 
 
 def train_in_one_process(model: torch.nn.Module, batch: tuple, steps: int,
@@ -67,10 +76,10 @@ def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0,
                   progress: bool = False) -> RunResult:
     torch.manual_seed(seed)
     model, batch = build(config)
-    bar = Progress(steps, enabled=progress)
+    bar, tokens = Progress(steps, enabled=progress), tokens_in(config, batch)
     return train_in_one_process(
         model, batch, steps,
-        on_step=lambda seconds, loss: bar.update(tokens_per_s=batch[0].numel() / seconds,
+        on_step=lambda seconds, loss: bar.update(tokens_per_s=tokens / seconds,
                                                  loss=loss, label="one process"))
 
 
@@ -92,7 +101,7 @@ def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
     for _ in range(steps):
         start = time.perf_counter()
         losses.append(pm.train_step(*batch))
-        bar.update(tokens_per_s=batch[0].numel() / (time.perf_counter() - start),
+        bar.update(tokens_per_s=tokens_in(config, batch) / (time.perf_counter() - start),
                    loss=losses[-1], label=f"{plan.gpus} ranks")
         if with_grads:
             grads.append(pm.full_grad_dict())

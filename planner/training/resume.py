@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from planner.models.dit import DiTConfig
 from planner.models.presets import ModelConfig
 from planner.search.plan import Plan
-from planner.training.local import build, make_optimizer, print_comparison
+from planner.training.local import build, make_optimizer, print_comparison, tokens_in
 from runtime.launch.ranks import run_local
 from runtime.launch.progress import Progress
 
@@ -34,6 +35,15 @@ def batch_at(batch: tuple[torch.Tensor, ...], vocab: int, position: int):
     like `batch`."""
     gen = torch.Generator().manual_seed(1_000_003 + position)
     return tuple(torch.randint(0, vocab, t.shape, generator=gen) for t in batch)
+
+
+def _batches(config, model, batch):
+    """position -> the global batch at that data position: random tokens (batch_at), or a DiT's
+    random latents, timesteps, classes and noise, seeded by the position alike."""
+    if isinstance(config, DiTConfig):
+        return lambda position: config.example(batch[0].shape[0], 1_000_003 + position)
+    vocab = _vocab(config, model)
+    return lambda position: batch_at(batch, vocab, position)
 
 
 def _vocab(config, model) -> int:
@@ -85,7 +95,7 @@ def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
 
     torch.manual_seed(seed)
     model, batch, source = _model(config, full=False)
-    vocab = _vocab(config, model)
+    draw = _batches(config, model, batch)
     plan = Plan.from_json(plan_json)
     pm = ParallelModel(model, plan, [], batch, optimizer_factory(optimizer), **source)
     if resume:
@@ -94,9 +104,9 @@ def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
     bar = Progress(max(steps - first, 0), enabled=progress and dist.get_rank() == 0)
     while pm.step < steps:
         start = time.perf_counter()
-        tokens = batch_at(batch, vocab, pm.data_position)
+        tokens = draw(pm.data_position)
         losses.append(pm.train_step(*tokens))
-        bar.update(tokens_per_s=tokens[0].numel() / (time.perf_counter() - start),
+        bar.update(tokens_per_s=tokens_in(config, tokens) / (time.perf_counter() - start),
                    loss=losses[-1], label=f"{plan.gpus} ranks, step {pm.step}")
         if save_every and pm.step % save_every == 0:
             saved.append(pm.save(checkpoint.step_dir(root, pm.step)))
@@ -122,11 +132,11 @@ def reference_steps(config, steps: int, optimizer: str = "sgd",
     """The same steps in one process: the same initial model, batches and optimizer."""
     torch.manual_seed(seed)
     model, batch, _ = _model(config, full=True)
-    vocab = _vocab(config, model)
+    draw = _batches(config, model, batch)
     opt = optimizer_factory(optimizer)(list(model.parameters()))
     losses, position = [], 0
     for _ in range(steps):
-        tokens = batch_at(batch, vocab, position)
+        tokens = draw(position)
         opt.zero_grad()
         loss = model(*tokens)
         loss.backward()

@@ -15,6 +15,8 @@ Tensor-parallel (Megatron f / g):
   tp_copy        identity forward, all-reduce of the gradient backward (enter a TP region)
   tp_all_reduce  all-reduce forward, identity backward (leave it: sum row-parallel partials)
   tp_grad_sum    as tp_copy, for a replicated weight whose gradient each rank holds only in part
+  tp_gather      all-gather forward, this rank's block of the (replicated) gradient backward:
+                 a column-parallel output needed whole (passes.rewrite.tp_gather)
   tp_sum         all-reduce forward and all-reduce of the gradient backward: a sum over the
                  sharded features (a norm's statistics over all heads), which every rank then
                  applies to its own shard, so each holds only its part of the sum's gradient
@@ -289,6 +291,14 @@ def sp_gather(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
     return _resequence(x, group, tag, parts, dim, "gather", "take")
 
 
+def tp_gather(x, group: str, tag: str = "", parts: int = 1, dim: int = 1):
+    """A column-parallel output whose every consumer needs it whole (a DiT's modulation, whose
+    parts scale and shift replicated values): all-gather its feature blocks forward. Backward,
+    its gradient is the same on every rank (it comes from replicated consumers), so each keeps
+    its own block of it - no sum, which would multiply the gradient by the group's size."""
+    return _resequence(x, group, tag, parts, dim, "gather", "take")
+
+
 def whole_sequence(x: torch.Tensor, group: str, tag: str = "", parts: int = 1,
                    layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """A model input's whole sequence (dim 1) from the shards of the cp group (runtime.programs.token_split's
@@ -346,5 +356,6 @@ sp_all_gather._fxpar_collective = "all_gather"
 sp_reduce_scatter._fxpar_collective = "reduce_scatter"
 sp_scatter._fxpar_collective = "all_gather_backward"
 sp_gather._fxpar_collective = "all_gather"
+tp_gather._fxpar_collective = "all_gather"
 group_sum._fxpar_collective = "all_reduce"
 whole_sequence._fxpar_collective = "all_gather"

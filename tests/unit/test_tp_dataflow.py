@@ -71,7 +71,7 @@ class NormedHiddenBlock(nn.Module):
 
 
 class HeadBiasBlock(nn.Module):
-    """Attention with a bias per head (ALiBi-like) held whole on every rank."""
+    """Attention with a trained bias per head (ALiBi-like) held whole on every rank."""
 
     def __init__(self, heads: int = 4):
         super().__init__()
@@ -160,17 +160,31 @@ class AlibiChain(_Chain):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_constant_bias_per_head_is_read_per_rank(batch):
+def test_a_bias_per_head_is_read_per_rank(batch):
     """Batch and heads merged into one dimension keep each rank's heads in every batch row; a
-    bias computed from constants before the blocks is then read per rank, one computed from a
-    trained parameter is refused."""
+    bias computed from constants before the blocks is then read per rank with no communication,
+    one computed from a trained parameter through tp_copy, whose backward all-reduces the bias
+    ([batch x heads, 1, seq] fp32) so that each rank's part of its gradient is summed."""
     tokens = torch.zeros(batch, SEQ, dtype=torch.long)
-    costs = ModelCosts(capture(AlibiChain(), (tokens, tokens)), 3, 4)
+    bias_bytes = 4 * batch * 4 * SEQ
+    grads = {}
+    for learned in (False, True):
+        costs = ModelCosts(capture(AlibiChain(learned=learned), (tokens, tokens)), 3, 4)
+        for tp in (2, 4):
+            assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
+        grads[learned] = sorted(c.nbytes for c in costs.block_profile(2).collectives
+                                if c.phase == "bwd")
+    assert grads[True] == sorted(grads[False] + [bias_bytes])
+
+
+def test_a_trained_bias_per_head_given_to_attention_is_read_per_rank():
+    """A trained parameter per head as SDPA's additive mask (T5's position bias is one made from
+    an embedding) is read through tp_copy, then each rank's heads of it."""
+    costs = _costs(_Chain(HeadBiasBlock))
     for tp in (2, 4):
-        assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
-    costs = ModelCosts(capture(AlibiChain(learned=True), (tokens, tokens)), 3, 4)
-    assert costs.block_profile(2) is None
-    assert "not sharded by heads" in costs.tp_errors[2]
+        profile = costs.block_profile(tp)
+        assert profile is not None, costs.tp_errors.get(tp)
+        assert 4 * 4 * SEQ * SEQ in [c.nbytes for c in profile.collectives if c.phase == "bwd"]
 
 
 def _costs(model) -> ModelCosts:
@@ -183,7 +197,6 @@ def _costs(model) -> ModelCosts:
     (RoutedBlock, "reduces or normalises over the sharded dimension"),
     (HalfBlock, "leaves the layer"),
     (NormedHiddenBlock, "normalises over the sharded dimension"),
-    (HeadBiasBlock, "bias per head"),
 ])
 def test_layers_that_tp_would_get_wrong_are_refused(block, words):
     costs = _costs(_Chain(block))
