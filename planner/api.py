@@ -190,7 +190,7 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "
                          "global batch on dim 0")
-    captured = capture(model, capture_inputs(model, tuple(x[:1] for x in example_inputs)))
+    captured = _capture(model, capture_inputs(model, tuple(x[:1] for x in example_inputs)))
     batch = global_batch or example_inputs[0].shape[0]
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 and sequences else 1
     dtype_bytes = next(model.parameters()).element_size()
@@ -201,6 +201,15 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     if callable(own_notes):
         costs.structure_notes += tuple(own_notes(example_inputs))
     return costs, getattr(model, "fxpar_name", type(model).__name__), batch, seq
+
+
+def _capture(model: torch.nn.Module, inputs: tuple, parts=None):
+    """capture, with a vision-language model's count of image tokens checked per sample in the
+    graph (planner.models.hf_vlm.fixed_image_merge: transformers counts them from the tokens'
+    values, which cannot be captured); the ranks run the captured graph, check included."""
+    from planner.models.hf_vlm import fixed_image_merge
+    with fixed_image_merge(model):
+        return capture(model, inputs, parts=parts)
 
 
 class ParallelModel:
@@ -290,7 +299,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
     values = value_source(model, weights, seed)  # None: sharded from the model's own weights
     micro = capture_inputs(model, tuple(x[: plan.micro_batch] for x in example_inputs))
-    captured = capture(model, micro, parts=plan.parts() or None)
+    captured = _capture(model, micro, parts=plan.parts() or None)
     layout = plan.layout()
     if len(captured.layers) != sum(layout.stage_sizes):
         raise ValueError(f"the plan covers {sum(layout.stage_sizes)} layers, the model has "

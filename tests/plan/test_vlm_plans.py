@@ -88,3 +88,13 @@ def test_a_llava_7b_config_plans_per_part_on_64_gpus(capsys):
     assert rows["vision_tower"][1] == "24" and rows["language_model"][1] == "32"
     assert rows["vision_tower"][2].startswith("0")  # the tower first, the decoder after it
     assert int(rows["language_model"][2].split("-")[-1]) >= 1
+
+
+def test_a_transformers_model_given_as_it_is_plans_with_its_loss_function():
+    """The raw LlavaForConditionalGeneration with loss_fn=causal_lm_loss: its data-dependent
+    count of image tokens is replaced for the capture, as for HFVisionLM."""
+    from planner.models.loss import causal_lm_loss
+    model, (tokens, images, targets) = _llava()
+    chosen = plan(model.model, 4, (tokens, images, targets), cluster="cpu-gloo",
+                  loss_fn=causal_lm_loss)[0]
+    assert any("language_model" in layer for stage in chosen.stages for layer in stage.layers)
