@@ -158,9 +158,17 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
     paligemma, ...: planner.models.hf_vlm) with a small vision tower beside."""
     from planner.models import hf_seq2seq, hf_vlm
     if hf_vlm.is_vision_language_arch(arch):  # gemma3 is also a causal LM: of text and images
-        return hf_vlm.from_config(hf_vlm.small_config(
-            arch, functools.partial(small_config, text_part=True), **overrides))
-    if arch not in architectures() and arch in hf_seq2seq.architectures():  # t5, bart, ...
+        config = hf_vlm.small_config(arch, functools.partial(small_config, text_part=True),
+                                     **overrides)
+        try:
+            return hf_vlm.from_config(config)
+        except ValueError:  # fxpar's refusals, one line already
+            raise
+        except Exception as err:  # noqa: BLE001 - the family's own code at fxpar's small sizes
+            raise ValueError(f"{arch}: transformers cannot build it at fxpar's small sizes "
+                             f"({_one_line(err, 200)}); plan its config.json with --hf-config"
+                             ) from None
+    if not is_causal(arch) and hf_seq2seq.is_seq2seq_arch(arch):  # t5, bart, ...
         return hf_seq2seq.build_seq2seq(arch, **overrides)
     return from_config(small_config(arch, **overrides))
 

@@ -125,10 +125,20 @@ class HFVisionLM(torch.nn.Module):
         counted: list[int] = []
         config = self.model.config
         device = next(self.model.parameters()).device  # meta for a model without weights
-        with FakeTensorMode(allow_non_fake_inputs=True), _counting(self.model, counted):
-            tokens = torch.full((1, 2), config.image_token_id, dtype=torch.long, device=device)
-            self.model(input_ids=tokens, use_cache=False,
-                       pixel_values=torch.zeros(self.image_shape(1), device=device))
+        shape = self.image_shape(1)
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), _counting(self.model, counted):
+                tokens = torch.full((1, 2), config.image_token_id, dtype=torch.long,
+                                    device=device)
+                self.model(input_ids=tokens, use_cache=False,
+                           pixel_values=torch.zeros(shape, device=device))
+        except Exception as err:  # noqa: BLE001 - any failure of the family's own code
+            first = " ".join(str(err).split())[:200] or type(err).__name__
+            raise ValueError(f"{type(self.model).__name__} does not encode an image of shape "
+                             f"{list(shape)} as pixel_values on fake tensors "
+                             f"({type(err).__name__}: {first}); fxpar trains vision-language "
+                             f"models whose images make a fixed number of tokens "
+                             f"({', '.join(FAMILIES)})") from None
         if not counted:
             raise ValueError(f"{type(self.model).__name__} did not merge image features "
                              f"through get_placeholder_mask: fxpar cannot place its image "
@@ -137,7 +147,13 @@ class HFVisionLM(torch.nn.Module):
 
     def image_shape(self, batch: int) -> tuple[int, ...]:
         vision = self.model.config.vision_config
-        size = vision.image_size
+        size = getattr(vision, "image_size", None)
+        if size is None:
+            raise ValueError(f"{type(self.model).__name__}'s vision config "
+                             f"({type(vision).__name__}) states no image_size: its images may "
+                             f"be of any size, which fxpar cannot capture as a shape; it trains "
+                             f"vision-language models of fixed-size images "
+                             f"({', '.join(FAMILIES)})")
         height, width = (size, size) if isinstance(size, int) else tuple(size)
         return (batch, vision.num_channels, height, width)
 
@@ -224,6 +240,11 @@ def small_config(arch: str, small_text, **overrides):
     if arch in hf_qwen_vl.MODEL_TYPES:  # its vision config has other fields: its own sizes
         return hf_qwen_vl.small_config(arch, small_text, **overrides)
     defaults = tf.AutoConfig.for_model(arch)
+    if getattr(defaults.vision_config, "image_size", None) is None:
+        raise ValueError(f"{arch}'s vision config ({type(defaults.vision_config).__name__}) "
+                         f"states no image_size: its images may be of any size, which fxpar "
+                         f"cannot capture as a shape; it trains vision-language models of "
+                         f"fixed-size images ({', '.join(FAMILIES)})")
     text = {k: v for k, v in overrides.items() if not k.startswith("vision_")}
     vision = {k.removeprefix("vision_"): v for k, v in overrides.items()
               if k.startswith("vision_")}
@@ -270,6 +291,12 @@ def from_config(config) -> HFVisionLM:
         return hf_qwen_vl.from_config(config)
     model_cls = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     attention = (hf_attention.register() if getattr(model_cls, "_supports_attention_backend",
-                                                    False) else "sdpa")
-    return HFVisionLM(tf.AutoModelForImageTextToText.from_config(
-        config, attn_implementation=attention))
+                                                    False)
+                 else "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager")
+    try:
+        model = tf.AutoModelForImageTextToText.from_config(config, attn_implementation=attention)
+    except ValueError as err:  # a part without SDPA (GOT-OCR2's vision encoder): eager
+        if "attention implementation" not in str(err):
+            raise
+        model = tf.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    return HFVisionLM(model)
