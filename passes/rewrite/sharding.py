@@ -13,6 +13,8 @@ rewriting, rewriting literal sizes of views and expands that still name a full (
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import operator
 from dataclasses import dataclass
@@ -270,8 +272,22 @@ def localize_shapes(gm: fx.GraphModule, inputs: tuple | None = None) -> None:
         inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [torch.zeros(v.shape, dtype=v.dtype, device=device) if isinstance(v, torch.Tensor)
               else v for v in inputs]
-    _Localize(gm, full).propagate(*inputs)
+    with _quiet_fake_tensor_log():
+        _Localize(gm, full).propagate(*inputs)
     gm.recompile()
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """A node that does not run on the sharded shapes is a ShardingError naming it (a probe of a
+    split that cannot work expects some); torch's fake-tensor mode would also log each such
+    failure at ERROR, with a traceback, on the user's terminal."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    before, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = before
 
 
 class _Localize(FakeTensorProp):

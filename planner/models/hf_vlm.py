@@ -182,7 +182,8 @@ def _check_fixed_images(model: torch.nn.Module) -> None:
     """Families whose images make a number of tokens that values decide are refused: fxpar
     captures shapes. The sign is what their image encoder needs beside the pixels: image_sizes
     (tiles of any resolution: LLaVA-NeXT, Pixtral), a patch grid per image (image_grid_thw:
-    Qwen2-VL's images of any size), a mask of which images are padding (Idefics 3)."""
+    GLM-4V's images of any size; Qwen2-VL's train at one size: planner.models.hf_qwen_vl), a mask
+    of which images are padding (Idefics 3)."""
     import inspect
     encode = getattr(model.base_model, "get_image_features", None)
     if encode is None:

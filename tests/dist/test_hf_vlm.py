@@ -2,7 +2,8 @@
 projector, a decoder), built small with no download: trained on 4 gloo ranks against one
 process (losses, every gradient, the final parameters, rtol 1e-5) with the vision tower's blocks
 and the decoder's split into one chain of pipeline stages; under tp=2 x pp=2 every family and
-under dp=2 x pp=2 Llava."""
+under dp=2 x pp=2 Llava. Qwen2-VL and Qwen2.5-VL (planner.models.hf_qwen_vl: images of one grid,
+M-RoPE positions as an input) the same way, Qwen2-VL also under dp=2 x pp=2."""
 import pytest
 import torch
 
@@ -34,3 +35,23 @@ def test_trains_like_one_process(pool4, arch, fix):
     parallel = run_parallel(spec, chosen, 2, pool4)
     assert_same_run(parallel, reference_run(spec, 2), atol=ATOL.get(arch, 1e-6),
                     what=f"{arch} tp={chosen.tp} dp={chosen.dp}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("arch,fix", [("qwen2_vl", TP), ("qwen2_vl", DP), ("qwen2_5_vl", TP)],
+                         ids=["qwen2_vl-tp", "qwen2_vl-dp", "qwen2_5_vl-tp"])
+def test_qwen_vl_trains_like_one_process(pool4, arch, fix):
+    """Each micro-batch carries its samples' pixels ([batch, patches, ...]) and M-RoPE
+    positions ([batch, 3, seq]); the vision blocks (Qwen2.5-VL's windowed one among them) and
+    the decoder's are split by tp, the chain cut between them."""
+    spec = HFSpec(arch, global_batch=4)
+    torch.manual_seed(0)
+    model, batch = build(spec)
+    chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
+    first, last = chosen.stages[0].layers, chosen.stages[-1].layers
+    assert any("visual" in n for n in first) and any("language_model" in n for n in last), chosen
+    blocks = [x for stage in chosen.stages for n, x in zip(stage.layers, stage.strategies)
+              if n not in ("embed", "head")]
+    assert blocks == (["tp"] if chosen.tp > 1 else ["none"]) * 4, chosen
+    parallel = run_parallel(spec, chosen, 2, pool4)
+    assert_same_run(parallel, reference_run(spec, 2), what=f"{arch} tp={chosen.tp} dp={chosen.dp}")

@@ -69,12 +69,54 @@ def test_a_block_kind_tp_cannot_split_runs_whole_beside_tensor_parallel_ones():
 
 
 @pytest.mark.parametrize("arch,cause", [("llava_next", "image_sizes"),
-                                        ("smolvlm", "pixel_attention_mask"),
-                                        ("qwen2_vl", "image_grid_thw")])
+                                        ("smolvlm", "pixel_attention_mask")])
 def test_families_whose_images_make_value_shaped_tokens_are_refused(arch, cause):
     with pytest.raises(ValueError, match=f"encodes its images with {cause}.*fixed number"):
         with torch.device("meta"):
             build_hf(arch)
+
+
+def _qwen2_vl():
+    torch.manual_seed(0)
+    return build(HFSpec("qwen2_vl", global_batch=4))
+
+
+def test_qwen2_vl_plans_with_images_of_one_grid_as_two_parts():
+    """Its images' grid (image_grid_thw) is fixed by the image size: the vision tower's blocks
+    and the decoder's make one chain, each tensor-parallel, the merge with the last vision
+    block; the M-RoPE positions are an input, [batch, 3, seq]."""
+    model, batch = _qwen2_vl()
+    assert [tuple(x.shape) for x in batch] == [(4, 32), (4, 16, 96), (4, 3, 32), (4, 32)]
+    captured = capture(model, tuple(x[:1] for x in batch))
+    assert [p.rsplit(".", 2)[-2] for p in captured.parts] == ["visual", "language_model"]
+    merge = next(n.name for n in captured.gm.graph.nodes if "masked_scatter" in str(n.target))
+    assert captured.layer_of()[merge] == "model.model.visual.blocks.1"
+    chosen = plan(model, 4, batch, cluster="cpu-gloo",
+                  fix={"tp": 2, "pp": 2, "dp": 1, "mb": 2, "strategy": "tp"})[0]
+    strategies = [x for stage in chosen.stages for x in stage.strategies]
+    assert strategies == ["none", "tp", "tp", "tp", "tp", "none"]
+    assert any("images of 16x16 pixels" in note for note in chosen.notes)
+
+
+def test_qwen2_vl_context_parallel_is_refused_at_the_merge():
+    model, batch = _qwen2_vl()
+    with pytest.raises(PlanningError, match="masked_scatter"):
+        plan(model, 4, batch, cluster="cpu-gloo", fix={"cp": 2, "pp": 2, "dp": 1, "tp": 1})
+
+
+def test_a_qwen2_vl_7b_config_plans_per_part_on_64_gpus(capsys):
+    """The published config.json names no image size: 448x448 images, 256 tokens each."""
+    assert main(["plan", "--hf-config", "examples/configs/qwen2-vl-7b.json", "--gpus", "64",
+                 "--cluster", "h100-sxm-dgx", "--seq", "2048", "--global-batch", "128",
+                 "--fix", "pp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "8.29B parameters" in out
+    assert "images of 448x448 pixels: 32x32 patches, 256 image tokens" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(("visual ", "language_model "))}
+    assert rows["visual"][1] == "32" and rows["language_model"][1] == "28"
+    assert rows["visual"][2].startswith("0")  # the tower first, the decoder after it
+    assert int(rows["language_model"][2].split("-")[-1]) >= 1
 
 
 def test_a_llava_7b_config_plans_per_part_on_64_gpus(capsys):
