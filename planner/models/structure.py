@@ -22,9 +22,17 @@ def other_layer_lists(model: nn.Module, block_prefix: str) -> list[tuple[str, in
         if _inside(name, block_prefix) or any(_inside(name, other) for other, _, _ in found):
             continue
         layers = [m for m in module.children() if any(True for _ in m.parameters())]
-        if len(layers) >= 2 and len({type(m) for m in layers}) == 1:
+        if len(layers) >= 2 and len({type(m) for m in layers}) == 1 and all(
+                _is_block(m) for m in layers):
             found.append((name, len(layers), type(layers[0]).__name__))
     return found
+
+
+def _is_block(module: nn.Module) -> bool:
+    """A block holds two or more modules with parameters (attention, an MLP, norms); a list of
+    bare linears (a projector's MLP) is not a list of blocks."""
+    return sum(1 for m in module.modules() if m is not module
+               and any(True for _ in m.parameters(recurse=False))) >= 2
 
 
 def _inside(name: str, prefix: str) -> bool:
@@ -41,6 +49,7 @@ def structure_notes(model: nn.Module, parts: tuple[str, ...]) -> tuple[str, ...]
     named = ", ".join(f"{name} ({count} x {kind})" for name, count, kind in lists)
     split = " and ".join(parts)
     return (f"only {split} {'is' if len(parts) == 1 else 'are'} split into blocks and stages; "
-            f"{named} {'runs' if len(lists) == 1 else 'run'} inside the embedding or head "
-            f"layer, whole on its stage and priced there",)
+            f"{named} {'runs' if len(lists) == 1 else 'run'} whole inside the layer around "
+            f"{'it' if len(lists) == 1 else 'them'} (the embedding, the head or the block "
+            f"before), on its stage, and {'is' if len(lists) == 1 else 'are'} priced there",)
 
