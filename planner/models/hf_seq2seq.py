@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from planner.models import hf_attention
-from planner.models.hf import _is_dropout, _transformers
 from planner.models.hf_families import Family
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
@@ -60,27 +59,46 @@ _DERIVED = {
 _POSITIONS = ("max_position_embeddings", "n_positions", "max_encoder_position_embeddings")
 
 
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise RuntimeError("Hugging Face models need the optional extra: "
+                           "pip install 'fxpar[hf]'") from err
+    return transformers
+
+
+def _is_dropout(name: str, value) -> bool:
+    return (isinstance(value, float) and not isinstance(value, bool)
+            and ("dropout" in name or "pdrop" in name) and value > 0)
+
+
 def architectures() -> list[str]:
     """Every model_type of the installed transformers with a sequence-to-sequence LM that
     reads encoder tokens and decoder tokens (input_ids, decoder_input_ids) from one flat config;
     speech and multimodal models (their encoder reads features) and composite configs (an
     encoder config and a decoder config: EncoderDecoderModel, T5Gemma) are left out."""
     tf = _transformers()
-    found = []
-    for model_type, config_cls in tf.CONFIG_MAPPING.items():
-        if config_cls not in tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING or \
-                getattr(config_cls, "sub_configs", None):
-            continue
-        model_cls = tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[config_cls]
-        takes = inspect.signature(model_cls.forward).parameters
-        if "input_ids" in takes and "decoder_input_ids" in takes:
-            found.append(model_type)
-    return sorted(found)
+    return sorted(t for t, cls in tf.CONFIG_MAPPING.items() if _text_to_text(tf, cls))
+
+
+def is_seq2seq_arch(arch: str) -> bool:
+    """Whether `arch` is one of architectures(), importing only its own modules."""
+    tf = _transformers()
+    return arch in tf.CONFIG_MAPPING.keys() and _text_to_text(tf, tf.CONFIG_MAPPING[arch])
 
 
 def is_seq2seq(config) -> bool:
     """Whether a transformers config is of one of `architectures()`."""
-    return getattr(config, "model_type", None) in architectures()
+    return is_seq2seq_arch(getattr(config, "model_type", None))
+
+
+def _text_to_text(tf, config_cls) -> bool:
+    if config_cls not in tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING or \
+            getattr(config_cls, "sub_configs", None):
+        return False
+    takes = inspect.signature(tf.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[config_cls].forward)
+    return {"input_ids", "decoder_input_ids"} <= set(takes.parameters)
 
 
 # The families the tests train exactly against one process or plan (tests/dist/test_hf_seq2seq.py,
@@ -171,8 +189,8 @@ def small_seq2seq_config(arch: str, **fields):
     """`arch`'s config at the small sizes above, both sides alike; dropout off (an override
     gives any rate); token ids outside the small vocabulary moved to 0."""
     tf = _transformers()
-    known = architectures()
-    if arch not in known:
+    if not is_seq2seq_arch(arch):
+        known = architectures()
         close = difflib.get_close_matches(arch, known, n=3)
         raise ValueError(f"unknown encoder-decoder architecture {arch!r}: transformers "
                          f"{tf.__version__} has no text-to-text model of that model_type"
