@@ -67,19 +67,25 @@ def _base_model_class(tf, config_cls):
         else type(None)
 
 
-@contextlib.contextmanager
 def fixed_image_merge(model: torch.nn.Module):
     """While active, every `get_placeholder_mask` of `model`'s modules checks per sample (in
     the graph) instead of over the batch (in Python, on the tokens' values)."""
+    return _masks_by(model, _placeholder_mask)
+
+
+@contextlib.contextmanager
+def _masks_by(model: torch.nn.Module, method):
+    """While active, `method` is the get_placeholder_mask of every class of `model`'s modules
+    that has one."""
     owners = {type(m) for m in model.modules() if hasattr(type(m), "get_placeholder_mask")}
     saved = {cls: cls.get_placeholder_mask for cls in owners}
     for cls in owners:
-        cls.get_placeholder_mask = _placeholder_mask
+        cls.get_placeholder_mask = method
     try:
         yield
     finally:
-        for cls, method in saved.items():
-            cls.get_placeholder_mask = method
+        for cls, saved_method in saved.items():
+            cls.get_placeholder_mask = saved_method
 
 
 def _placeholder_mask(self, input_ids, inputs_embeds=None, image_features=None, **_):
@@ -208,7 +214,6 @@ _ALWAYS_READ = ("image_grid_thw", "pixel_attention_mask")  # read when given, ma
 FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava")
 
 
-@contextlib.contextmanager
 def _counting(model, counted: list[int]):
     """get_placeholder_mask records the image features' tokens per image, checks nothing."""
     def record(self, input_ids, inputs_embeds=None, image_features=None, **_):
@@ -216,15 +221,7 @@ def _counting(model, counted: list[int]):
             counted.append(image_features.numel() // inputs_embeds.shape[-1])
         return torch.zeros_like(input_ids, dtype=torch.bool).unsqueeze(-1).expand_as(
             inputs_embeds)
-    owners = {type(m) for m in model.modules() if hasattr(type(m), "get_placeholder_mask")}
-    saved = {cls: cls.get_placeholder_mask for cls in owners}
-    for cls in owners:
-        cls.get_placeholder_mask = record
-    try:
-        yield
-    finally:
-        for cls, method in saved.items():
-            cls.get_placeholder_mask = method
+    return _masks_by(model, record)
 
 
 def small_config(arch: str, small_text, **overrides):

@@ -7,16 +7,10 @@ model prices, the modulation's all-gather among them."""
 import pytest
 import torch
 
-from cost_model.hardware.cluster import get_cluster
-from cost_model.layers.layer_cost import price, profile_layer
-from cost_model.layers.strategy import Strategy
-from passes.capture.trace import capture
-from passes.stages.program import Layout, rank_programs
+from tests.harness.traffic import block_traffic
 from planner.api import plan
 from planner.models.presets import get_config
-from planner.training.local import assert_same_run, build, reference_run, run_parallel
-from runtime.comm import instrument
-from runtime.comm.mesh import Mesh, mesh_groups
+from planner.training.local import assert_same_run, reference_run, run_parallel
 from runtime.comm.wire import bytes_on_wire
 
 SPEC = get_config("dit-tiny").with_(zero_init=False, global_batch=8)
@@ -62,32 +56,13 @@ def test_trains_like_one_process(pool4, mesh):
     assert_same_run(run_parallel(SPEC, chosen, STEPS, pool4), _reference(), what=mesh)
 
 
-def _block_traffic(tp: int, mb: int) -> tuple[dict, dict]:
-    """One forward and backward of a micro-batch with every block tensor-parallel, pp=1: per
-    block the bytes this rank sent by kind, and what the cost model prices for it."""
-    torch.manual_seed(0)
-    model, batch = build(SPEC)
-    micro = tuple(x[:mb] for x in batch)
-    captured = capture(model, micro)
-    priced = {b.name: dict(price(profile_layer(captured, b, tp), Strategy.parse("tp"), mb,
-                                 get_cluster("cpu-gloo"), tp).comm_bytes)
-              for b in captured.blocks}
-    groups = mesh_groups(Mesh(1, 4 // tp, tp))
-    layout = Layout(tp, tuple((b.name, "tp") for b in captured.blocks), (len(captured.layers),))
-    program = rank_programs(captured, layout, groups.tp_index, (0,))[0]
-    with instrument.counting() as traffic:
-        out = program.gm(*micro)
-        (out[0] if isinstance(out, tuple) else out).backward()
-    return {b.name: traffic.layer(b.name) for b in captured.blocks}, priced
-
-
 @pytest.mark.dist
 def test_a_block_sends_what_is_priced(pool4):
     """Per block under tp=2: the attention's and the MLP's all-reduces ([mb, patches, hidden],
     one each way), the modulation's input gradient all-reduced backward ([mb, hidden]) and its
     [mb, 6 x hidden] output all-gathered forward; counted on the wire and priced alike."""
     mb, h, tp = 2, SPEC.hidden, 2
-    sent, priced = pool4.run(_block_traffic, tp, mb)[0]
+    sent, priced = pool4.run(block_traffic, SPEC, tp, mb)[0]
     reduce = bytes_on_wire("all_reduce", 4 * (4 * mb * SPEC.seq * h + mb * h), tp)
     gather = bytes_on_wire("all_gather", 4 * mb * 6 * h, tp)
     for block, counted in sent.items():

@@ -10,19 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.harness.traffic import block_traffic  # noqa: E402
 from planner.api import plan  # noqa: E402
 from planner.cli import main  # noqa: E402
 from planner.search.costs import PlanningError  # noqa: E402
 from planner.models.hf import small_config  # noqa: E402
 from planner.models.hf_families import FAMILIES  # noqa: E402
 from planner.training.local import HFSpec, assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
-from cost_model.hardware.cluster import get_cluster  # noqa: E402
-from cost_model.layers.layer_cost import price, profile_layer  # noqa: E402
-from cost_model.layers.strategy import Strategy  # noqa: E402
-from passes.capture.trace import capture  # noqa: E402
-from passes.stages.program import Layout, rank_programs  # noqa: E402
-from runtime.comm import instrument  # noqa: E402
-from runtime.comm.mesh import Mesh, mesh_groups  # noqa: E402
 from runtime.comm.wire import bytes_on_wire  # noqa: E402
 
 ARCHS = [f.arch for f in FAMILIES]
@@ -95,25 +89,6 @@ def _with_sequence_parallel(family, model, batch, fix: dict) -> dict:
     return fix
 
 
-def _block_traffic(arch: str, tp: int, mb: int) -> tuple[dict, dict]:
-    """One forward and backward of a micro-batch, every block tensor-parallel, pp=1: per block
-    the bytes this rank sent by kind, and what the cost model prices for it."""
-    torch.manual_seed(0)
-    model, batch = build(HFSpec(arch, global_batch=8, seq=32))
-    micro = tuple(x[:mb] for x in batch)
-    captured = capture(model, micro)
-    priced = {b.name: dict(price(profile_layer(captured, b, tp), Strategy.parse("tp"), mb,
-                                 get_cluster("cpu-gloo"), tp).comm_bytes)
-              for b in captured.blocks}
-    groups = mesh_groups(Mesh(1, 4 // tp, tp))
-    layout = Layout(tp, tuple((b.name, "tp") for b in captured.blocks), (len(captured.layers),))
-    program = rank_programs(captured, layout, groups.tp_index, (0,))[0]
-    with instrument.counting() as traffic:
-        out = program.gm(*micro)
-        (out[0] if isinstance(out, tuple) else out).backward()
-    return {b.name: traffic.layer(b.name) for b in captured.blocks}, priced
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("arch,strategy", [("bloom", "tp+sel"), ("gemma2", "tp+full")])
 def test_recomputed_eager_attention_trains_like_one_process(pool4, arch, strategy):
@@ -137,7 +112,7 @@ def test_a_norm_over_all_heads_sends_what_is_priced(pool4):
     the attention's and the MLP's all-reduces (one each way, [mb, seq, hidden]) and the
     norms' (two each way, [mb, seq, 1])."""
     mb, seq, hidden = 2, 32, 64
-    sent, priced = pool4.run(_block_traffic, "olmo2", 2, mb)[0]
+    sent, priced = pool4.run(block_traffic, HFSpec("olmo2", global_batch=8, seq=32), 2, mb)[0]
     expected = bytes_on_wire("all_reduce", 4 * 4 * mb * seq * (hidden + 1), 2)
     for block, counted in sent.items():
         assert counted == priced[block] == {"all_reduce": expected}, block

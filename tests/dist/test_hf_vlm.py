@@ -1,9 +1,11 @@
 """Vision-language Hugging Face families (planner.models.hf_vlm.FAMILIES: a vision tower, a
 projector, a decoder), built small with no download: trained on 4 gloo ranks against one
 process (losses, every gradient, the final parameters, rtol 1e-5) with the vision tower's blocks
-and the decoder's split into one chain of pipeline stages; under tp=2 x pp=2 every family and
-under dp=2 x pp=2 Llava. Qwen2-VL and Qwen2.5-VL (planner.models.hf_qwen_vl: images of one grid,
-M-RoPE positions as an input) the same way, Qwen2-VL also under dp=2 x pp=2."""
+and the decoder's split into one chain of pipeline stages; under tp=2 x pp=2 Llava, PaliGemma (a
+vision block tp cannot split runs whole beside split ones) and Gemma 3 (a pooling projector), and
+Llava under dp=2 x pp=2. Qwen2-VL and Qwen2.5-VL (planner.models.hf_qwen_vl: images of one grid,
+M-RoPE positions as an input) under tp=2 x pp=2. The other families of hf_vlm.FAMILIES train as
+exactly (docs/models.md); the suite keeps these for its time."""
 import pytest
 import torch
 
@@ -11,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from planner.api import plan  # noqa: E402
 from planner.models.hf import HFSpec  # noqa: E402
-from planner.models.hf_vlm import FAMILIES  # noqa: E402
 from planner.training.local import assert_same_run, build, reference_run, run_parallel  # noqa: E402,E501
 
 TP = {"tp": 2, "pp": 2, "dp": 1, "mb": 2, "schedule": "1f1b", "strategy": "tp"}
@@ -22,8 +23,9 @@ ATOL = {"gemma3": 1e-4}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("arch,fix", [(a, TP) for a in FAMILIES] + [("llava", DP)],
-                         ids=[f"{a}-tp" for a in FAMILIES] + ["llava-dp"])
+@pytest.mark.parametrize("arch,fix", [("llava", TP), ("paligemma", TP), ("gemma3", TP),
+                                      ("llava", DP)],
+                         ids=["llava-tp", "paligemma-tp", "gemma3-tp", "llava-dp"])
 def test_trains_like_one_process(pool4, arch, fix):
     spec = HFSpec(arch, global_batch=4)
     torch.manual_seed(0)
@@ -38,8 +40,8 @@ def test_trains_like_one_process(pool4, arch, fix):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("arch,fix", [("qwen2_vl", TP), ("qwen2_vl", DP), ("qwen2_5_vl", TP)],
-                         ids=["qwen2_vl-tp", "qwen2_vl-dp", "qwen2_5_vl-tp"])
+@pytest.mark.parametrize("arch,fix", [("qwen2_vl", TP), ("qwen2_5_vl", TP)],
+                         ids=["qwen2_vl-tp", "qwen2_5_vl-tp"])
 def test_qwen_vl_trains_like_one_process(pool4, arch, fix):
     """Each micro-batch carries its samples' pixels ([batch, patches, ...]) and M-RoPE
     positions ([batch, 3, seq]); the vision blocks (Qwen2.5-VL's windowed one among them) and
