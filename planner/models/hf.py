@@ -158,10 +158,9 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
     paligemma, ...: planner.models.hf_vlm) with a small vision tower beside."""
     from planner.models import hf_seq2seq, hf_vlm
     if hf_vlm.is_vision_language_arch(arch):  # gemma3 is also a causal LM: of text and images
-        config = hf_vlm.small_config(arch, functools.partial(small_config, text_part=True),
-                                     **overrides)
+        config = _vlm_small_config(arch, **overrides)
         try:
-            return hf_vlm.from_config(config)
+            return _vlm_from_config(config)
         except ValueError:  # fxpar's refusals, one line already
             raise
         except Exception as err:  # noqa: BLE001 - the family's own code at fxpar's small sizes
@@ -231,7 +230,7 @@ def build_hf_from_file(path: str) -> HFCausalLM:
         raise ValueError(f"{path}: transformers rejects the config: {_one_line(err)}") from None
     from planner.models import hf_vlm
     if hf_vlm.is_vision_language(config):
-        return _built(path, hf_vlm.from_config, config)
+        return _built(path, _vlm_from_config, config)
     from planner.models import hf_seq2seq
     if hf_seq2seq.is_seq2seq(config):  # before the causal LM: BART has a decoder-only one too
         return _built(path, hf_seq2seq.from_config, config)
@@ -240,6 +239,24 @@ def build_hf_from_file(path: str) -> HFCausalLM:
                          f"transformers (AutoModelForCausalLM); fxpar plans models that take "
                          f"tokens and return the loss")
     return _built(path, from_config, config)
+
+
+def _vlm_small_config(arch: str, **overrides):
+    """A vision-language arch at small sizes: Qwen2-VL's family of its own (a vision config of
+    other fields, planner.models.hf_qwen_vl), the others as planner.models.hf_vlm makes them."""
+    from planner.models import hf_qwen_vl, hf_vlm
+    text = functools.partial(small_config, text_part=True)
+    if arch in hf_qwen_vl.MODEL_TYPES:
+        return hf_qwen_vl.small_config(arch, text, **overrides)
+    return hf_vlm.small_config(arch, text, **overrides)
+
+
+def _vlm_from_config(config):
+    """The wrapped vision-language model of `config`: images of a fixed grid for Qwen2-VL's
+    family, fixed-size images merged through get_placeholder_mask for the others."""
+    from planner.models import hf_qwen_vl, hf_vlm
+    return (hf_qwen_vl.from_config(config) if hf_qwen_vl.handles(config)
+            else hf_vlm.from_config(config))
 
 
 def _built(path: str, build, config):

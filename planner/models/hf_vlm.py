@@ -234,9 +234,6 @@ def small_config(arch: str, small_text, **overrides):
     if not is_vision_language_arch(arch):
         raise ValueError(f"unknown vision-language architecture {arch!r}: transformers' are "
                          f"{', '.join(architectures())}")
-    from planner.models import hf_qwen_vl
-    if arch in hf_qwen_vl.MODEL_TYPES:  # its vision config has other fields: its own sizes
-        return hf_qwen_vl.small_config(arch, small_text, **overrides)
     defaults = tf.AutoConfig.for_model(arch)
     if getattr(defaults.vision_config, "image_size", None) is None:
         raise ValueError(f"{arch}'s vision config ({type(defaults.vision_config).__name__}) "
@@ -284,9 +281,7 @@ def from_config(config) -> HFVisionLM:
     """The model of `config` with planner.models.hf_attention's SDPA (the decoder's plain causal
     attention stays is_causal; the vision tower's has no mask)."""
     tf = _transformers()
-    from planner.models import hf_attention, hf_qwen_vl
-    if hf_qwen_vl.handles(config):  # images of a fixed grid: its own wrapper
-        return hf_qwen_vl.from_config(config)
+    from planner.models import hf_attention
     model_cls = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     attention = (hf_attention.register() if getattr(model_cls, "_supports_attention_backend",
                                                     False)
