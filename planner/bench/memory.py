@@ -109,6 +109,11 @@ def meta_model(spec, lazy_batch: bool = False):
     if isinstance(spec, ModelConfig):
         batch = lambda: example_batch(spec, spec.global_batch)  # noqa: E731
         return build_model(spec, device="meta"), batch if lazy_batch else batch()
+    if callable(getattr(spec, "model", None)) and callable(getattr(spec, "example", None)):
+        # a spec that builds its model on a device and its batch apart (a DiT)
+        model = spec.model(device="meta")
+        batch = lambda: spec.example(spec.global_batch)  # noqa: E731
+        return model, batch if lazy_batch else batch()
     with torch.device("meta"):
         model, _ = build(spec)
 
