@@ -59,7 +59,14 @@ def test_plan_check_dry_runs_every_rank_beside_the_prediction(capsys):
     out = capsys.readouterr().out
     table = out[out.index("dry run of the rank programs"):]
     assert [line.split()[0] for line in table.splitlines()[4:6]] == ["0", "1"]
-    assert "agree within 10% on every rank checked" in out
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "dit-tiny"])
+def test_plan_check_dry_runs_every_rank_beside_the_prediction_of_any_preset(model, capsys):
+    from planner.cli import main
+    assert main(["plan", "--model", model, "--gpus", "2", "--cluster", "cpu-gloo",
+                 "--fix", "pp=2", "--check"]) == 0
+    assert "agree within 10% on every rank checked" in capsys.readouterr().out
 
 
 def test_bench_memory_refuses_a_gpu_cluster(capsys):
