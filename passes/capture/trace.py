@@ -333,11 +333,14 @@ def _group_layers(gm: fx.GraphModule, prefixes: tuple[str, ...]) -> tuple[Layer,
     order = {block: i for i, block in enumerate(blocks)}
     first = next((i for i, n in enumerate(nodes) if n in assigned), len(nodes))
     last = max((i for i, n in enumerate(nodes) if n in assigned), default=-1)
+    ran = None  # the block whose node ran last, in graph order
     for i, n in enumerate(nodes):
+        if n in assigned and assigned[n] in order:
+            ran = assigned[n]
         if n in assigned or n.op in ("placeholder", "get_attr"):
             continue
         assigned[n] = ("embed" if i < first else "head" if i > last
-                       else _nearest_block(n, assigned, order))
+                       else _nearest_block(n, assigned, order, ran))
     for n in nodes:  # inputs and constants live with their first user
         if n.op in ("placeholder", "get_attr"):
             assigned[n] = next((assigned[u] for u in n.users if u in assigned), "embed")
@@ -346,14 +349,18 @@ def _group_layers(gm: fx.GraphModule, prefixes: tuple[str, ...]) -> tuple[Layer,
                  for i, name in enumerate(order) if name in assigned.values())
 
 
-def _nearest_block(node: fx.Node, assigned: dict, order: dict[str, int]) -> str:
-    """A node between blocks with no module of its own belongs to the latest layer that produced
-    one of its inputs (`x + block(x)` written in the parent goes with the block, not with x's
-    producer), so every layer only reads earlier ones. One that reads no block's output (a
-    decoder's embedding between an encoder and the decoder, the decoder's masks) is computed
-    with the embedding, on the first stage, and carried to the blocks that read it."""
-    producers = [assigned[arg] for arg in node.all_input_nodes if arg in assigned]
-    return max(producers, key=lambda layer: order.get(layer, -1), default="embed")
+def _nearest_block(node: fx.Node, assigned: dict, order: dict[str, int], ran: str) -> str:
+    """A node between blocks with no module of its own belongs to the block that ran last
+    before it when it reads some block's output (`x + block(x)` written in the parent goes with
+    the block; a projector after a vision tower with its last block): every layer then reads
+    earlier ones only, and each layer's nodes stay one stretch of the graph, as recomputing a
+    layer needs - also where the tower's last block is not the one whose output is read (Llava
+    reads the next-to-last). One that reads no block's output (a decoder's embedding between an
+    encoder and the decoder, the decoder's masks) is computed with the embedding, on the first
+    stage, and carried to the blocks that read it."""
+    if any(assigned.get(arg) in order for arg in node.all_input_nodes):
+        return ran
+    return "embed"
 
 
 def _make_layer(name: str, index: int, nodes: list[fx.Node], blocks: list[str]) -> Layer:
