@@ -180,9 +180,28 @@ class ModelCosts:
         tp ranks (passes.rewrite.sequence_parallel refuses the rest)."""
         if tp == 1 or self.block_profile(tp) is None:
             return False
-        return (all(self.block_profile(tp, k).sp_collectives is not None
-                    for k in range(len(self.kinds)) if self.shards(tp, k))
-                and seq % cp == 0 and (seq // cp) % tp == 0)
+        applies = [self.kind_sp(tp, k) for k in range(len(self.kinds)) if self.shards(tp, k)]
+        # a model of parts: kinds that cannot take it run tp alone beside those that do
+        taken = any(applies) if self._parts_may_differ() else all(applies)
+        return taken and seq % cp == 0 and (seq // cp) % tp == 0
+
+    def _sp_notes(self) -> list[str]:
+        """In a model of parts where some blocks take sequence parallelism: those that do not,
+        and why (they run tp alone, planner.search.problem.strategies)."""
+        notes = []
+        for tp in sorted(t for t in self._profiles if t > 1):
+            kinds = [k for k in range(len(self.kinds)) if self.shards(tp, k)]
+            if not self._parts_may_differ() or not any(self.kind_sp(tp, k) for k in kinds):
+                continue
+            for k in (k for k in kinds if not self.kind_sp(tp, k)):
+                notes.append(f"blocks of kind {k} ({self.kinds[k].name}) take no sequence "
+                             f"parallelism at tp={tp}: {self.block_profile(tp, k).sp_error}")
+            break  # the first tp says it; the reasons are the same sizes' at the others
+        return notes
+
+    def kind_sp(self, tp: int, kind: int) -> bool:
+        """Whether blocks of `kind` take sequence parallelism at tp (their rewrite applies)."""
+        return self.shards(tp, kind) and self.block_profile(tp, kind).sp_collectives is not None
 
     def sp_error(self, tp: int) -> str | None:
         """Why the blocks' sequence-parallel rewrite does not apply at tp (None where it does or
@@ -361,6 +380,7 @@ class ModelCosts:
             notes.append(f"blocks of kind {k} ({self.kinds[k].name}) run whole on every rank "
                          f"of the tp group at tp={'/'.join(map(str, sizes))}: "
                          f"{self.kind_tp_errors[k, sizes[0]]}")
+        notes += self._sp_notes()
         if len(self.kinds) > 1:
             notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
                          f"contiguous stages: {describe(self.captured.blocks)}")

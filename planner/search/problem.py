@@ -62,7 +62,7 @@ def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
     """The block strategies to consider at tp (and, given the model's costs, cp): the fix's, and
     with sequence parallelism only where the model's sequence admits it. For blocks of `kind`
     that tp does not divide where others do (costs.kind_tp_errors): whole on every rank of the
-    tp group."""
+    tp group; for blocks of a part that takes tp but not sequence parallelism: tp alone."""
     space = strategy_space(tp)
     if "strategy" in req.fix:  # a user-fixed strategy for every block (e.g. Megatron's "tp")
         fixed = Strategy.parse(req.fix["strategy"])
@@ -74,6 +74,9 @@ def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
         space = [s for s in space if not s.sp]
     if costs is not None and kind is not None and tp > 1 and not costs.shards(tp, kind):
         space = list(dict.fromkeys(Strategy(recompute=s.recompute) for s in space))
+    elif costs is not None and kind is not None and any(s.sp for s in space) and \
+            not costs.kind_sp(tp, kind):  # a part whose blocks take tp without sp
+        space = list(dict.fromkeys(Strategy(s.tp, False, s.recompute) for s in space))
     return space
 
 
