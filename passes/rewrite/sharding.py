@@ -473,3 +473,17 @@ def after_views(node: fx.Node) -> fx.Node:
     while len(node.users) == 1 and next(iter(node.users)).target in _RESHAPES:
         node = next(iter(node.users))
     return node
+
+
+def shard_outputs(gm: fx.GraphModule, site: LinearSite, spec: ShardSpec, module_cls,
+                  layer: str) -> None:
+    """Cut a linear's output features by `spec`: its module replaced by module_cls(module,
+    spec), or its weight replaced by its shard, and its bias by the same cut along dim 0."""
+    if site.module is not None:
+        gm.add_submodule(site.node.target, module_cls(site.module, spec))
+        return
+    replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
+                                            layer))
+    if site.bias is not None:
+        bias = ShardSpec(0, spec.parts, spec.index, spec.chunks, spec.pad)
+        replace_param(gm, site.bias, shard_of(get_param(gm, site.bias), bias, site.bias, layer))

@@ -52,7 +52,8 @@ from passes.capture.trace import CONSTANT
 from passes.rewrite.sharding import (_RESHAPES, LAYER, LinearSite, ShardingError, ShardSpec, after_views,
                              before_views, call_after, chunk_user, get_param, is_attention,
                              is_sdpa, lift_params, linear_site, localize_shapes, nodes_by_layer,
-                             replace_param, shard_of, shard_param, shard_specs, tag_layers)
+                             replace_param, shard_of, shard_outputs, shard_param, shard_specs,
+                             tag_layers)
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
@@ -273,16 +274,8 @@ def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int =
         parts = f" in {chunks} parts" if chunks > 1 else ""
         raise ShardingError(f"layer {layer}: {site.name} has {width} output features (dim "
                             f"{site.out_dim} of its weight){parts}, not divisible by tp={tp}")
-    spec = ShardSpec(site.out_dim, tp, rank, chunks, pad)
-    if site.module is not None:
-        gm.add_submodule(site.node.target, ColumnParallelLinear(site.module, spec))
-    else:
-        replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
-                                                layer))
-        if site.bias is not None:
-            bias = ShardSpec(0, tp, rank, chunks, pad)
-            replace_param(gm, site.bias, shard_of(get_param(gm, site.bias), bias, site.bias,
-                                                  layer))
+    shard_outputs(gm, site, ShardSpec(site.out_dim, tp, rank, chunks, pad), ColumnParallelLinear,
+                  layer)
     if cut and cut[2] is not None:  # split(size): each part shrinks with the shard
         cut[0].update_arg(1, cut[2] // tp)
 

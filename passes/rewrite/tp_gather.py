@@ -38,8 +38,8 @@ from typing import Callable
 import torch.fx as fx
 import torch.nn as nn
 
-from passes.rewrite.sharding import (LinearSite, ShardingError, ShardSpec, call_after, get_param,
-                                     linear_site, replace_param, shard_of, shard_param)
+from passes.rewrite.sharding import (LinearSite, ShardingError, ShardSpec, call_after,
+                                     linear_site, shard_outputs, shard_param)
 from runtime.comm import collectives
 
 _VIEWS = {"unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "flatten", "contiguous",
@@ -103,14 +103,6 @@ def gather_column(gm: fx.GraphModule, site: LinearSite, layer: str, tp: int, ran
         raise ShardingError(f"layer {layer}: {site.name} has {width} output features (dim "
                             f"{site.out_dim} of its weight), gathered whole after the linear, "
                             f"not divisible by tp={tp}")
-    spec = ShardSpec(site.out_dim, tp, rank)
-    if site.module is not None:
-        gm.add_submodule(site.node.target, GatheredLinear(site.module, spec))
-    else:
-        replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
-                                                layer))
-        if site.bias is not None:
-            replace_param(gm, site.bias, shard_of(get_param(gm, site.bias), ShardSpec(0, tp, rank),
-                                                  site.bias, layer))
+    shard_outputs(gm, site, ShardSpec(site.out_dim, tp, rank), GatheredLinear, layer)
     features = site.node.meta["val"].dim() - 1
     return call_after(gm, site.node, collectives.tp_gather, (group, layer, tp, features), layer)
