@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.models import hf_attention, hf_sinks
+from planner.models.hf_wrapper import HFWrapper
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
 # `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
@@ -55,14 +56,7 @@ def _transformers():
     return transformers
 
 
-class HFCausalLM(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    @property
-    def fxpar_name(self) -> str:
-        return type(self.model).__name__
+class HFCausalLM(HFWrapper):
 
     def forward(self, tokens, targets):
         """The mean cross-entropy of every position against `targets`, the token that follows

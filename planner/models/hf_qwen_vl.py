@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.models import hf_vlm
+from planner.models.hf_wrapper import HFWrapper
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 DEFAULT_IMAGE_SIZE = 448   # pixels, when the vision config names no image_size
@@ -129,20 +130,15 @@ def _mrope_section(half: int) -> list[int]:
     return [half - 2 * spatial, spatial, spatial]
 
 
-class HFQwenVisionLM(torch.nn.Module):
+class HFQwenVisionLM(HFWrapper):
     """(tokens, pixel_values, positions, targets) -> the mean cross-entropy of every position
     against its target, the next token (image positions included: give them -100 to leave them
     out). pixel_values [batch, patches, features]: each sample's image; positions [batch, 3, seq]:
     its M-RoPE positions (`positions(tokens)`)."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
+        super().__init__(model)
         self.grid = image_grid(model.config.vision_config)
-
-    @property
-    def fxpar_name(self) -> str:
-        return type(self.model).__name__
 
     def forward(self, tokens, pixel_values, positions, targets):
         self._check_shapes(tokens, pixel_values, positions)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from planner.models import hf_attention
 from planner.models.hf_families import Family
+from planner.models.hf_wrapper import HFWrapper
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
 # attribute_map translates them); both sides of the model take them. Any field can be
@@ -133,16 +134,9 @@ _FAMILY_INPUTS = {"longt5": ("attention_mask",), "switch_transformers": ("attent
                   "fsmt": ("decoder_attention_mask",)}
 
 
-class HFSeq2SeqLM(torch.nn.Module):
+class HFSeq2SeqLM(HFWrapper):
     """A transformers encoder-decoder LM trained on (tokens, decoder_tokens, targets)."""
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    @property
-    def fxpar_name(self) -> str:
-        return type(self.model).__name__
 
     def forward(self, tokens, decoder_tokens, targets):
         """The mean cross-entropy of every decoder position against `targets`. The decoder's

@@ -23,6 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from planner.models.hf_wrapper import HFWrapper
+
 # The vision tower at sizes that train on CPU ranks: 16x16 images of 4x4 patches (16 per image)
 VISION_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, image_size=16, patch_size=4)
@@ -101,19 +103,14 @@ def _placeholder_mask(self, input_ids, inputs_embeds=None, image_features=None, 
     return mask.unsqueeze(-1).expand_as(inputs_embeds)
 
 
-class HFVisionLM(torch.nn.Module):
+class HFVisionLM(HFWrapper):
     """(tokens, pixel_values, targets) -> the mean cross-entropy of every position against its
     target, the next token (image positions included: give them the loss's ignore index -100
     to leave them out)."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__()
         _check_fixed_images(model)
-        self.model = model
-
-    @property
-    def fxpar_name(self) -> str:
-        return type(self.model).__name__
+        super().__init__(model)
 
     def forward(self, tokens, pixel_values, targets):
         from planner.models.hf_attention import plain_positions
