@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.models import hf_attention, hf_sinks
-from planner.models.hf_wrapper import HFWrapper
+from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
 # `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
@@ -45,15 +45,6 @@ _DERIVED = {
     "topk_group": lambda s: 1,
     "first_k_dense_replace": lambda s: 1,   # dense first blocks, then MoE, within 2 layers
 }
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as err:
-        raise RuntimeError("Hugging Face models need the optional extra: "
-                           "pip install 'fxpar[hf]'") from err
-    return transformers
 
 
 class HFCausalLM(HFWrapper):

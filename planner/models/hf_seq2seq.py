@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from planner.models import hf_attention
 from planner.models.hf_families import Family
-from planner.models.hf_wrapper import HFWrapper
+from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
 # attribute_map translates them); both sides of the model take them. Any field can be
@@ -58,15 +58,6 @@ _DERIVED = {
 # Fields whose value is a number of tokens (a relative-position model has no table of positions;
 # the published T5 configs say n_positions).
 _POSITIONS = ("max_position_embeddings", "n_positions", "max_encoder_position_embeddings")
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as err:
-        raise RuntimeError("Hugging Face models need the optional extra: "
-                           "pip install 'fxpar[hf]'") from err
-    return transformers
 
 
 def _is_dropout(name: str, value) -> bool:

@@ -23,16 +23,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from planner.models.hf_wrapper import HFWrapper
+from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # The vision tower at sizes that train on CPU ranks: 16x16 images of 4x4 patches (16 per image)
 VISION_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, image_size=16, patch_size=4)
-
-
-def _transformers():
-    import transformers  # reached through planner.models.hf, which checks that it is installed
-    return transformers
 
 
 def architectures() -> list[str]:
