@@ -2,8 +2,8 @@
 
 Each case of planner.bench.memory_cases (data parallel at every ZeRO level and hybrid sharding,
 tensor and sequence parallel, each pipeline schedule, context and expert parallel, each
-recomputation, tied embeddings across stages, autocast mixed precision, three Hugging Face
-families) is planned on cpu-gloo, trained 2 steps under the tensor tracker on real gloo ranks
+recomputation, tied embeddings across stages, autocast mixed precision, bf16 with fp32 main
+weights, three Hugging Face families) is planned on cpu-gloo, trained 2 steps under the tensor tracker on real gloo ranks
 (the first step left out) and dry-run rank by rank on fake tensors. The table is the one in
 docs/fidelity.md ("Memory per rank"); tests/dist/test_memory.py holds every row to it.
 

@@ -297,6 +297,8 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
     groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
+    if options is not None and options.precision == "bf16-main":
+        model, example_inputs = in_compute_dtype(model, example_inputs)
     values = value_source(model, weights, seed)  # None: sharded from the model's own weights
     micro = capture_inputs(model, tuple(x[: plan.micro_batch] for x in example_inputs))
     captured = _capture(model, micro, parts=plan.parts() or None)
@@ -317,6 +319,15 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
                                   dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
                            tied=captured.tied, batch=batch, experts=experts, options=options)
+
+
+def in_compute_dtype(model: torch.nn.Module, example_inputs):
+    """The model and its example inputs in bf16 for precision "bf16-main"
+    (runtime.training.main_weights): its floating weights and buffers are cast in place, as
+    model.to(torch.bfloat16) does, before it is captured, so that the captured graph computes
+    in bf16 (a cast a model makes to its own dtype is traced at that dtype)."""
+    from runtime.training.main_weights import COMPUTE_DTYPE, compute_inputs
+    return model.to(COMPUTE_DTYPE), compute_inputs(example_inputs)
 
 
 def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 `CASES` names one small plan per kind the planner can choose — data parallel at each ZeRO level
 and hybrid sharding, tensor and sequence parallel, each pipeline schedule, context and expert
-parallel, each recomputation, tied embeddings across stages, autocast mixed precision and
-Hugging Face families — and `run_cases` measures each on real gloo ranks
+parallel, each recomputation, tied embeddings across stages, autocast mixed precision, bf16
+with fp32 main weights and Hugging Face families — and `run_cases` measures each on real gloo ranks
 (planner.bench.memory) and dry-runs every rank of it (planner.bench.dry_run), giving the
 table docs/fidelity.md shows (`cases_table`; examples/bench_memory_plans.py prints it).
 """
@@ -53,6 +53,7 @@ CASES = (
     Case("hf llama tp x pp", "hf:llama", 4, {"tp": 2, "pp": 2, "strategy": "tp"}),
     Case("hf qwen2 dp x tp", "hf:qwen2", 4, {"dp": 2, "tp": 2, "strategy": "tp"}),
     Case("hf gpt2 zero-2", "hf:gpt2", 2, {"dp": 2, "zero": 2}),
+    Case("bf16, fp32 main", "hf:llama", 2, {"dp": 2}, {"precision": "bf16-main"}),
 )
 
 
@@ -67,7 +68,8 @@ def case_spec(case: Case):
 
 
 def case_plan(case: Case):
-    """The planner's best plan of the case on gloo CPU ranks (fp32, as the ranks train)."""
+    """The planner's best plan of the case on gloo CPU ranks, in the precision the ranks train
+    in (fp32, or bf16 under precision "bf16-main")."""
     from planner.api import plan
     from planner.models.presets import ModelConfig
     from planner.training.local import build
@@ -75,6 +77,9 @@ def case_plan(case: Case):
     if isinstance(spec, ModelConfig):
         return plan(spec, case.gpus, cluster="cpu-gloo", fix=case.fix)[0]
     model, batch = build(spec)
+    if case.options.get("precision") == "bf16-main":  # planned as the ranks train it: bf16
+        from planner.api import in_compute_dtype
+        model, batch = in_compute_dtype(model, batch)
     return plan(model, case.gpus, batch, cluster="cpu-gloo", fix=case.fix)[0]
 
 

@@ -25,9 +25,9 @@ def ranks_to_check(plan: Plan, every_rank: bool | None = None) -> list[int]:
 
 
 def runtime_options(plan: Plan) -> dict:
-    """The options fxpar's runtime trains this plan with by default: autocast bf16 on GPUs
-    (fp32 weights and optimizer), fp32 on CPU ranks."""
-    return {"precision": "fp32" if plan.cluster.startswith("cpu") else "bf16"}
+    """The options fxpar's runtime trains this plan with by default: bf16 weights with fp32
+    main weights on GPUs (runtime.training.main_weights), fp32 on CPU ranks."""
+    return {"precision": "fp32" if plan.cluster.startswith("cpu") else "bf16-main"}
 
 
 def check(plan: Plan, spec, every_rank: bool | None = None, options: dict | None = None):

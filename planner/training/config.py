@@ -202,9 +202,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "steps": Key(100, "a positive integer", _int(1), "optimizer steps in all"),
         "global_batch": Key(16, "a positive integer", _int(1), "sequences per step"),
         "seq": Key(0, "a positive integer (0: the model's)", _int(0), "tokens per sequence"),
-        "precision": Key("auto", "\"auto\" (bf16 on GPUs, fp32 on CPUs), \"fp32\", \"bf16\" "
-                         "or \"fp16\"", _choice("auto", "fp32", "bf16", "fp16"),
-                         "autocast mixed precision; weights and optimizer stay fp32"),
+        "precision": Key("auto", "\"auto\" (bf16-main on GPUs, fp32 on CPUs), \"fp32\", "
+                         "\"bf16-main\", \"bf16\" or \"fp16\"",
+                         _choice("auto", "fp32", "bf16-main", "bf16", "fp16"),
+                         "bf16-main: bf16 weights, gradients and activations, fp32 main weights "
+                         "in the optimizer (what plans price); bf16/fp16: autocast over fp32 "
+                         "weights and optimizer"),
         "clip_grad_norm": Key(1.0, "a number >= 0 (0: no clipping)", _number(0.0),
                               "clip the global gradient norm to this"),
         "seed": Key(0, "an integer >= 0", _int(0), "initial weights and the batch of each step"),
@@ -313,7 +316,7 @@ class TrainConfig:
 
     def precision(self, cuda: bool) -> str:
         p = self.training.precision
-        return ("bf16" if cuda else "fp32") if p == "auto" else p
+        return ("bf16-main" if cuda else "fp32") if p == "auto" else p
 
 
 def _known(names, what: str) -> str:

@@ -296,9 +296,11 @@ def give_values(programs: dict, values: Values | None, tied: tuple[tuple[str, ..
 
 
 def _program_buffer(model, name: str, b: torch.Tensor, device, built) -> torch.Tensor:
+    """The value of a program's buffer `b`, in b's dtype: a module's init computes some in fp32
+    whatever the model's dtype (rotary frequencies), and the program was captured with b's."""
     value = getattr(b, "fxpar_value", None)      # a table a rewrite pass made (index, positions)
     if value is not None:
-        return value.to(device)
+        return value.to(device=device, dtype=b.dtype)
     try:
         model.get_buffer(name)
     except AttributeError:
@@ -306,7 +308,7 @@ def _program_buffer(model, name: str, b: torch.Tensor, device, built) -> torch.T
                                f"the meta device without its values (passes.rewrite.tables keeps "
                                f"them), so it has no value; build the model with real weights "
                                f"for this plan") from None
-    return buffer_value(model, name, device, built)
+    return buffer_value(model, name, device, built).to(b.dtype)
 
 
 def retarget(gm: fx.GraphModule, device) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from runtime.pipeline.executor import StageExecutor
 from runtime.pipeline.schedule import Kind, Schedule
 from runtime.training import rng
-from runtime.training.trainer import _PRECISIONS, PipelineTrainer, split_batch
+from runtime.training.trainer import _PRECISIONS, PipelineTrainer
 
 _FORWARD_KINDS = (Kind.F, Kind.SEND_F, Kind.RECV_F)
 
@@ -66,9 +66,7 @@ class Evaluator:
 
     def loss(self, *batch: torch.Tensor) -> float:
         t = self.trainer
-        mesh = t.groups.mesh
-        micro = split_batch(batch, t.input_names, mesh.dp, t.groups.dp_index,
-                            self.schedule.num_microbatches, mesh.cp, t.groups.cp_index)
+        micro = t.local_microbatches(batch, self.schedule.num_microbatches)
         with _kept_state(t), torch.no_grad():
             t.tokens.before_step(micro)
             local = self.executor.run(micro)

@@ -18,6 +18,7 @@ from runtime.programs.token_split import shard_sequence
 from runtime.pipeline.executor import StageExecutor, explained, wait_or_explain
 from runtime.pipeline.split_backward import SPLIT_BACKWARDS
 from runtime.training.loss_tokens import StepTokens
+from runtime.training.main_weights import compute_inputs, step_on_main
 from runtime.experts.dispatch import ExpertGroups, broadcast_experts, is_expert
 from runtime.training.activation_memory import SavedActivations
 from runtime.comm.mesh import RankGroups
@@ -30,7 +31,8 @@ from runtime.pipeline.simulator import Timeline
 from runtime.programs.stage import StageProgram
 from runtime.training.tied import broadcast_tied, sum_tied_grads, tie
 
-_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Each precision's autocast dtype; "bf16-main" runs in bf16 itself (runtime.training.main_weights).
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-main": None}
 # DistributedDataParallel's bucket sizes (its first bucket and bucket_cap_mb), used when
 # TrainOptions.bucket_bytes is None.
 _FIRST_BUCKET, _BUCKET = 2**20, 25 * 2**20
@@ -39,9 +41,11 @@ _FIRST_BUCKET, _BUCKET = 2**20, 25 * 2**20
 @dataclass(frozen=True)
 class TrainOptions:
     """max_norm: clip the global gradient norm (of the whole model, across tp, pp and dp) to this.
-    precision: "fp32", or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer;
-    fp16 adds a dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on
-    all ranks and the scale halves; it doubles after `growth_interval` good steps).
+    precision: "fp32"; "bf16-main", bf16 weights, gradients and activations with fp32 main weights
+    in the optimizer (runtime.training.main_weights: the model must be bf16, build_trainer casts
+    it); or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer; fp16 adds a
+    dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on all ranks and
+    the scale halves; it doubles after `growth_interval` good steps).
     bucket_bytes: the most bytes of one data-parallel all-reduce bucket (level 0); None:
     DistributedDataParallel's defaults, 1 MiB for a stage's first bucket, 25 MiB for the others.
     track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
@@ -348,8 +352,7 @@ class PipelineTrainer:
             activity.now("comparing the ranks' batches")
             compare_batches(batch)
         mesh = self.groups.mesh
-        micro = split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
-                            self.schedule.num_microbatches, mesh.cp, self.groups.cp_index)
+        micro = self.local_microbatches(batch, self.schedule.num_microbatches)
         if self.sharded is not None:
             self.sharded.zero()
             self.expert_sync.zero()
@@ -382,12 +385,24 @@ class PipelineTrainer:
         self.skipped = self._unscale_and_clip()
         if not self.skipped:
             activity.now("optimizer step")
-            self.optimizer.step()
+            if self.options.precision == "bf16-main":
+                step_on_main(self.optimizer)
+            else:
+                self.optimizer.step()
             if self.sharded is not None:
                 activity.now("sharded data-parallel all-gather of the parameters")
                 self.sharded.after_step()
         activity.now("loss broadcast")
         return self._share_loss(pending_loss, loss_sum)
+
+    def local_microbatches(self, batch, microbatches: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of a global batch (split_batch), floating inputs in bf16
+        under precision "bf16-main"."""
+        if self.options.precision == "bf16-main":
+            batch = compute_inputs(batch)
+        mesh = self.groups.mesh
+        return split_batch(batch, self.input_names, mesh.dp, self.groups.dp_index,
+                           microbatches, mesh.cp, self.groups.cp_index)
 
     def _grad_actions(self) -> dict[int, int]:
         """Per stage of this rank, its gradient-producing actions (B or W) in one step, in the

@@ -36,7 +36,7 @@ def test_defaults_fill_every_key():
     assert c.parallel.plan == "auto" and c.fix == {}
     assert c.checkpoint_dir == "fxpar-run/checkpoints"
     assert c.optimizer.betas == (0.9, 0.95)
-    assert c.precision(cuda=True) == "bf16" and c.precision(cuda=False) == "fp32"
+    assert c.precision(cuda=True) == "bf16-main" and c.precision(cuda=False) == "fp32"
     assert c.clip == 1.0 and config(training={"clip_grad_norm": 0}).clip is None
 
 
@@ -45,7 +45,7 @@ def test_defaults_fill_every_key():
     ("training", "steps", 2.5, "a positive integer"),
     ("training", "steps", True, "a positive integer"),
     ("training", "precision", "fp8",
-     '"auto" (bf16 on GPUs, fp32 on CPUs), "fp32", "bf16" or "fp16"'),
+     '"auto" (bf16-main on GPUs, fp32 on CPUs), "fp32", "bf16-main", "bf16" or "fp16"'),
     ("optimizer", "name", "lion", '"adamw" or "sgd"'),
     ("optimizer", "lr", 0, "a positive number"),
     ("optimizer", "betas", [0.9], "two numbers in [0, 1), e.g. [0.9, 0.95]"),
