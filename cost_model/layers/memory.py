@@ -5,6 +5,10 @@ weights and gradients (2 + 2 bytes) and K = 12 bytes of optimizer state (an fp32
 weights and two fp32 moments); ZeRO stage 1 partitions those K bytes over the data-parallel group,
 leaving 2 + 2 + K/dp per parameter on each rank.
 
+At the optimizer step, 16-bit weights are stepped through their master copy with an fp32 copy of
+their gradient (MASTER_BYTES more per parameter stepped, `step_share`), which is a rank's peak
+when its activations are smaller.
+
 Optimizer states per parameter, fp32 each:
   adam       2 (first and second moment)
   sgd        1 (the momentum buffer)
@@ -68,6 +72,15 @@ class TrainingMemory:
         master = MASTER_BYTES if self.master_weights and self.param_dtype_bytes < MASTER_BYTES else 0
         states = master + OPTIMIZER_STATES[self.optimizer] * STATE_BYTES
         return states / dp if self.zero1 else float(states)
+
+    def step_share(self) -> float:
+        """Bytes the optimizer step adds per byte of optimizer state: 16-bit weights are
+        stepped through their fp32 main copy with an fp32 copy of their gradient, made for the
+        step (runtime.training.main_weights), one per parameter the optimizer steps
+        (MASTER_BYTES of its master + states bytes); fp32 weights are stepped as they are."""
+        if not (self.master_weights and self.param_dtype_bytes < MASTER_BYTES):
+            return 0.0
+        return MASTER_BYTES / (MASTER_BYTES + OPTIMIZER_STATES[self.optimizer] * STATE_BYTES)
 
     def per_param(self, dp: int = 1) -> float:
         """Weights + gradients + optimizer states per parameter on one rank."""

@@ -277,6 +277,12 @@ class ModelCosts:
             return t.weight_bytes * fw + t.grad_bytes * fg, t.optimizer_bytes() * fo
         return t.weight_bytes + t.grad_bytes, t.optimizer_bytes(dp)
 
+    def step_share(self, dp=1) -> float:
+        """The optimizer step's transient per byte of a rank's static bytes (TrainingMemory.
+        step_share of its optimizer part)."""
+        weights, opt = self.static_per_param(dp)
+        return opt * self.training.step_share() / (weights + opt) if weights + opt else 0.0
+
     def split_static(self, static_bytes: float, dp: int = 1) -> tuple[float, float]:
         weights, opt = self.static_per_param(dp)
         return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)

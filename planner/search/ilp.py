@@ -43,7 +43,10 @@ rank that runs every forward before its first backward they are absent at the ac
 largest temporary of any option the rank may hold (a constant; a plan reports its own layers').
 Under ZeRO 2-3 each form comes twice: with ζ the whole weights of the unit in use, or with ζ the
 whole transient (one or two units' gradients and weights, cost_model.layers.sharding) and one
-set of every stage freed (μ − 1), as the unit's gradients appear only after its backward. The
+set of every stage freed (μ − 1), as the unit's gradients appear only after its backward. With
+16-bit weights one more form is the optimizer step's: every weight, gradient and state and no
+activation set, the step's fp32 gradient copies beside them (σ of the static bytes, σ =
+step_share): Σ_{s on r} Σ_k n[s,k]·(1 + σ)·w_k + E, H terms + X_r ≤ M. The
 limit M is what the device leaves live tensors (cost_model.hardware.device_memory).
 
 Heterogeneous blocks (`BlockRun`). The model is an ordered sequence of runs j = 0..R−1 of N_j
@@ -193,6 +196,8 @@ class StageProblem:
     # in use at the activation peak, and the whole transient, which adds less one set
     zero_in_use: float = 0.0
     zero_whole: float = 0.0
+    # the optimizer step's fp32 gradient copies, per byte of static (ModelCosts.step_share)
+    step_share: float = 0.0
     # per rank, the activation-set counts per local stage at its candidate peaks (`rank_moments`;
     # () : φ_r on every stage)
     moments: tuple = ()
@@ -515,6 +520,15 @@ def _rank_memory(problem: StageProblem, n, r: int) -> list:
             memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
             for e in _ends(problem, s):
                 memory.add((e.static_bytes + g * e.lazy_grad_bytes + a * e.act_bytes) / unit)
+        rows.append(memory)
+    if problem.step_share:   # the optimizer step: every gradient, no activations
+        memory = _Lin({}, temp / unit)
+        for s in problem.stages_of(r):
+            scale = (1 + problem.step_share) / unit
+            memory.add(_Lin(_scaled((n[s, k] for k in range(len(problem.options))),
+                                    [o.static_bytes * scale for o in problem.options])))
+            for e in _ends(problem, s):
+                memory.add(e.static_bytes * scale)
         rows.append(memory)
     return rows
 

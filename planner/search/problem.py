@@ -148,7 +148,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
                             hide_least=max(cluster.comm_sm_share, 1 / units),
                             rank_temp=temp, lazy_grads=lazy, zero_in_use=in_use,
-                            zero_whole=whole,
+                            zero_whole=whole, step_share=costs.step_share(
+                                zero_axis.sharding_of(c)),
                             moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v))
 
 

@@ -21,9 +21,15 @@ class RankParts:
     lazy: bool
     steps: float
     zero: tuple[float, float] = (0.0, 0.0)   # (in use, whole): StageProblem.zero_*
+    step_share: float = 0.0                  # StageProblem.step_share
 
     def forms(self) -> list[tuple[float, tuple[float, ...], float]]:
-        return rank_forms(self.moments, self.lazy, *self.zero)
+        """rank_forms, and with a step share the optimizer step's: every gradient, no
+        activation set, the step's fp32 gradient copies beside them."""
+        forms = rank_forms(self.moments, self.lazy, *self.zero)
+        if self.step_share:
+            forms.append((0.0, (0.0,) * len(self.acts), self.static * self.step_share))
+        return forms
 
     def peaks(self) -> list[float]:
         return [self.static + g * self.lazy_grads
@@ -74,7 +80,8 @@ def rank_parts(problem, counts, r: int) -> RankParts:
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and lazy_grads > 0
     return RankParts(static, grads, lazy_grads, tuple(acts), rank_moments(problem, r), temp,
-                     lazy, steps, (problem.zero_in_use, problem.zero_whole))
+                     lazy, steps, (problem.zero_in_use, problem.zero_whole),
+                     problem.step_share)
 
 
 def stage_ends(problem, s: int) -> list:

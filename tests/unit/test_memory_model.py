@@ -74,3 +74,30 @@ def test_bench_memory_refuses_a_gpu_cluster(capsys):
     assert main(["bench", "--model", "gpt-tiny", "--gpus", "2", "--cluster", "a100-80g-dgx",
                  "--memory"]) != 0
     assert "measures on local gloo CPU ranks" in capsys.readouterr().err
+
+
+def test_the_optimizer_step_is_a_peak_form_of_16_bit_weights():
+    """bf16 weights are stepped through fp32 main copies with fp32 gradient copies
+    (runtime.training.main_weights): 4 bytes per stepped parameter beside the 2 + 2 + 12, a
+    quarter of the static bytes unsharded; fp32 weights step as they are."""
+    from cost_model.layers.memory import TrainingMemory
+    from planner.search.rank_memory import RankParts
+    assert TrainingMemory.for_dtype(2).step_share() == pytest.approx(4 / 12)
+    assert TrainingMemory(2, 2, "sgd").step_share() == pytest.approx(4 / 8)
+    assert TrainingMemory.for_dtype(4).step_share() == 0.0
+    parts = RankParts(static=16.0, grads=2.0, lazy_grads=0.0, acts=(3.0,), moments=((1.0,),),
+                      temp=0.5, lazy=False, steps=0.0, step_share=0.25)
+    assert parts.peaks() == [16.0 + 3.0 + 0.5, 16.0 * 1.25 + 0.5]
+    assert parts.forms()[-1] == (0.0, (0.0,), 4.0)
+
+
+def test_a_stage_of_few_activations_peaks_at_the_optimizer_step():
+    """The last stage of Llama 2 7B on 8 H100s (pp=4 under 1F1B: one micro-batch in flight there,
+    no ZeRO) holds less in activations than its step's fp32 gradient copies: its predicted peak
+    is the step's, its static bytes with a third of its optimizer states (4 of 12 bytes) beside
+    them and the largest temporary of its layers."""
+    chosen = plan("llama2-7b", 8, cluster="h100-sxm-dgx",
+                  fix={"dp": 2, "pp": 4, "zero": 0, "mb": 1, "schedule": "1f1b"})[0]
+    weights, grads, optimizer, acts, other = chosen.predicted.rank_memory[-1]
+    assert acts == 0.0
+    assert 0 < other - optimizer / 3 < 0.05 * optimizer
