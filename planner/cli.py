@@ -38,34 +38,13 @@ EXAMPLES = {
 
 
 def _fix(text: str) -> dict:
-    """'tp=8,pp=8,dp=16,mb=1,strategy=tp' -> {'tp': 8, ..., 'strategy': 'tp'}; a bad item is an
-    error naming the key and its legal values (planner.search.meshes.check_fix, as for the API)."""
-    from planner.search.meshes import FIX_KEYS, FIX_NUMBERS, check_fix
-    result: dict = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = (part.strip() for part in item.partition("="))
-        if key not in FIX_KEYS:
-            raise argparse.ArgumentTypeError(f"unknown key {key!r} in {item!r}; known keys: "
-                                             f"{', '.join(FIX_KEYS)}")
-        if key in result:
-            raise argparse.ArgumentTypeError(f"{key} is given twice")
-        if key in FIX_NUMBERS:
-            if not value.lstrip("+-").isdigit():
-                raise argparse.ArgumentTypeError(f"bad item {item!r}: {key} must be a positive "
-                                                 f"integer (1, 2, 3, ...)")
-            value = int(value)
-        elif key in ("zero", "dp_shard") and value.isdigit():  # planner.search.zero checks the rest
-            value = int(value)
-        result[key] = value
-        try:
-            check_fix({key: value})
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"bad item {item!r}: {err}") from None
+    """--fix's value (planner.search.meshes.parse_fix); a bad item is an argparse error naming
+    the key and its legal values."""
+    from planner.search.meshes import parse_fix
     try:
-        check_fix(result)
+        return parse_fix(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    return result
 
 
 def _imbalance(text: str) -> float:

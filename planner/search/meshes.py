@@ -45,6 +45,35 @@ FIX_NUMBERS = ("dp", "tp", "pp", "cp", "mb", "v", "ep")
 MESH_KEYS = ("dp", "tp", "pp", "cp")
 
 
+def parse_fix(text: str) -> dict:
+    """'tp=8,pp=8,mb=1,strategy=tp' -> {'tp': 8, 'pp': 8, 'mb': 1, 'strategy': 'tp'} (`fxpar plan
+    --fix`, a training config's [parallel] plan), checked item by item (`check_fix`); a
+    ValueError naming the item and the key's legal values otherwise."""
+    result: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise ValueError(f"item {item!r} is not key=value")
+        if key not in FIX_KEYS:
+            raise ValueError(f"unknown key {key!r} in {item!r}; known keys: {', '.join(FIX_KEYS)}")
+        if key in result:
+            raise ValueError(f"{key} is given twice")
+        if key in FIX_NUMBERS:
+            if not value.isdigit():
+                raise ValueError(f"bad item {item!r}: {key} must be a positive integer "
+                                 f"(1, 2, 3, ...)")
+            value = int(value)
+        elif key in ("zero", "dp_shard") and value.isdigit():  # planner.search.zero checks the rest
+            value = int(value)
+        result[key] = value
+        try:
+            check_fix({key: value})
+        except ValueError as err:
+            raise ValueError(f"bad item {item!r}: {err}") from None
+    check_fix(result)
+    return result
+
+
 def check_fix(fix: dict) -> None:
     """Refuse fixed settings that no plan can have, naming the key and its legal values."""
     zero_axis.check_zero_fix(fix)

@@ -114,27 +114,9 @@ def _nnodes(v):
 
 
 def parse_fix(text: str) -> dict:
-    """'tp=2,pp=2,mb=1' -> {'tp': 2, 'pp': 2, 'mb': 1}, checked as `fxpar plan --fix` checks it
-    (planner.search.meshes.check_fix); a ValueError naming the item otherwise."""
-    from planner.search.meshes import FIX_KEYS, FIX_NUMBERS, check_fix
-    result: dict = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, eq, value = (part.strip() for part in item.partition("="))
-        if not eq:
-            raise ValueError(f"item {item!r} is not key=value")
-        if key not in FIX_KEYS:
-            raise ValueError(f"unknown key {key!r} in {item!r}; known keys: {', '.join(FIX_KEYS)}")
-        if key in result:
-            raise ValueError(f"{key} is given twice")
-        if key in FIX_NUMBERS:
-            if not value.isdigit():
-                raise ValueError(f"{key} must be a positive integer (1, 2, 3, ...) in {item!r}")
-            value = int(value)
-        elif key in ("zero", "dp_shard") and value.isdigit():
-            value = int(value)
-        result[key] = value
-    check_fix(result)
-    return result
+    """'tp=2,pp=2,mb=1' -> {'tp': 2, 'pp': 2, 'mb': 1}, as `fxpar plan --fix` reads it."""
+    from planner.search.meshes import parse_fix as parse
+    return parse(text)
 
 
 def _plan(v):
