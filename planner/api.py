@@ -297,6 +297,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
     groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
+    given = example_inputs   # what train_step will be given: floats are cast at each step
     if options is not None and options.precision == "bf16-main":
         model, example_inputs = in_compute_dtype(model, example_inputs)
     values = value_source(model, weights, seed)  # None: sharded from the model's own weights
@@ -314,7 +315,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
                              experts.index if experts else 0)
     give_values(programs, values, captured.tied)  # a meta model, or weights=DIR
     split = (f"dp {plan.dp} x {plan.num_microbatches} micro-batches x {plan.micro_batch}")
-    batch = BatchSpec.of(captured.input_names, example_inputs, plan.global_batch, split)
+    batch = BatchSpec.of(captured.input_names, given, plan.global_batch, split)
     options = dataclasses.replace(options or TrainOptions(), zero=plan.zero,
                                   dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
@@ -325,9 +326,15 @@ def in_compute_dtype(model: torch.nn.Module, example_inputs):
     """The model and its example inputs in bf16 for precision "bf16-main"
     (runtime.training.main_weights): its floating weights and buffers are cast in place, as
     model.to(torch.bfloat16) does, before it is captured, so that the captured graph computes
-    in bf16 (a cast a model makes to its own dtype is traced at that dtype)."""
+    in bf16 (a cast a model makes to its own dtype is traced at that dtype). A dry run's fake
+    mode is left for the cast: a meta model's weights stay meta (nothing is allocated), and
+    tied ones stay one parameter."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from runtime.training.main_weights import COMPUTE_DTYPE, compute_inputs
-    return model.to(COMPUTE_DTYPE), compute_inputs(example_inputs)
+    with unset_fake_temporarily():
+        model = model.to(COMPUTE_DTYPE)
+    return model, compute_inputs(example_inputs)
 
 
 def gather_full_state(trainer: PipelineTrainer, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -134,10 +134,20 @@ def _hf_model(args):
                                                                                    **sizes)
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
         use_routed_experts(model)
+    if _on_gpus(args):   # trained in bf16 there (precision "bf16-main"): planned so
+        model = model.to(torch.bfloat16)
     if getattr(args, "parts", None):
         model.fxpar_parts = tuple(filter(None, (p.strip() for p in args.parts.split(","))))
     seq = args.seq or sequence_length(model)
-    return model, example_inputs(model, args.global_batch or HF_GLOBAL_BATCH, seq)
+    inputs = example_inputs(model, args.global_batch or HF_GLOBAL_BATCH, seq)
+    return model, tuple(x.to(torch.bfloat16) if x.is_floating_point() and _on_gpus(args) else x
+                        for x in inputs)
+
+
+def _on_gpus(args) -> bool:
+    from cost_model.hardware.cluster import get_cluster
+    from planner.api import default_cluster
+    return get_cluster(args.cluster or default_cluster()).device == "cuda"
 
 
 HF_GLOBAL_BATCH = 16   # a Hugging Face model's global batch without --global-batch

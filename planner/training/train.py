@@ -237,14 +237,16 @@ def run(config, log=print) -> dict:
     agreed(lambda: open_data(config.data.path, verify=verify).check_fits(
         spec.vocab, spec.seq, t.global_batch), "data")
     data = open_data(config.data.path)
+    options = TrainOptions(max_norm=config.clip or math.inf, precision=config.precision(cuda))
     model = spec.meta_model()
+    if options.precision == "bf16-main":   # planned in the dtype it trains in (meta: no cost)
+        model = model.to(torch.bfloat16)
     cluster = cluster_name(config, cuda)
     started = time.perf_counter()
     plan = Plan.from_json(agreed(lambda: make_plan(spec, model, world, config, cluster).dumps(),
                                  f"planning {spec.name} for {world} devices"))
     planned_s = time.perf_counter() - started
     from planner.api import ParallelModel
-    options = TrainOptions(max_norm=config.clip or math.inf, precision=config.precision(cuda))
     pm = ParallelModel(model, plan, [], example_batch(spec, t.global_batch),
                        lambda params: optim.build(params, config.optimizer),
                        weights=spec.weights, seed=t.seed, options=options)

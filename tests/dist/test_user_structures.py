@@ -1,6 +1,6 @@
 """Models written as users write them (tests.harness.structures) under fixed tensor, sequence and
 pipeline parallel plans, on 2 or 4 gloo ranks against one process: losses, every gradient of every
-step and the final parameters (rtol 1e-5). Four structures per plan of PLANS (28 in all); a plan
+step and the final parameters (rtol 1e-5). Three structures per plan of PLANS (21 in all); a plan
 the planner refuses is discarded, not failed; seeded and bounded, so the same cases run every
 time."""
 import pytest
@@ -39,10 +39,10 @@ def check_structure(st: Structure, gpus: int, fix: dict, note=print) -> bool:
 @pytest.mark.parametrize("layout", PLANS, ids=lambda p: "-".join(
     f"{k}{v}" for k, v in p[1].items()))
 def test_user_structure_matches_one_process(layout):
-    """Each mesh and strategy of PLANS with four structures drawn for it: the simplest, then
-    three from a fixed seed (replayable; derandomized generation keeps to the simplest few)."""
+    """Each mesh and strategy of PLANS with three structures drawn for it: the simplest, then
+    two from a fixed seed (replayable; derandomized generation keeps to the simplest few)."""
     @seed(4700 + PLANS.index(layout))
-    @settings(max_examples=4, database=None, deadline=None, phases=[Phase.generate],
+    @settings(max_examples=3, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(case=structures(layout))
     def property_(case):
