@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -41,7 +41,8 @@ _FIRST_BUCKET, _BUCKET = 2**20, 25 * 2**20
 @dataclass(frozen=True)
 class TrainOptions:
     """max_norm: clip the global gradient norm (of the whole model, across tp, pp and dp) to this.
-    precision: "fp32"; "bf16-main", bf16 weights, gradients and activations with fp32 main weights
+    precision: "auto" (the default): "bf16-main" for a model whose weights are bf16, "fp32"
+    otherwise; "fp32"; "bf16-main", bf16 weights, gradients and activations with fp32 main weights
     in the optimizer (runtime.training.main_weights: the model must be bf16, build_trainer casts
     it); or autocast mixed precision "bf16" / "fp16" (fp32 weights and optimizer; fp16 adds a
     dynamic loss scale: a step with an inf/nan gradient on any rank is skipped on all ranks and
@@ -58,7 +59,7 @@ class TrainOptions:
     (runtime.data_parallel.sharded_dp)."""
 
     max_norm: float | None = None
-    precision: str = "fp32"
+    precision: str = "auto"
     bucket_bytes: int | None = None
     init_scale: float = 2.0**16
     growth_interval: int = 2000
@@ -70,8 +71,8 @@ class TrainOptions:
 
     def __post_init__(self):
         ShardingSpec(self.zero, self.dp_shard)  # checks both
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, "
+        if self.precision not in ("auto", *_PRECISIONS):
+            raise ValueError(f"precision must be auto or one of {sorted(_PRECISIONS)}, "
                              f"got {self.precision!r}")
         if self.max_norm is not None and not self.max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
@@ -83,6 +84,12 @@ class TrainOptions:
         if self.split_backward not in SPLIT_BACKWARDS:
             raise ValueError(f"split_backward must be one of {', '.join(SPLIT_BACKWARDS)}, "
                              f"got {self.split_backward!r}")
+
+
+def auto_precision(params: Sequence[torch.nn.Parameter]) -> str:
+    """TrainOptions.precision "auto": bf16 weights are trained with fp32 main weights
+    ("bf16-main", what plans price for a 16-bit model), any other as they are ("fp32")."""
+    return "bf16-main" if any(p.dtype == torch.bfloat16 for p in params) else "fp32"
 
 
 def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp_index: int,
@@ -287,11 +294,12 @@ class PipelineTrainer:
                  batch: BatchSpec | None = None, experts: ExpertGroups | None = None):
         self.programs, self.schedule, self.groups = programs, schedule, groups
         self.input_names = tuple(input_names)
-        self.options = options
         self.batch_spec = batch
         self.tied = tie(programs, tied, groups)
         unique = {id(p): p for prog in programs.values() for p in prog.gm.parameters()}
         self.params = [p for p in unique.values() if p.requires_grad]
+        self.options = replace(options, precision=auto_precision(self.params)) \
+            if options.precision == "auto" else options
         self._sharded = self._sharded_params()
         # Expert weights (runtime.experts.dispatch) are replicated over the ranks holding the same experts.
         self.experts = experts
@@ -310,7 +318,7 @@ class PipelineTrainer:
                        if options.track_memory else None)
         stage_rank = lambda stage: groups.stage_rank(schedule.stage_to_rank(stage))  # noqa: E731
         self.executor = StageExecutor(programs, schedule, groups.rank, stage_rank,
-                                      autocast_dtype=_PRECISIONS[options.precision],
+                                      autocast_dtype=_PRECISIONS[self.options.precision],
                                       memory=self.memory, recv_ahead=options.recv_ahead,
                                       split_backward=options.split_backward)
         self.last_rank = stage_rank(schedule.num_stages - 1)
@@ -325,7 +333,7 @@ class PipelineTrainer:
                                  groups.replicas, groups.num_replicas)
         self.expert_sync = self._expert_sync(options)
         self.scaler = (_LossScale(options.init_scale, options.growth_interval)
-                       if options.precision == "fp16" else None)
+                       if self.options.precision == "fp16" else None)
         self.grad_norm: float | None = None
         self.skipped = False
 

@@ -2,8 +2,9 @@
 weights on 4 gloo ranks, under tensor x data parallel and under ZeRO-1, trains as one process
 running the same policy written out by hand (the model cast to bf16, an fp32 copy of every weight
 stepped by the optimizer and rounded back): the same losses and final weights, within bf16's
-rounding of a different summation order. Each rank holds bf16 weights and gradients and fp32
-optimizer states, main copy included."""
+rounding of a different summation order; asked for, or chosen by precision "auto" for a model
+given in bf16. Each rank holds bf16 weights and gradients and fp32 optimizer states, main copy
+included."""
 import pytest
 import torch
 
@@ -40,14 +41,19 @@ def _by_hand(steps: int):
     return losses, {k: v.detach().float() for k, v in model.named_parameters()}
 
 
-def _worker(plan_json: str, steps: int):
+def _worker(plan_json: str, steps: int, auto: bool):
+    """auto: the model given in bf16 with the default options (precision "auto" picks
+    bf16-main for bf16 weights); else in fp32 with precision "bf16-main" asked for."""
     from planner.api import ParallelModel
     from runtime.training.trainer import TrainOptions
     torch.manual_seed(0)
     model = build_model(SPEC)
     batch = example_batch(SPEC, SPEC.global_batch)
+    if auto:
+        model = model.to(torch.bfloat16)
+    options = TrainOptions() if auto else TrainOptions(precision="bf16-main")
     pm = ParallelModel(model, Plan.from_json(plan_json), [], batch, make_optimizer,
-                       options=TrainOptions(precision="bf16-main"))
+                       options=options)
     losses = [pm.train_step(*batch) for _ in range(steps)]
     trainer = pm.shard()
     held = {"weights": {p.dtype for p in trainer.params},
@@ -59,11 +65,12 @@ def _worker(plan_json: str, steps: int):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fix", [{"tp": 2, "dp": 2, "strategy": "tp"}, {"dp": 4, "zero": 1}],
-                         ids=["tp2-dp2", "dp4-zero1"])
-def test_trains_as_the_policy_written_out(pool4, fix):
+@pytest.mark.parametrize("fix,auto", [({"tp": 2, "dp": 2, "strategy": "tp"}, False),
+                                      ({"dp": 4, "zero": 1}, True)],
+                         ids=["tp2-dp2-asked", "dp4-zero1-auto"])
+def test_trains_as_the_policy_written_out(pool4, fix, auto):
     chosen = plan(SPEC, 4, cluster="cpu-gloo", fix={**fix, "pp": 1, "mb": 2})[0]
-    losses, state, held = pool4.run(_worker, chosen.dumps(), STEPS)[0]
+    losses, state, held = pool4.run(_worker, chosen.dumps(), STEPS, auto)[0]
     want_losses, want_state = _by_hand(STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),
                                rtol=1e-2, atol=0)  # 2.5 bf16 ulps: the loss is a bf16 value
