@@ -14,9 +14,10 @@ STEPS = 3
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
 @pytest.mark.parametrize("dp,tp,pp", MESHES)
 def test_forced_plan_matches_one_process(pool8, model, dp, tp, pp):
-    # four blocks (a pipeline of eight stages needs eight): what a mesh tests does not grow with
-    # depth, and on two cores every block costs each tp rank its collectives
-    config = get_config(model, layers=max(4, pp))
+    # two blocks without a pipeline (one hand-over between blocks), four or one a stage with
+    # one: what a mesh tests does not grow with depth, and on two cores every block costs each
+    # tp rank its collectives
+    config = get_config(model, layers=max(4, pp) if pp > 1 else 2)
     # Pipelines need many micro-batches; without one, fewer keep the tp=8 collectives cheap.
     mb = 1 if pp > 1 else 2
     chosen = plan(config, 8, cluster="cpu-gloo",

@@ -6,7 +6,7 @@ one strategy for every block, the planner's per block or one drawn per block, vo
 ends); each accepted plan trains 2-3 steps and must match one process in losses, every gradient
 and the final parameters (rtol 1e-5). A draw the planner refuses is not a failure: it is
 discarded (its reason shows in --hypothesis-show-statistics). Derandomized and bounded, so the
-same 15 cases run every time; examples/fuzz.py runs the same property for longer.
+same 10 cases run every time; examples/fuzz.py runs the same property for longer.
 """
 import pytest
 from conftest import rank_pool  # the session's pools (tests/conftest.py), restarted if closed
@@ -16,7 +16,7 @@ from tests.harness.fuzzing import Refused, cases, check, known_failure, plan_cas
 
 
 @pytest.mark.dist
-@settings(max_examples=15, derandomize=True, database=None, deadline=None,
+@settings(max_examples=10, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                  HealthCheck.data_too_large])
 @given(case=cases())

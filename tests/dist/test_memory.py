@@ -12,8 +12,9 @@ KNOWN = {
     # The planner prices ZB-H1's default split backward (W walks the graph again); "record"
     # keeps the gradients at each weight's join from I until W, which it does not count.
     "pp zb-h1 record": {"total": 0.20},
-    # The planner prices the activations of the model's own dtype (fp32 here); autocast saves
-    # bf16 copies beside fp32 ones, which it does not model.
+    # Autocast over fp32 weights, which plans do not price (they price the model's own dtype,
+    # fp32 here, or bf16 with fp32 main weights: the "bf16, fp32 main" case): it saves bf16
+    # copies beside fp32 tensors.
     "mixed precision bf16": {"total": 0.15},
     # Real runs route tokens unevenly; the dry run routes them evenly.
     "ep": {"dry": 0.05},

@@ -72,7 +72,8 @@ def _planned(config, dp, tp, pp, mb, block, ends):
 @pytest.mark.dist
 @pytest.mark.parametrize("model,dp,tp,pp,mb,block,ends", PLANNED)
 def test_planned_strategy_matches_one_process(pool8, model, dp, tp, pp, mb, block, ends):
-    config = get_config(model, layers=4)  # two blocks a stage at pp=2; each costs collectives
+    # two blocks a stage (the block-to-block hand-over tested); each block costs collectives
+    config = get_config(model, layers=2 * pp)
     parallel = run_parallel(config, _planned(config, dp, tp, pp, mb, block, ends), STEPS, pool8)
     assert_same_run(parallel, reference_run(config, STEPS))
 

@@ -107,8 +107,10 @@ def marking_worker(config, plan_json: str, steps: int, *rest):
 
     def marked(self, *batch):
         loss = step(self, *batch)
-        with open(os.path.join(folder, f"rank{dist.get_rank()}"), "w") as f:
+        mark = os.path.join(folder, f"rank{dist.get_rank()}")
+        with open(mark + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {activity.step()}")
+        os.replace(mark + ".tmp", mark)   # whole: the reader may look at any moment
         return loss
 
     PipelineTrainer.step = marked
