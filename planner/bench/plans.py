@@ -111,8 +111,10 @@ def _worker(plan_path: str, config_path: str, steps: int, warmup: int, out: str)
     with open(config_path) as f:
         config = config_from_dict(json.load(f))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # Built on the meta device: each rank materialises only its shard (planner.weights.materialize).
-    model = build_model(config, device="meta")
+    # Built on the meta device: each rank materialises only its shard (planner.weights.materialize);
+    # in bf16 on GPUs, as plans price it there (trained as precision "bf16-main").
+    model = build_model(config, device="meta",
+                        dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     batch = example_batch(config, config.global_batch, device=device)
     pm = ParallelModel(model, plan, [], batch, make_optimizer, seed=0)
     times, losses, clocks = [], [], []
