@@ -148,9 +148,16 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
                             hide_least=max(cluster.comm_sm_share, 1 / units),
                             rank_temp=temp, lazy_grads=lazy, zero_in_use=in_use,
-                            zero_whole=whole, step_share=costs.step_share(
-                                zero_axis.sharding_of(c)),
+                            zero_whole=whole, step_share=_step_share(costs, cluster, c),
                             moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v))
+
+
+def _step_share(costs: ModelCosts, cluster, c: Candidate) -> float:
+    """The optimizer step's fp32 gradient copies per static byte (ModelCosts.step_share) where
+    the runtime makes them: fxpar's (runtime.training.main_weights). Megatron keeps fp32 main
+    gradients instead and FSDP2 fp32 sharded weights, which their profiles' memory does not
+    count apart."""
+    return costs.step_share(zero_axis.sharding_of(c)) if cluster.runtime in ("", "fxpar") else 0.0
 
 
 def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tuple]:
