@@ -185,11 +185,14 @@ class ModelCosts:
         taken = any(applies) if self._parts_may_differ() else all(applies)
         return taken and seq % cp == 0 and (seq // cp) % tp == 0
 
-    def _sp_notes(self) -> list[str]:
+    def _sp_notes(self, tp: int | None = None) -> list[str]:
         """In a model of parts where some blocks take sequence parallelism: those that do not,
-        and why (they run tp alone, planner.search.problem.strategies)."""
+        and why (they run tp alone, planner.search.problem.strategies), at the plan's `tp` (or
+        the first tp profiled)."""
         notes = []
-        for tp in sorted(t for t in self._profiles if t > 1):
+        for tp in [tp] if tp else sorted(self._profiles):
+            if tp <= 1 or tp not in self._profiles:
+                continue
             kinds = [k for k in range(len(self.kinds)) if self.shards(tp, k)]
             if not self._parts_may_differ() or not any(self.kind_sp(tp, k) for k in kinds):
                 continue
@@ -375,7 +378,9 @@ class ModelCosts:
         profiles += list(self.ends.values())
         return sum(sum(op.fwd_flops + op.bwd_flops for op in p.ops) / p.batch for p in profiles)
 
-    def notes(self) -> tuple[str, ...]:
+    def notes(self, tp: int | None = None) -> tuple[str, ...]:
+        """What a plan says of the model (tensor and sequence parallelism at the plan's `tp`,
+        kinds of blocks, unpriced ops)."""
         notes = []
         if self.tp_errors and not any(t > 1 for t in self._profiles):
             first = min(self.tp_errors)
@@ -386,7 +391,7 @@ class ModelCosts:
             notes.append(f"blocks of kind {k} ({self.kinds[k].name}) run whole on every rank "
                          f"of the tp group at tp={'/'.join(map(str, sizes))}: "
                          f"{self.kind_tp_errors[k, sizes[0]]}")
-        notes += self._sp_notes()
+        notes += self._sp_notes(tp)
         if len(self.kinds) > 1:
             notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
                          f"contiguous stages: {describe(self.captured.blocks)}")
