@@ -1,10 +1,11 @@
 """Mixed precision with fp32 main weights (TrainOptions.precision="bf16-main").
 
 The model's weights, gradients and activations are bf16; the optimizer updates an fp32 main copy
-of every weight it steps and writes it back rounded: Megatron-LM's `--bf16` policy and ZeRO's
-count (Rajbhandari et al. 2020, section 3.1): 2 bytes of weight, 2 of gradient, and 12 of
-optimizer state (the fp32 main copy and Adam's two fp32 moments) per parameter, which is what the
-planner prices for a 16-bit model (cost_model.layers.memory). Autocast over fp32 weights (the
+of every weight it steps and writes it back rounded: mixed-precision Adam as ZeRO counts it
+(Rajbhandari et al. 2020, section 3.1), 2 bytes of weight, 2 of gradient, and 12 of optimizer
+state (the fp32 main copy and Adam's two fp32 moments) per parameter, which is what the planner
+prices for a 16-bit model (cost_model.layers.memory). (Megatron-LM's `--bf16` keeps the same
+main copy, with its gradients accumulated in fp32 rather than bf16.) Autocast over fp32 weights (the
 "bf16" precision) keeps 4 + 4 + 8 and, per micro-batch in flight, the bf16 copies of the weights
 its matmuls saved, beside fp32 activations of the ops it leaves in fp32.
 
