@@ -510,25 +510,19 @@ def _rank_memory(problem: StageProblem, n, r: int) -> list:
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and any(
         o.lazy_grad_bytes for o in (*problem.options, problem.embed, problem.head))
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
+    forms = [(1.0, *form) for form in rank_forms(rank_moments(problem, r), lazy,
+                                                  problem.zero_in_use, problem.zero_whole)]
+    if problem.step_share:   # the optimizer step: static bytes and their share, no activations
+        forms.append((1 + problem.step_share, 0.0, (0.0,) * len(problem.stages_of(r)), 0.0))
     rows = []
-    for g, factors, extra in rank_forms(rank_moments(problem, r), lazy, problem.zero_in_use,
-                                        problem.zero_whole):
+    for w, g, factors, extra in forms:
         memory = _Lin({}, (temp + extra) / unit)
         for s, a in zip(problem.stages_of(r), factors):
-            per_block = [(o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes) / unit
+            per_block = [(w * o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes) / unit
                          for o in problem.options]
             memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
             for e in _ends(problem, s):
-                memory.add((e.static_bytes + g * e.lazy_grad_bytes + a * e.act_bytes) / unit)
-        rows.append(memory)
-    if problem.step_share:   # the optimizer step: every gradient, no activations
-        memory = _Lin({}, temp / unit)
-        for s in problem.stages_of(r):
-            scale = (1 + problem.step_share) / unit
-            memory.add(_Lin(_scaled((n[s, k] for k in range(len(problem.options))),
-                                    [o.static_bytes * scale for o in problem.options])))
-            for e in _ends(problem, s):
-                memory.add(e.static_bytes * scale)
+                memory.add((w * e.static_bytes + g * e.lazy_grad_bytes + a * e.act_bytes) / unit)
         rows.append(memory)
     return rows
 
