@@ -91,7 +91,18 @@ class RankGroups:
 GROUPS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "replicas": ("dp", "cp")}
 
 
-_BUILT: dict[tuple[int, Mesh], RankGroups] = {}
+_BUILT: dict[Mesh, tuple] = {}
+
+
+def per_world(cache: dict, key, make):
+    """cache[key], made by make() once per default process group: an entry made under an
+    earlier one (destroyed, as each dry run's is) is made again. The group is compared by
+    identity, held in the entry: a new group may reuse a destroyed one's id()."""
+    world = dist.group.WORLD
+    entry = cache.get(key)
+    if entry is None or entry[0] is not world:
+        entry = cache[key] = (world, make())
+    return entry[1]
 
 
 def build_groups(mesh: Mesh) -> RankGroups:
@@ -99,10 +110,7 @@ def build_groups(mesh: Mesh) -> RankGroups:
     subgroup (a collective: all ranks must make the same calls in the same order); later calls in
     the same process group return them again, since each gloo group holds sockets and threads for
     as long as the process lives."""
-    key = (id(dist.group.WORLD), mesh)
-    if key not in _BUILT:
-        _BUILT[key] = _create_groups(mesh)
-    return _BUILT[key]
+    return per_world(_BUILT, mesh, lambda: _create_groups(mesh))
 
 
 def _create_groups(mesh: Mesh) -> RankGroups:

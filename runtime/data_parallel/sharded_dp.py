@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from runtime.comm.mesh import RankGroups
+from runtime.comm.mesh import RankGroups, per_world
 from runtime.data_parallel.grad_views import attach_views, flat_views, move_into_view, release
 from runtime.data_parallel.zero3_graph import (insert_gathers, param_units, regather_recomputed, register,
                                  unit_order)
@@ -114,8 +114,8 @@ def shard_groups(groups: RankGroups, dp_shard: int):
     """(shard group, index in it, size, replicate group, index in it) of this rank; collective
     on first use for a mesh (every rank creates every group, in one order)."""
     mesh = groups.mesh
-    key = (id(dist.group.WORLD), mesh, dp_shard)
-    if key not in _GROUPS:
+
+    def make():
         size = dp_shard * mesh.cp
         found = (None, 0, 1, None, 0)
         for ranks in mesh.groups(("dp", "cp")):
@@ -127,8 +127,8 @@ def shard_groups(groups: RankGroups, dp_shard: int):
                 column = [c[chunk.index(groups.rank)] for c in chunks]
                 found = (mine_s, chunk.index(groups.rank), size, mine_r,
                          column.index(groups.rank))
-        _GROUPS[key] = found
-    return _GROUPS[key]
+        return found
+    return per_world(_GROUPS, (mesh, dp_shard), make)
 
 
 def _new_groups(rank_lists, me):

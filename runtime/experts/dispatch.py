@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from runtime.comm import collectives
+from runtime.comm.mesh import per_world
 
 _EP_GROUP: list = [None]   # this rank's expert-parallel group (None: one rank)
 
@@ -344,10 +345,7 @@ def expert_groups(mesh, ep: int) -> ExpertGroups:
     if ep < 1 or replicas % ep:
         raise ValueError(f"expert parallel size ep={ep} must divide the data-parallel x "
                          f"context-parallel ranks ({mesh.dp} x {mesh.cp} = {replicas})")
-    key = (id(dist.group.WORLD), mesh, ep)
-    if key not in _BUILT:
-        _BUILT[key] = _create(mesh, ep)
-    return _BUILT[key]
+    return per_world(_BUILT, (mesh, ep), lambda: _create(mesh, ep))
 
 
 def _create(mesh, ep: int) -> ExpertGroups:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.programs.stage import StageProgram
-from runtime.comm.mesh import RankGroups
+from runtime.comm.mesh import RankGroups, per_world
 
 
 class TiedError(ValueError):
@@ -74,8 +74,8 @@ def _holder_groups(groups: RankGroups, holders: tuple[int, ...]):
     """The group of pipeline ranks `holders` in this rank's pipeline; every rank creates every
     pipeline's group, in the same order (new_group is collective), once per process group."""
     mesh = groups.mesh
-    key = (id(dist.group.WORLD), mesh, holders)
-    if key not in _GROUPS:
+
+    def make():
         mine = None
         for dp in range(mesh.dp):
             for cp in range(mesh.cp):
@@ -84,8 +84,8 @@ def _holder_groups(groups: RankGroups, holders: tuple[int, ...]):
                     group = dist.new_group(ranks)
                     if groups.rank in ranks:
                         mine = group
-        _GROUPS[key] = mine
-    return _GROUPS[key]
+        return mine
+    return per_world(_GROUPS, (mesh, holders), make)
 
 
 def tie(programs: dict[int, StageProgram], tied: tuple[tuple[str, ...], ...],
