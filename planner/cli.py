@@ -134,13 +134,14 @@ def _hf_model(args):
                                                                                    **sizes)
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
         use_routed_experts(model)
-    if _on_gpus(args):   # trained in bf16 there (precision "bf16-main"): planned so
+    bf16 = _on_gpus(args)   # trained in bf16 there (precision "bf16-main"): planned so
+    if bf16:
         model = model.to(torch.bfloat16)
     if getattr(args, "parts", None):
         model.fxpar_parts = tuple(filter(None, (p.strip() for p in args.parts.split(","))))
     seq = args.seq or sequence_length(model)
     inputs = example_inputs(model, args.global_batch or HF_GLOBAL_BATCH, seq)
-    return model, tuple(x.to(torch.bfloat16) if x.is_floating_point() and _on_gpus(args) else x
+    return model, tuple(x.to(torch.bfloat16) if x.is_floating_point() and bf16 else x
                         for x in inputs)
 
 
