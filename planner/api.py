@@ -318,8 +318,21 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     batch = BatchSpec.of(captured.input_names, given, plan.global_batch, split)
     options = dataclasses.replace(options or TrainOptions(), zero=plan.zero,
                                   dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
+    options = dataclasses.replace(options, split_backward=_split_backward(plan, options))
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
                            tied=captured.tied, batch=batch, experts=experts, options=options)
+
+
+def _split_backward(plan: Plan, options: TrainOptions) -> str:
+    """ZB-H1's split backward as the plan priced it (Plan.split_backward); another one asked
+    of a ZB-H1 plan is refused, since its memory and time were not priced."""
+    planned = plan.split_backward or "retraverse"
+    asked = options.split_backward
+    if asked not in ("auto", planned) and plan.schedule == "zb-h1" and plan.pp > 1:
+        raise ValueError(f"split_backward={asked} was asked but the plan was priced with "
+                         f"split_backward={planned}; plan with --fix split_backward={asked} "
+                         f"(fix={{'split_backward': {asked!r}}}) to train so")
+    return planned
 
 
 def in_compute_dtype(model: torch.nn.Module, example_inputs):

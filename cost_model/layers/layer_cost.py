@@ -114,6 +114,7 @@ class LayerProfile:
     sp_error: str | None = None    # why that rewrite does not apply (the op it stops at)
     tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
     largest_bytes: float = 0.0     # the largest tensor one op of the layer makes
+    join_bytes: float = 0.0        # outputs of the ops where a weight meets the input (`_joins`)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,9 @@ class LayerCost:
     # What the layer's pass holds for a moment beyond act_bytes (`_temporary`): two of its
     # largest tensor, and under recomputation the activations the backward recomputes
     temp_bytes: float = 0.0
+    # ZB-H1 with split_backward="record" (runtime.pipeline.split_backward): the gradients I
+    # records at each join for W, per micro-batch; 0 under recomputation (never recorded there)
+    record_bytes: float = 0.0
 
     def optimizer_s(self, cluster) -> float:
         """The optimizer step over this layer's parameters on one device (cluster's terms)."""
@@ -329,7 +333,16 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         collectives=_collectives(sub, layer.name), **ring,
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)),
         largest_bytes=max((_bytes(n.meta.get("val")) for n in sub.graph.nodes
-                           if n.op.startswith("call")), default=0.0))
+                           if n.op.startswith("call")), default=0.0),
+        join_bytes=sum(_bytes(n.meta.get("val")) for n in _joins(sub, modules)))
+
+
+def _joins(sub: fx.GraphModule, modules: dict) -> list[fx.Node]:
+    """The ops where a parameter's path meets the activations' (a linear, a norm's weight, a
+    bias add): ZB-H1's I records the gradient arriving at each for W under split_backward
+    "record" (runtime.pipeline.split_backward), one of its output's size."""
+    return [n for n in sub.graph.nodes if n.op.startswith("call") and _weighted(n, modules)
+            and any(op_graph.kind(a) == "activation" for a in n.all_input_nodes)]
 
 
 def _weighted(node: fx.Node, modules: dict) -> bool:
@@ -494,7 +507,9 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      tensors=profile.tensors,
                      retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops
                                                         + recompute_flops),
-                     temp_bytes=_temporary(profile, strategy, tp) * scale)
+                     temp_bytes=_temporary(profile, strategy, tp) * scale,
+                     record_bytes=profile.join_bytes * scale if strategy.recompute == "none"
+                     else 0.0)
 
 
 def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:

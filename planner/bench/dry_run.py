@@ -102,8 +102,8 @@ def fewer_microbatches(plan):
     m, p, v = plan.num_microbatches, plan.pp, plan.virtual_stages
 
     def shape(k: int):
-        moments = inflight_moments(plan.schedule, p, k, v)
-        return moments, tuple(max(sum(mo) for mo in rank) < k * v for rank in moments)
+        moments = inflight_moments(plan.schedule, p, k, v, plan.split_backward == "record")
+        return moments, tuple(max(sum(mo[:v]) for mo in rank) < k * v for rank in moments)
     target = shape(m)
     for k in range(1, m):
         if not schedule_error(plan.schedule, p, k, v) and shape(k) == target:

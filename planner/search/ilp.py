@@ -136,6 +136,9 @@ class BlockOption:
     # of its gradients, those no buffer holds between backwards (autograd makes them in the
     # backward): absent at a rank's activation peak when no forward follows a backward there
     lazy_grad_bytes: float = 0.0
+    # the gradients ZB-H1's I records for W under split_backward "record", per micro-batch
+    # (LayerCost.record_bytes): alive from I until W, on every stage but the first
+    record_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class EndLayer:
     grad_bytes: float
     step_s: float = 0.0
     lazy_grad_bytes: float = 0.0  # BlockOption.lazy_grad_bytes
+    record_bytes: float = 0.0     # BlockOption.record_bytes
 
 
 @dataclass(frozen=True)
@@ -510,19 +514,24 @@ def _rank_memory(problem: StageProblem, n, r: int) -> list:
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and any(
         o.lazy_grad_bytes for o in (*problem.options, problem.embed, problem.head))
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
+    local = len(problem.stages_of(r))
     forms = [(1.0, *form) for form in rank_forms(rank_moments(problem, r), lazy,
-                                                  problem.zero_in_use, problem.zero_whole)]
+                                                  problem.zero_in_use, problem.zero_whole,
+                                                  local)]
     if problem.step_share:   # the optimizer step: static bytes and their share, no activations
-        forms.append((1 + problem.step_share, 0.0, (0.0,) * len(problem.stages_of(r)), 0.0))
+        none = (0.0,) * local
+        forms.append((1 + problem.step_share, 0.0, none, none, 0.0))
     rows = []
-    for w, g, factors, extra in forms:
+    for w, g, factors, kept, extra in forms:
         memory = _Lin({}, (temp + extra) / unit)
-        for s, a in zip(problem.stages_of(r), factors):
-            per_block = [(w * o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes) / unit
-                         for o in problem.options]
+        for s, a, b in zip(problem.stages_of(r), factors, kept):
+            def load(o) -> float:
+                return (w * o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes
+                        + b * o.record_bytes) / unit
+            per_block = [load(o) for o in problem.options]
             memory.add(_Lin(_scaled((n[s, k] for k in range(len(per_block))), per_block)))
             for e in _ends(problem, s):
-                memory.add((w * e.static_bytes + g * e.lazy_grad_bytes + a * e.act_bytes) / unit)
+                memory.add(load(e))
         rows.append(memory)
     return rows
 

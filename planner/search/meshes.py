@@ -32,9 +32,10 @@ from planner.search.solved import make_plan
 from planner.search import zero as zero_axis
 from runtime.pipeline.generators import SCHEDULES as RUNTIME_SCHEDULES
 from runtime.pipeline.generators import schedule_error
+from runtime.pipeline.split_backward import SPLIT_BACKWARDS
 
 FIX_KEYS = ("dp", "tp", "pp", "cp", "mb", "v", "schedule", "strategy", "recompute", "zero",
-            "dp_shard", "ep")
+            "dp_shard", "ep", "split_backward")
 
 @lru_cache(maxsize=None)
 def divisors(n: int) -> tuple[int, ...]:
@@ -92,6 +93,7 @@ def check_fix(fix: dict) -> None:
             Strategy.parse(value)  # its message lists the legal forms
         elif key == "recompute" and value not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}")
+    _check_split_backward(fix)
     name, v = fix.get("schedule"), fix.get("v", 1)
     if name is not None and name != "interleaved-1f1b" and v > 1:
         raise ValueError(f"v={v} stages per rank needs schedule=interleaved-1f1b: schedule "
@@ -103,6 +105,26 @@ def check_fix(fix: dict) -> None:
             raise ValueError(f"strategy={fix['strategy']} (recompute {strategy.recompute}) "
                              f"contradicts recompute={fix['recompute']}; fix strategy={wanted} "
                              f"alone")
+
+
+def _check_split_backward(fix: dict) -> None:
+    """split_backward (runtime.pipeline.split_backward) says how ZB-H1's W runs: only with
+    schedule=zb-h1, and "record" never through recomputed blocks."""
+    if "split_backward" not in fix:
+        return
+    value = fix["split_backward"]
+    if value not in SPLIT_BACKWARDS:
+        raise ValueError(f"split_backward must be one of {', '.join(SPLIT_BACKWARDS)}, "
+                         f"got {value!r}")
+    if fix.get("schedule", "zb-h1") != "zb-h1":
+        raise ValueError(f"split_backward={value} needs schedule=zb-h1 (only ZB-H1 splits its "
+                         f"backward), got schedule={fix['schedule']}")
+    recompute = fix.get("recompute") or (Strategy.parse(fix["strategy"]).recompute
+                                         if "strategy" in fix else "none")
+    if value == "record" and recompute != "none":
+        raise ValueError(f"split_backward=record records gradients no recomputed block keeps: "
+                         f"fix recompute=none, or split_backward=retraverse for "
+                         f"recompute={recompute}")
 
 
 def tp_sizes(costs: ModelCosts, gpus: int, cluster: Cluster) -> list[int]:
@@ -167,10 +189,10 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
 
 def schedule_options(req: Request) -> list[tuple[str, int]]:
     """(schedule, v) pairs the fix allows: a fixed schedule with the fixed v or the v the search
-    gives it; a fixed v alone picks interleaving when above 1."""
+    gives it; a fixed v alone picks interleaving when above 1, a fixed split_backward ZB-H1."""
     fix = req.fix
-    if "schedule" in fix:
-        name = fix["schedule"]
+    if "schedule" in fix or "split_backward" in fix:
+        name = fix.get("schedule", "zb-h1")
         return [(name, fix.get("v", dict(req.schedules).get(name, 1)))]
     if "v" in fix:
         interleaved = fix["v"] > 1

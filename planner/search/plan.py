@@ -98,6 +98,9 @@ class Plan:
     sizes_from: str = ""               # where seq and global batch came from
     sequences: bool = True             # False: inputs are not sequences (rates in samples/s)
     runtime: str = ""                  # the runtime profile priced (cost_model.hardware.runtimes)
+    # ZB-H1's split backward (runtime.pipeline.split_backward): "record" (W starts from the
+    # gradients I recorded), or "" for the runtime's default, W walking the graph again
+    split_backward: str = ""
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -191,7 +194,8 @@ class Plan:
             f"{f' x cp={self.cp}' if self.cp > 1 else ''}"
             f"{f' (ep={self.ep} of dp x cp)' if self.ep > 1 else ''}{self._zero_text()}"
             f"   schedule {self.schedule}"
-            f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}   "
+            f"{f' (v={self.virtual_stages} stages per rank)' if self.virtual_stages > 1 else ''}"
+            f"{' (split backward: record)' if self.split_backward == 'record' else ''}   "
             f"global batch {self.global_batch} = dp {self.dp} x "
             f"{plural(self.num_microbatches, 'micro-batch')} x {self.micro_batch}"
             f"{f'   seq {self.seq}' if self.sequences else ''}",

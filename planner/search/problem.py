@@ -70,6 +70,8 @@ def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
     if "recompute" in req.fix:
         space = [s for s in space if s.recompute == req.fix["recompute"]] or \
                 [Strategy(recompute=req.fix["recompute"])]
+    if req.fix.get("split_backward") == "record":  # never recorded through a recomputed block
+        space = [s for s in space if s.recompute == "none"]
     if costs is not None and any(s.sp for s in space) and not costs.supports_sp(tp, cp, req.seq):
         space = [s for s in space if not s.sp]
     if costs is not None and kind is not None and tp > 1 and not costs.shards(tp, kind):
@@ -149,7 +151,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             hide_least=max(cluster.comm_sm_share, 1 / units),
                             rank_temp=temp, lazy_grads=lazy, zero_in_use=in_use,
                             zero_whole=whole, step_share=_step_share(costs, cluster, c),
-                            moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v))
+                            moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v,
+                                                     records(req, c)))
 
 
 def _step_share(costs: ModelCosts, cluster, c: Candidate) -> float:
@@ -203,10 +206,18 @@ def runtime_terms(option, cost, req: Request, c: Candidate, costs: ModelCosts):
         return option
     cluster = req.cluster
     share = cluster.split_backward if cluster.runtime_priced else cost.retraverse_share
-    split = cost.bwd_s * share if c.schedule == "zb-h1" else 0.0
+    split = cost.bwd_s * share if c.schedule == "zb-h1" and not records(req, c) else 0.0
     share = zero_axis.sharding_of(c).fractions()[2]
     return replace(option, time_s=option.time_s + split, step_s=cost.optimizer_s(cluster) * share,
-                   lazy_grad_bytes=lazy_grads(costs, req, c, option, cost))
+                   lazy_grad_bytes=lazy_grads(costs, req, c, option, cost),
+                   record_bytes=cost.record_bytes if records(req, c) else 0.0)
+
+
+def records(req: Request, c: Candidate) -> bool:
+    """Whether ZB-H1's I records the gradients W starts from (split_backward "record",
+    runtime.pipeline.split_backward): W then runs only the weights' halves, and the recorded
+    gradients live from I until W."""
+    return c.schedule == "zb-h1" and req.fix.get("split_backward") == "record"
 
 
 def lazy_grads(costs: ModelCosts, req: Request, c: Candidate, option, cost) -> float:

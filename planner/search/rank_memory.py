@@ -22,40 +22,51 @@ class RankParts:
     steps: float
     zero: tuple[float, float] = (0.0, 0.0)   # (in use, whole): StageProblem.zero_*
     step_share: float = 0.0                  # StageProblem.step_share
+    records: tuple[float, ...] = ()          # per stage, one micro-batch's recorded gradients
 
-    def forms(self) -> list[tuple[float, tuple[float, ...], float]]:
+    def forms(self) -> list[tuple[float, tuple[float, ...], tuple[float, ...], float]]:
         """rank_forms, and with a step share the optimizer step's: every gradient, no
         activation set, the step's fp32 gradient copies beside them."""
-        forms = rank_forms(self.moments, self.lazy, *self.zero)
+        forms = rank_forms(self.moments, self.lazy, *self.zero, stages=len(self.acts))
         if self.step_share:
-            forms.append((0.0, (0.0,) * len(self.acts), self.static * self.step_share))
+            none = (0.0,) * len(self.acts)
+            forms.append((0.0, none, none, self.static * self.step_share))
         return forms
 
     def peaks(self) -> list[float]:
+        records = self.records or (0.0,) * len(self.acts)
         return [self.static + g * self.lazy_grads
-                + sum(f * a for f, a in zip(factors, self.acts)) + self.temp + extra
-                for g, factors, extra in self.forms()]
+                + sum(f * a for f, a in zip(factors, self.acts))
+                + sum(f * b for f, b in zip(kept, records)) + self.temp + extra
+                for g, factors, kept, extra in self.forms()]
 
 
-def rank_forms(moments, lazy: bool, in_use: float = 0.0, whole: float = 0.0
-               ) -> list[tuple[float, tuple[float, ...], float]]:
-    """The peak-memory forms of a rank as (coefficient of its lazy gradients, per stage the
-    coefficient of one micro-batch's activations, bytes beside them): one per moment; with
-    lazy gradients two, those absent, or present with one set of the stage backwarded first
-    (its last) freed; under ZeRO 2-3 each twice again, with the unit in use, or with the whole
-    transient and one set of every stage freed."""
+def rank_forms(moments, lazy: bool, in_use: float = 0.0, whole: float = 0.0, stages: int = 0
+               ) -> list[tuple[float, tuple[float, ...], tuple[float, ...], float]]:
+    """The peak-memory forms of a rank's `stages` local stages as (coefficient of its lazy
+    gradients, per stage the coefficient of one micro-batch's activations, per stage that of
+    its recorded gradients, bytes beside them): one per moment (a moment longer than `stages`
+    carries the record counts after the activation counts,
+    runtime.pipeline.generators.inflight_moments); with lazy gradients two, those absent, or
+    present with one set of the stage backwarded first (its last) freed; under ZeRO 2-3 each
+    twice again, with the unit in use, or with the whole transient and one set of every stage
+    freed."""
     forms = []
     for mo in moments:
+        acts, kept = tuple(mo[:stages or len(mo)]), tuple(mo[stages or len(mo):])
+        kept = kept or (0.0,) * len(acts)
         if not lazy:
-            forms.append((0.0, tuple(mo)))
+            forms.append((0.0, acts, kept))
             continue
-        last = len(mo) - 1
-        forms.append((-1.0, tuple(mo)))
-        forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(mo))))
+        last = len(acts) - 1
+        forms.append((-1.0, acts, kept))
+        forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(acts)),
+                      kept))
     if not whole:
-        return [(g, factors, in_use) for g, factors in forms]
-    return [form for g, factors in forms for form in
-            ((g, factors, in_use), (g, tuple(max(f - 1.0, 0.0) for f in factors), whole))]
+        return [(g, factors, kept, in_use) for g, factors, kept in forms]
+    return [form for g, factors, kept in forms for form in
+            ((g, factors, kept, in_use),
+             (g, tuple(max(f - 1.0, 0.0) for f in factors), kept, whole))]
 
 
 def rank_moments(problem, r: int) -> tuple[tuple[float, ...], ...]:
@@ -68,7 +79,7 @@ def rank_moments(problem, r: int) -> tuple[tuple[float, ...], ...]:
 
 
 def rank_parts(problem, counts, r: int) -> RankParts:
-    static, grads, lazy_grads, acts, steps = 0.0, 0.0, 0.0, [], 0.0
+    static, grads, lazy_grads, acts, steps, records = 0.0, 0.0, 0.0, [], 0.0, []
     for s in problem.stages_of(r):
         layers = [(c, o) for c, o in zip(counts[s], problem.options)]
         layers += [(1, e) for e in stage_ends(problem, s)]
@@ -76,12 +87,13 @@ def rank_parts(problem, counts, r: int) -> RankParts:
         grads += sum(c * o.grad_bytes for c, o in layers)
         lazy_grads += sum(c * o.lazy_grad_bytes for c, o in layers)
         acts.append(sum(c * o.act_bytes for c, o in layers))
+        records.append(sum(c * o.record_bytes for c, o in layers))
         steps += sum(c * o.step_s for c, o in layers)
     temp = problem.rank_temp[r] if problem.rank_temp else 0.0
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and lazy_grads > 0
     return RankParts(static, grads, lazy_grads, tuple(acts), rank_moments(problem, r), temp,
                      lazy, steps, (problem.zero_in_use, problem.zero_whole),
-                     problem.step_share)
+                     problem.step_share, tuple(records))
 
 
 def stage_ends(problem, s: int) -> list:

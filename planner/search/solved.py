@@ -8,7 +8,7 @@ from dataclasses import replace
 from planner.search import ilp
 from planner.search import zero as zero_axis
 from planner.search.plan import Plan, Predicted, StagePlan
-from planner.search.problem import device_bytes
+from planner.search.problem import device_bytes, records
 from planner.search.step_prediction import simulated
 
 
@@ -50,16 +50,18 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 costs.notes(cand.tp), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None, params=costs.param_count(),
-                sizes_from=req.sizes_from, sequences=req.sequences, runtime=req.cluster.runtime)
+                sizes_from=req.sizes_from, sequences=req.sequences, runtime=req.cluster.runtime,
+                split_backward="record" if records(req, cand) else "")
     if req.cluster.runtime_priced:  # the whole step simulated on shared cores
         plan = replace(plan, predicted=simulated(plan, req.cluster, req.global_batch *
                                                  costs.flops_per_sample()))
     return plan
 
 
-def peak_form(problem, counts, r: int) -> tuple[float, tuple[float, ...], float]:
+def peak_form(problem, counts, r: int) -> tuple:
     """Rank r's peak form (ilp.rank_forms): the lazy gradients' coefficient, per local stage
-    the activation sets it holds at its peak, ZeRO's buffers beside them."""
+    the activation sets and the recorded gradients' sets it holds at its peak, ZeRO's buffers
+    beside them."""
     parts = ilp.rank_parts(problem, counts, r)
     peaks = parts.peaks()
     return parts.forms()[peaks.index(max(peaks))]
@@ -125,14 +127,16 @@ def rank_memory(costs, problem, counts, sharding, r: int, temp: float) -> tuple:
     shares, and of the rank's peak forms (ilp.RankParts.peaks) the largest — with lazy
     gradients, either all activation sets and none of those gradients, or all gradients and
     one micro-batch's activations fewer. "other": the largest temporary of the rank's own
-    layers (`temp`) and what ZeRO's whole-layer buffers add to the peak."""
+    layers (`temp`), what ZeRO's whole-layer buffers add to the peak and the gradients ZB-H1's
+    I recorded for W (split_backward "record")."""
     parts = ilp.rank_parts(problem, counts, r)
     both, optimizer = costs.split_static(parts.static, sharding)
     t = costs.training
     fw, fg, _ = sharding.fractions()
     grads = both * t.grad_bytes * fg / (t.weight_bytes * fw + t.grad_bytes * fg)
-    g, factors, zero = peak_form(problem, counts, r)
+    g, factors, kept, zero = peak_form(problem, counts, r)
     act = sum(f * a for f, a in zip(factors, parts.acts))
+    recorded = sum(f * b for f, b in zip(kept, parts.records))
     weights = both - grads
     grads += g * parts.lazy_grads    # the lazy ones absent at an activation peak
-    return (weights, grads, optimizer, act, temp + zero)
+    return (weights, grads, optimizer, act, temp + zero + recorded)

@@ -27,7 +27,8 @@ COMPUTE = tuple(k.value for k in (Kind.F, Kind.B, Kind.I, Kind.W))
 
 def step_costs(plan: Plan, cluster: Cluster) -> tuple[Schedule, StepCosts]:
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
-    floor, split = cluster.action_floor, cluster.split_backward
+    floor = cluster.action_floor
+    split = 0.0 if plan.split_backward == "record" else cluster.split_backward
     woken = [_tp_wake_up(plan, stage, cluster) for stage in plan.stages]
 
     def duration(action: Action) -> float:

@@ -194,25 +194,35 @@ def peak_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def inflight_moments(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def inflight_moments(name: str, p: int, m: int, v: int = 1, records: bool = False
+                     ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per rank, the activation sets each of its stages (local index c: stage c·p + r) holds
     at the moments one of them could peak: after each forward, the counts per local stage,
     keeping only moments no other covers (at least as many sets on every stage). A set lives
     from its stage's forward until the backward that frees its graph: B, or W under ZB-H1
     (the runtime's W walks the graph again). With stages of unequal activations (the one with
     the loss head, say) the peak is the largest Σ_c count_c · a_c over these moments, which
-    `peak_inflight`'s one count per rank cannot tell."""
+    `peak_inflight`'s one count per rank cannot tell. With `records` (ZB-H1 under
+    split_backward "record", runtime.pipeline.split_backward) each moment also counts, after
+    the v activation counts, the sets of gradients I recorded for a W still to come, per local
+    stage (none on stage 0, whose I has no input to reach), and the moments after each I too."""
     schedule = make_schedule(name, p, m, v)
     frees = Kind.W if name == "zb-h1" else Kind.B
     result = []
     for r, actions in enumerate(schedule.actions):
-        count, moments = [0] * v, set()
+        count, moments = [0] * (2 * v if records else v), set()
         for a in actions:
+            c = a.stage // p
             if a.kind == Kind.F:
-                count[a.stage // p] += 1
+                count[c] += 1
+                moments.add(tuple(count))
+            elif a.kind == Kind.I and records and a.stage > 0:
+                count[v + c] += 1
                 moments.add(tuple(count))
             elif a.kind == frees:
-                count[a.stage // p] -= 1
+                count[c] -= 1
+                if records and a.stage > 0:
+                    count[v + c] -= 1
         kept = [mo for mo in moments
                 if not any(o != mo and all(x >= y for x, y in zip(o, mo)) for o in moments)]
         result.append(tuple(sorted(kept)))

@@ -52,9 +52,10 @@ class TrainOptions:
     track_memory: measure saved-activation bytes per stage (runtime.training.activation_memory; slows the forward).
     recv_ahead: receives posted ahead of need (runtime.pipeline.executor.StageExecutor).
     split_backward: how ZB-H1's W gets its weight gradients (runtime.pipeline.split_backward):
-    "retraverse" (a backward from the stage's outputs again, I + W about 1.5 B: what the
-    planner prices, time and memory) or "record" (from gradients I records: no second pass,
-    more memory until W; a stage with recomputed layers retraverses all the same).
+    "retraverse" (a backward from the stage's outputs again, I + W about 1.5 B) or "record"
+    (from gradients I records: no second pass, more memory until W; a stage with recomputed
+    layers retraverses all the same); "auto" (the default): what the plan priced
+    (Plan.split_backward, planner.api.build_trainer), "retraverse" without a plan.
     zero: sharded data parallel level 0-3, dp_shard: ranks per shard group for hybrid sharding
     (runtime.data_parallel.sharded_dp)."""
 
@@ -65,7 +66,7 @@ class TrainOptions:
     growth_interval: int = 2000
     track_memory: bool = False
     recv_ahead: int = 2
-    split_backward: str = "retraverse"
+    split_backward: str = "auto"
     zero: int = 0
     dp_shard: int | None = None
 
@@ -81,8 +82,8 @@ class TrainOptions:
             raise ValueError("bucket_bytes, init_scale and growth_interval must be positive")
         if self.recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0, got {self.recv_ahead}")
-        if self.split_backward not in SPLIT_BACKWARDS:
-            raise ValueError(f"split_backward must be one of {', '.join(SPLIT_BACKWARDS)}, "
+        if self.split_backward not in ("auto", *SPLIT_BACKWARDS):
+            raise ValueError(f"split_backward must be auto or one of {', '.join(SPLIT_BACKWARDS)}, "
                              f"got {self.split_backward!r}")
 
 
@@ -320,7 +321,9 @@ class PipelineTrainer:
         self.executor = StageExecutor(programs, schedule, groups.rank, stage_rank,
                                       autocast_dtype=_PRECISIONS[self.options.precision],
                                       memory=self.memory, recv_ahead=options.recv_ahead,
-                                      split_backward=options.split_backward)
+                                      split_backward="retraverse"
+                                      if options.split_backward == "auto"
+                                      else options.split_backward)
         self.last_rank = stage_rank(schedule.num_stages - 1)
         # Ranks holding the same weights (dp x cp) average their gradients.
         dense = {s: [p for p in ps if not is_expert(p)] for s, ps in self.executor.params.items()}

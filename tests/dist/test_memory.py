@@ -9,9 +9,6 @@ from planner.bench.memory_cases import CASES, run_case
 # Plan kinds where a bound is known not to hold, and why; they are held to the wider bound
 # instead, so that a change for the worse still fails.
 KNOWN = {
-    # The planner prices ZB-H1's default split backward (W walks the graph again); "record"
-    # keeps the gradients at each weight's join from I until W, which it does not count.
-    "pp zb-h1 record": {"total": 0.20},
     # Autocast over fp32 weights, which plans do not price (they price the model's own dtype,
     # fp32 here, or bf16 with fp32 main weights: the "bf16, fp32 main" case): it saves bf16
     # copies beside fp32 tensors.

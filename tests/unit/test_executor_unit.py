@@ -101,7 +101,7 @@ def test_options_are_checked():
         TrainOptions(max_norm=0.0)
     with pytest.raises(ValueError, match="recv_ahead"):
         TrainOptions(recv_ahead=-1)
-    with pytest.raises(ValueError, match="split_backward must be one of retraverse, record"):
+    with pytest.raises(ValueError, match="split_backward must be auto or one of retraverse, record"):
         TrainOptions(split_backward="recompute")
 
 
