@@ -484,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder, or "
                    "a folder of step-N checkpoints (the latest complete one is read)")
     e.add_argument("--out", required=True, metavar="FILE.safetensors")
+    e.add_argument("--main-weights", action="store_true", help="write the fp32 main weights a "
+                   "bf16-main run keeps in its optimizer state, not the bf16 weights it trains")
     e.set_defaults(func=_cmd_export)
     v = sub.add_parser("validate", help="price published measured training runs (GPU, BF16) "
                        "and compare fxpar's predicted step times with them",

@@ -49,6 +49,7 @@ class Configuration:
     ends: str = "auto"
     zero: int = 0                  # sharded data parallel level (planner.search.zero)
     dp_shard: int | None = None    # ranks per shard group (hybrid sharding); None: all of dp
+    split_backward: str = ""       # Plan.split_backward: "record", or "" for W walking again
 
     def __post_init__(self):
         if self.ends not in ENDS:
@@ -69,6 +70,8 @@ class Configuration:
                "schedule": self.schedule, "v": self.v, "zero": self.zero}
         if self.dp_shard and self.dp_shard != self.dp:
             fix["dp_shard"] = self.dp_shard
+        if self.split_backward:
+            fix["split_backward"] = self.split_backward
         strategy = self.uniform_strategy()
         if strategy is not None:
             fix["strategy"] = strategy
@@ -91,7 +94,7 @@ class Configuration:
         return Configuration(plan.dp, plan.tp, plan.pp, plan.cp, plan.micro_batch, plan.schedule,
                              plan.virtual_stages, block_strategies(plan),
                              ends=ends.pop() if len(ends) == 1 else "auto", zero=plan.zero,
-                             dp_shard=plan.dp_shard)
+                             dp_shard=plan.dp_shard, split_backward=plan.split_backward)
 
 
 def block_strategies(plan: Plan) -> tuple[tuple[str, ...], ...]:

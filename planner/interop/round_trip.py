@@ -75,8 +75,11 @@ def differences(plan: Plan, back: Plan) -> str:
     a, b = Configuration.of(plan), Configuration.of(back)
     pairs = [(name, getattr(a, name), getattr(b, name)) for name in (
         "dp", "tp", "pp", "cp", "micro_batch", "schedule", "v", "zero", "dp_shard", "ends",
-        "stages")]
+        "split_backward", "stages")]
     pairs += [("global batch", plan.global_batch, back.global_batch),
               ("seq", plan.seq, back.seq),
               ("micro-batches", plan.num_microbatches, back.num_microbatches)]
-    return "; ".join(f"{name} {x} -> {y}" for name, x, y in pairs if x != y)
+    def shown(name: str, x):
+        return x or "retraverse" if name == "split_backward" else x
+    return "; ".join(f"{name} {shown(name, x)} -> {shown(name, y)}" for name, x, y in pairs
+                     if x != y)

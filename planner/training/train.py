@@ -274,6 +274,11 @@ def run(config, log=print) -> dict:
         say(str(plan))
     say(f"planned in {planned_s:.2f} s; {'resuming at' if resumed else 'training from'} step "
         f"{pm.step} of {t.steps} on {world} ranks (attempt {attempt})")
+    if options.precision in ("bf16", "fp16"):
+        say(f"precision {options.precision}: autocast over fp32 weights, which the plan does "
+            f"not price (it prices the weights' own dtype: fp32 activations here); its "
+            f"predicted memory per device may be off either way. precision bf16-main is what "
+            f"plans price in 16 bits")
     from cost_model.hardware.cluster import get_cluster
     metrics = Metrics(config.logging.dir, t.steps, config.logging.every, plan,
                       get_cluster(plan.cluster).peak_flops, enabled=rank == 0, attempt=attempt,
@@ -397,11 +402,11 @@ def _finish(clock: Clock, steps: int, metrics: Metrics, config, data: TokenData,
     export = config.checkpoint.export
     exported = None
     if rank0 and (export is True or (export == "auto" and spec.is_hf)):
-        from planner.weights.export import export as export_hf
+        from planner.weights.export import export as export_hf, export_line
         out = os.path.join(config.logging.dir, "hf", "model.safetensors")
-        _, count, hf = export_hf(root, out)
+        path, count, hf = export_hf(root, out)
         exported = out
-        say(f"exported {count} tensors to {out}" + (" under Hugging Face names" if hf else ""))
+        say(export_line(out, path, count, hf, False))
     picture = None
     if rank0 and config.logging.plot:
         metrics.flush()

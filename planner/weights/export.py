@@ -8,6 +8,11 @@ Face model or a preset, its `config.json`. The export reads every parameter whol
 the pieces of whatever mesh saved them), renames and lays them out as Hugging Face does, and
 writes FILE.safetensors; `config.json` goes beside it when its folder has none, so that
 `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads it.
+
+A run in precision "bf16-main" (runtime.training.main_weights) holds bf16 weights and an fp32
+main copy of each in its optimizer state (`optim/<name>/main`). The export writes the weights
+as the model holds them (bf16, each the main copy rounded) and says the main copies are there;
+`main_weights=True` (`--main-weights`) writes those fp32 copies instead.
 """
 from __future__ import annotations
 
@@ -69,22 +74,40 @@ def preset_config(cfg) -> dict:
             "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
 
 
-def read_parameters(path: str) -> dict[str, torch.Tensor]:
-    """Every parameter of a checkpoint, whole, by fxpar full name (in this process)."""
+def read_parameters(path: str, main_weights: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of a checkpoint, whole, by fxpar full name (in this process); with
+    `main_weights`, a parameter's fp32 main copy where the optimizer holds one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from runtime.checkpoint.dcp_slices import SlicesLoadPlanner
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
-             for key, md in metadata.items()
-             if key.startswith("model/") and isinstance(md, TensorStorageMetadata)}
+    keys = {key[len("model/"):]: key for key, md in metadata.items()
+            if key.startswith("model/") and isinstance(md, TensorStorageMetadata)}
+    if main_weights:
+        keys = {name: _main_key(name, metadata) or key for name, key in keys.items()}
+    state = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
+             for key in keys.values()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it loads without a process group
         dcp.load(state, storage_reader=FileSystemReader(path), planner=SlicesLoadPlanner(),
                  no_dist=True)
-    return {key[len("model/"):]: value for key, value in state.items()}
+    return {name: state[key] for name, key in keys.items()}
+
+
+def _main_key(name: str, metadata: dict) -> str | None:
+    from runtime.training.main_weights import MAIN_KEY
+    key = f"optim/{name}/{MAIN_KEY}"
+    return key if key in metadata else None
+
+
+def main_copies(path: str) -> int:
+    """How many parameters of a checkpoint have an fp32 main copy in its optimizer state."""
+    from torch.distributed.checkpoint import FileSystemReader
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    return sum(1 for key in metadata
+               if key.startswith("model/") and _main_key(key[len("model/"):], metadata))
 
 
 def hf_state(path: str, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -103,16 +126,20 @@ def hf_state(path: str, params: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             for n, (hf, transpose) in names.items()}
 
 
-def export(checkpoint: str, out: str) -> tuple[str, int, bool]:
+def export(checkpoint: str, out: str, main_weights: bool = False) -> tuple[str, int, bool]:
     """Write the checkpoint (a folder, or the latest complete one under it) to `out`
-    (.safetensors). Returns (the checkpoint read, tensors written, whether under HF names)."""
+    (.safetensors), with `main_weights` the fp32 main copies of a "bf16-main" run. Returns (the
+    checkpoint read, tensors written, whether under HF names)."""
     from safetensors.torch import save_file
 
     from runtime.checkpoint.state import resolve
     if not out.endswith(".safetensors"):
         raise ExportError(f"--out {out}: give a file name ending in .safetensors")
     path = resolve(checkpoint)
-    params = read_parameters(path)
+    if main_weights and not main_copies(path):
+        raise ExportError(f"--main-weights: checkpoint {path} holds no fp32 main weights (only a "
+                          f"run in precision bf16-main keeps them); export without it")
+    params = read_parameters(path, main_weights)
     hf = hf_state(path, params)
     state = hf if hf is not None else params
     folder = os.path.dirname(os.path.abspath(out))
@@ -125,7 +152,19 @@ def export(checkpoint: str, out: str) -> tuple[str, int, bool]:
 
 
 def cmd_export(args) -> int:
-    path, count, hf = export(args.checkpoint, args.out)
-    names = "Hugging Face names" if hf else "fxpar names (the model has no Hugging Face map)"
-    print(f"wrote {args.out}: {count} tensors from {path}, under {names}")
+    path, count, hf = export(args.checkpoint, args.out, args.main_weights)
+    print(export_line(args.out, path, count, hf, args.main_weights))
     return 0
+
+
+def export_line(out: str, path: str, count: int, hf: bool, main_weights: bool) -> str:
+    """What an export wrote, and the fp32 main weights it left in the checkpoint."""
+    names = "Hugging Face names" if hf else "fxpar names (the model has no Hugging Face map)"
+    line = f"wrote {out}: {count} tensors from {path}, under {names}"
+    if main_weights:
+        return line + "; the fp32 main weights of a bf16-main run"
+    copies = main_copies(path)
+    if copies:
+        line += (f"; the weights as trained (bf16); the checkpoint also holds fp32 main weights "
+                 f"of {copies} of them: --main-weights exports those")
+    return line

@@ -38,10 +38,12 @@ def _by_hand(steps: int):
             for m, p in zip(main, params):
                 p.copy_(m)
         losses.append(loss.item())
-    return losses, {k: v.detach().float() for k, v in model.named_parameters()}
+    names = [k for k, _ in model.named_parameters()]
+    return (losses, {k: v.detach().float() for k, v in model.named_parameters()},
+            {k: m.detach() for k, m in zip(names, main)})
 
 
-def _worker(plan_json: str, steps: int, auto: bool):
+def _worker(plan_json: str, steps: int, auto: bool, folder: str):
     """auto: the model given in bf16 with the default options (precision "auto" picks
     bf16-main for bf16 weights); else in fp32 with precision "bf16-main" asked for."""
     from planner.api import ParallelModel
@@ -61,6 +63,8 @@ def _worker(plan_json: str, steps: int, auto: bool):
             "states": {v.dtype for s in trainer.optimizer.state.values() for v in s.values()
                        if torch.is_tensor(v) and v.dim()},
             "main": all(MAIN_KEY in s for s in trainer.optimizer.state.values())}
+    from runtime.checkpoint.state import save
+    save(trainer, folder, {"step": steps})
     return losses, {k: v.float() for k, v in pm.full_state_dict().items()}, held
 
 
@@ -68,13 +72,36 @@ def _worker(plan_json: str, steps: int, auto: bool):
 @pytest.mark.parametrize("fix,auto", [({"tp": 2, "dp": 2, "strategy": "tp"}, False),
                                       ({"dp": 4, "zero": 1}, True)],
                          ids=["tp2-dp2-asked", "dp4-zero1-auto"])
-def test_trains_as_the_policy_written_out(pool4, fix, auto):
+def test_trains_as_the_policy_written_out(pool4, fix, auto, tmp_path):
     chosen = plan(SPEC, 4, cluster="cpu-gloo", fix={**fix, "pp": 1, "mb": 2})[0]
-    losses, state, held = pool4.run(_worker, chosen.dumps(), STEPS, auto)[0]
-    want_losses, want_state = _by_hand(STEPS)
+    folder = str(tmp_path / "ckpt")
+    losses, state, held = pool4.run(_worker, chosen.dumps(), STEPS, auto, folder)[0]
+    want_losses, want_state, want_main = _by_hand(STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),
                                rtol=1e-2, atol=0)  # 2.5 bf16 ulps: the loss is a bf16 value
     for name, value in want_state.items():
         torch.testing.assert_close(state[name], value, rtol=2e-2, atol=2e-2, msg=name)
     assert held == {"weights": {torch.bfloat16}, "grads": {torch.bfloat16},
                     "states": {torch.float32}, "main": True}
+    _exports_weights_and_main_copies(folder, tmp_path, state, want_main)
+
+
+def _exports_weights_and_main_copies(folder, tmp_path, state, want_main) -> None:
+    """`fxpar export` writes the bf16 weights as trained and says the fp32 main copies are in
+    the checkpoint; with --main-weights it writes those, as the one process holds them."""
+    from safetensors.torch import load_file
+
+    from planner.weights.export import export, export_line
+    path, count, _ = export(folder, str(tmp_path / "w.safetensors"))
+    assert "--main-weights exports those" in export_line("w", path, count, False, False)
+    weights = load_file(str(tmp_path / "w.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    for name, value in weights.items():
+        torch.testing.assert_close(value.float(), state[name], rtol=0, atol=0, msg=name)
+    export(folder, str(tmp_path / "main.safetensors"), main_weights=True)
+    main = load_file(str(tmp_path / "main.safetensors"))
+    assert {v.dtype for v in main.values()} == {torch.float32}
+    for name, value in want_main.items():
+        torch.testing.assert_close(main[name], value, rtol=2e-2, atol=2e-2, msg=name)
+        torch.testing.assert_close(main[name].to(torch.bfloat16), weights[name], rtol=0, atol=0,
+                                   msg=name)

@@ -70,6 +70,10 @@ def test_a_gpu_count_nothing_factorises_names_the_nearest_counts_that_plan():
     ({"mb": "2"}, ["mb must be a positive integer", "got '2'"]),
     ({"strategy": "tp", "recompute": "full"}, ["contradicts recompute=full", "strategy=tp+full"]),
     ({"recompute": "some"}, ["recompute must be one of none, selective, full"]),
+    ({"split_backward": "lazy"}, ["split_backward must be one of retraverse, record"]),
+    ({"split_backward": "record", "schedule": "1f1b"}, ["needs schedule=zb-h1"]),
+    ({"split_backward": "record", "recompute": "full"}, ["fix recompute=none",
+                                                         "split_backward=retraverse"]),
 ])
 def test_fixed_settings_the_runtime_or_the_search_would_refuse_are_refused_before_planning(
         fix, words):
@@ -132,3 +136,24 @@ def test_every_configuration_the_search_considers_is_one_the_runtime_builds():
         assert found
         for c in found:
             assert schedule_error(c.schedule, c.pp, c.microbatches, c.v) is None, c
+
+
+def test_a_recorded_split_backward_is_priced_and_carried_to_the_trainer():
+    """split_backward=record: no second traversal (a faster step), the recorded gradients on
+    every rank but the first (more memory there), and the plan says so; the trainer refuses a
+    form the plan did not price."""
+    from planner.api import _split_backward
+    from runtime.training.trainer import TrainOptions
+    fix = {"pp": 2, "schedule": "zb-h1", "mb": 1}
+    walked = plan(TINY, 2, cluster="cpu-gloo", fix=fix)[0]
+    recorded = plan(TINY, 2, cluster="cpu-gloo", fix={**fix, "split_backward": "record"})[0]
+    assert (walked.split_backward, recorded.split_backward) == ("", "record")
+    assert "split backward: record" in str(recorded)
+    assert recorded.predicted.iteration_s < walked.predicted.iteration_s
+    first, last = (sum(r) for r in walked.predicted.rank_memory)
+    assert sum(recorded.predicted.rank_memory[0]) == pytest.approx(first)
+    assert sum(recorded.predicted.rank_memory[1]) > last * 1.05
+    assert Plan.from_json(recorded.dumps()) == recorded
+    assert _split_backward(recorded, TrainOptions()) == "record"
+    with pytest.raises(ValueError, match="plan with --fix split_backward=retraverse"):
+        _split_backward(recorded, TrainOptions(split_backward="retraverse"))
