@@ -121,6 +121,9 @@ from dataclasses import dataclass, replace
 import pulp
 
 from planner.search import highs
+from planner.search.linear import Lin as _Lin, add_row as _add_row, count as _count
+from planner.search.linear import lin_sum as _lin_sum, scaled as _scaled, var as _var
+from planner.search.rank_floor import busiest_rank_floor
 from planner.search.rank_memory import RankParts, rank_forms, rank_moments, rank_parts  # noqa: F401
 from planner.search.rank_memory import stage_ends as _ends
 
@@ -341,76 +344,6 @@ def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = m
     return prob, n
 
 
-class _Lin:
-    """A linear expression, {variable: coefficient} in insertion order plus a constant, that the
-    model is built from before pulp gets it.
-
-    pulp's operators cost most of a solve in Python (an LpAffineExpression per product, type
-    checks per term of a sum: 12 ms to build a 32-stage problem, three times what HiGHS takes
-    to solve its LP). These plain dicts do the same arithmetic — the same floating-point
-    operations in the same order as pulp's +, −, scalar × and lpSum, down to a product with 0
-    dropping its terms — so each row pulp hands HiGHS is bit for bit the one its operators would
-    have built (checked on every stage problem, LP and ILP, that the presets of
-    examples/bench_planner.py pose)."""
-
-    __slots__ = ("terms", "constant")
-
-    def __init__(self, terms: dict | None = None, constant: float = 0.0):
-        self.terms = {} if terms is None else terms
-        self.constant = constant
-
-    def add(self, other, sign: int = 1) -> _Lin:
-        """self += sign · other, for another _Lin or a number (pulp's addInPlace)."""
-        if isinstance(other, _Lin):
-            self.constant += other.constant * sign
-            terms = self.terms
-            for v, x in other.terms.items():
-                terms[v] = terms[v] + x * sign if v in terms else x * sign
-        else:
-            self.constant += other * sign
-        return self
-
-    def copy(self) -> _Lin:
-        return _Lin(dict(self.terms), self.constant)
-
-    def __add__(self, other) -> _Lin:
-        return self.copy().add(other)
-
-    __radd__ = __add__
-
-    def __sub__(self, other) -> _Lin:
-        return self.copy().add(other, -1)
-
-    def __rmul__(self, c: float) -> _Lin:
-        """c · self; as in pulp, 0 · self has neither terms nor constant."""
-        if c == 0:
-            return _Lin()
-        return _Lin({v: c * x for v, x in self.terms.items()}, self.constant * c)
-
-    def affine(self) -> pulp.LpAffineExpression:
-        return pulp.LpAffineExpression(self.terms, self.constant)
-
-
-def _lin_sum(items) -> _Lin:
-    """pulp.lpSum of _Lin expressions and numbers."""
-    total = _Lin()
-    for item in items:
-        total.add(item)
-    return total
-
-
-def _scaled(variables, coefficients) -> dict:
-    """{v: c} over pairs, as pulp's Σ v·c makes it: a product with 0 adds no term."""
-    return {v: c for v, c in zip(variables, coefficients) if c != 0}
-
-
-def _add_row(prob, lhs: _Lin, sense: int, rhs, name: str) -> None:
-    """prob += lhs (sense) rhs, rhs a number or a _Lin, as pulp's comparison operators make it."""
-    if isinstance(rhs, _Lin):
-        lhs, rhs = lhs - rhs, None
-    prob.addConstraint(pulp.LpConstraint(lhs.affine(), sense, name, rhs))
-
-
 @dataclass(frozen=True)
 class Breakdown:
     """Every term of the objective for one assignment, in plain numbers."""
@@ -478,13 +411,6 @@ def _p2p(problem: StageProblem, s: int) -> float:
     return problem.p2p_s * ((s > 0) + (s < problem.stages - 1))
 
 
-def _var(prob: pulp.LpProblem, name: str, upper=None, cat: str = "Continuous"):
-    """A non-negative variable (pulp >= 3.3 attaches variables to the problem)."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, 0, upper, cat=cat)
-    return pulp.LpVariable(name, 0, upper, cat=cat)
-
-
 def _stage_time(problem: StageProblem, n, s: int) -> _Lin:
     """T_s in units of _time_unit."""
     fixed = sum(e.time_s for e in _ends(problem, s)) + _p2p(problem, s) + problem.stage_s
@@ -536,11 +462,6 @@ def _rank_memory(problem: StageProblem, n, r: int) -> list:
     return rows
 
 
-def _count(variables) -> _Lin:
-    """Σ v over the variables: a count of blocks."""
-    return _Lin(dict.fromkeys(variables, 1))
-
-
 def _add_cover(prob, problem: StageProblem, n) -> None:
     EQ, GE = pulp.LpConstraintEQ, pulp.LpConstraintGE
     for j, (run, ks) in enumerate(zip(problem.block_runs(), problem.run_options())):
@@ -584,64 +505,6 @@ def rank_floor(problem: StageProblem) -> float:
     return busiest_rank_floor(problem.blocks, problem.ranks, problem.stages,
                               min(o.time_s for o in problem.options), problem.embed.time_s,
                               problem.head.time_s, problem.p2p_s, problem.stage_s)
-
-
-def busiest_rank_floor(blocks: int, ranks: int, stages: int, least_block_s: float,
-                       embed_s: float, head_s: float, p2p_s: float,
-                       stage_s: float = 0.0) -> float:
-    """The least ρ at which p ranks can hold all N blocks, on plain numbers (the outer search
-    bounds with it before any problem exists): rank r can hold ⌊(ρ − F_r)/t_min⌋ blocks, so
-
-        ρ* = min { ρ ≥ max_r F_r :  Σ_r ⌊(ρ − F_r)/t_min⌋ ≥ N }.
-
-    Every stage crosses a boundary twice but the first and last once, so a rank's fixed time is
-    F_r = 2c·v − c·[r = 0] − c·[r = p−1] + E·[r = 0] + H·[r = p−1] + q·v: three kinds of rank (first,
-    last, middle), and ρ* is F_r + j·t_min for one of them: the least j that holds them, found
-    by searching out from where blocks spread evenly (N·t_min + Σ_r F_r)/p would put it."""
-    v = stages // ranks
-    def fixed(r: int) -> float:
-        first, last = r == 0, r == ranks - 1
-        return (2 * p2p_s * v - p2p_s * (first + last) + embed_s * first + head_s * last
-                + stage_s * v)
-    kinds = [(fixed(0), 1)] + ([(fixed(ranks - 1), 1)] if ranks > 1 else [])
-    kinds += [(fixed(1), ranks - 2)] if ranks > 2 else []
-    start = max(f for f, _ in kinds)
-    if least_block_s <= 0:
-        return start
-    def holds(rho: float) -> int:  # the 1e-9 rounds capacity up: the bound stays a lower bound
-        return sum(n * math.floor((rho - f) / least_block_s + 1e-9) for f, n in kinds if rho >= f)
-    even = (blocks * least_block_s + sum(f * n for f, n in kinds)) / ranks
-    best = math.inf
-    for f, _ in kinds:
-        lo = max(0, math.ceil((start - f) / least_block_s - 1e-9))
-        hi = lo + blocks  # this kind alone holds N more blocks there
-        j = _least(lambda j: holds(f + j * least_block_s) >= blocks, lo, hi,
-                   math.ceil((even - f) / least_block_s))
-        best = min(best, f + j * least_block_s)
-    return max(start, best) * (1 - 1e-12)
-
-
-def _least(pred, lo: int, hi: int, guess: int) -> int:
-    """The least j in [lo, hi) with pred(j), or hi if there is none, for a pred that turns from
-    false to true as j grows: what bisecting [lo, hi) finds, searched out from a guess."""
-    if lo >= hi:
-        return lo
-    # the answer lies in [a, b]: pred is false below a, and true at b (or b = hi)
-    j, step = min(max(guess, lo), hi - 1), 1
-    if pred(j):
-        b = j
-        while b - step >= lo and pred(b - step):
-            b, step = b - step, 2 * step
-        a = max(lo, b - step + 1)
-    else:
-        a = j + 1
-        while a + step - 1 < hi and not pred(a + step - 1):
-            a, step = a + step, 2 * step
-        b = min(hi, a + step - 1)
-    while a < b:
-        mid = (a + b) // 2
-        a, b = (a, mid) if pred(mid) else (mid + 1, b)
-    return a
 
 
 def _add_bottleneck(prob, problem: StageProblem, times):
