@@ -49,7 +49,8 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
          seq: int | None = None, memory_limit: float | None = None, fix: dict | None = None,
          top_k: int = 1, zero1: bool = False, loss_fn: Callable | None = None,
          moe_imbalance: float | None = None, sequence_dim: int | None = 1,
-         sizes_from: str | None = None, runtime: str | None = None) -> list[Plan]:
+         sizes_from: str | None = None, runtime: str | None = None,
+         autocast: str | None = None) -> list[Plan]:
     """The best plans, fastest first. memory_limit is in GiB per device (default: the cluster's
     device memory). Raises PlanningError, saying why, when none fits. loss_fn: see
     planner.models.loss (for a module whose forward does not return the loss).
@@ -60,7 +61,9 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
     states where each size came from; `sizes_from` replaces that text (the command line says
     which flag or config field it read). `runtime` names the training framework the plan is
     priced for (cost_model.hardware.runtimes: fxpar, megatron, torchtitan, ...; default fxpar's
-    own); a Cluster passed in is priced as it is."""
+    own); a Cluster passed in is priced as it is. `autocast` ("bf16", "fp16") prices the
+    activations as the runtime's precision of that name saves them: 16-bit matmuls over the
+    model's fp32 weights (runtime.training.trainer; bf16 weights are planned as they are)."""
     gpus = _check_gpus(gpus)
     model = with_loss(model, loss_fn)
     hw = with_runtime(cluster or default_cluster(), runtime)
@@ -82,7 +85,9 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
                              f"inputs have none")
     asked_seq = seq
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1,
-                                           fp32=hw.runtime_priced or hw.device == "cpu", sequences=sequence_dim == 1)
+                                           fp32=hw.runtime_priced or hw.device == "cpu" or
+                                           bool(autocast), sequences=sequence_dim == 1,
+                                           autocast=autocast)
     if sizes_from is None:
         sizes_from = _sizes_from(model, example_inputs, global_batch, asked_seq, seq,
                                  sequence_dim == 1)
@@ -172,7 +177,7 @@ def _infeasible(costs: ModelCosts, req: Request) -> PlanningError:
 
 
 def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
-                 fp32: bool = False, sequences: bool = True):
+                 fp32: bool = False, sequences: bool = True, autocast: str | None = None):
     """Capture the model on fake tensors. A config is captured with one block (blocks are identical,
     so one is priced and counted N times), which keeps planning GPT-3 a matter of seconds. A
     config is planned for bf16 mixed precision, or with fp32 for fp32 training (what CPU ranks
@@ -185,7 +190,8 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
         meta = build_model(captured_config(cfg), device="meta", dtype=dtype)
         captured = capture(meta, example_batch(cfg, 1, device="meta", dtype=dtype))
         training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
-        return (ModelCosts(captured, cfg.layers, dtype_bytes, training, runs=runs), cfg.name,
+        return (ModelCosts(captured, cfg.layers, dtype_bytes, training, runs=runs,
+                           autocast=_autocast(autocast, dtype)), cfg.name,
                 global_batch or cfg.global_batch, cfg.seq)
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "
@@ -195,12 +201,27 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 and sequences else 1
     dtype_bytes = next(model.parameters()).element_size()
     training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
-    costs = ModelCosts(captured, len(captured.blocks), dtype_bytes, training)
+    costs = ModelCosts(captured, len(captured.blocks), dtype_bytes, training,
+                       autocast=_autocast(autocast, next(model.parameters()).dtype))
     costs.structure_notes = structure_notes(model, captured.parts)
     own_notes = getattr(model, "fxpar_plan_notes", None)  # what the model's inputs mean
     if callable(own_notes):
         costs.structure_notes += tuple(own_notes(example_inputs))
     return costs, getattr(model, "fxpar_name", type(model).__name__), batch, seq
+
+
+def _autocast(autocast: str | None, weights: torch.dtype) -> str:
+    """The autocast a plan prices ("" for none), checked against the weights it casts."""
+    from cost_model.layers.autocast_saved import AUTOCAST_DTYPES
+    if not autocast:
+        return ""
+    if autocast not in AUTOCAST_DTYPES:
+        raise ValueError(f"autocast={autocast!r}: give one of {', '.join(AUTOCAST_DTYPES)} "
+                         f"(or None for no autocast)")
+    if weights != torch.float32:
+        raise ValueError(f"autocast={autocast} casts fp32 weights, but the model's are {weights}: "
+                         f"leave autocast out (a bf16 model trains in bf16-main, as planned)")
+    return autocast
 
 
 def _capture(model: torch.nn.Module, inputs: tuple, parts=None):
@@ -318,9 +339,29 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
     batch = BatchSpec.of(captured.input_names, given, plan.global_batch, split)
     options = dataclasses.replace(options or TrainOptions(), zero=plan.zero,
                                   dp_shard=plan.dp_shard)  # runtime.data_parallel.sharded_dp
-    options = dataclasses.replace(options, split_backward=_split_backward(plan, options))
+    options = dataclasses.replace(options, split_backward=_split_backward(plan, options),
+                                  precision=_precision(plan, options))
     return PipelineTrainer(programs, schedule, groups, captured.input_names, optimizer,
                            tied=captured.tied, batch=batch, experts=experts, options=options)
+
+
+def _precision(plan: Plan, options: TrainOptions) -> str:
+    """The runtime's precision: the plan's autocast where it priced one ("auto" takes it, another
+    is refused); autocast asked of a plan that priced none trains, with a warning that its
+    activations were priced in the weights' dtype."""
+    asked = options.precision
+    if plan.autocast:
+        if asked not in ("auto", plan.autocast):
+            raise ValueError(f"precision={asked} was asked but the plan was priced under autocast "
+                             f"{plan.autocast}; plan without autocast (or with autocast={asked!r} "
+                             f"for bf16/fp16) to train so")
+        return plan.autocast
+    if asked in ("bf16", "fp16"):
+        import warnings
+        warnings.warn(f"precision {asked} (autocast) was not priced by the plan, whose activations "
+                      f"are priced in the weights' dtype; plan with autocast={asked!r} (fxpar plan "
+                      f"--autocast {asked}) for its memory", stacklevel=3)
+    return asked
 
 
 def _split_backward(plan: Plan, options: TrainOptions) -> str:

@@ -40,6 +40,7 @@ from cost_model.hardware.comm import bytes_on_wire, collective_time
 from cost_model.hardware.compute import kernels_s, op_seconds
 from cost_model.ops.node_cost import UnknownOpError, node_cost, saved_node_name
 from cost_model.ops.ring_attention import RingShape
+from cost_model.layers.autocast_saved import autocast_saved
 from cost_model.layers.fusion import fused_bytes
 from cost_model.layers.runtime_terms import launched, tp_exposed
 from cost_model.layers.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
@@ -115,6 +116,9 @@ class LayerProfile:
     tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
     largest_bytes: float = 0.0     # the largest tensor one op of the layer makes
     join_bytes: float = 0.0        # outputs of the ops where a weight meets the input (`_joins`)
+    # under autocast, the 16-bit casts of the weights its matmuls save: per micro-batch, whatever
+    # its size (cost_model.layers.autocast_saved)
+    cast_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -173,11 +177,14 @@ def _fake_inputs(sub: fx.GraphModule) -> list[torch.Tensor]:
     return inputs
 
 
-def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile:
+def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
+                  autocast: torch.dtype | None = None) -> LayerProfile:
     """The layer as one rank runs it at tensor-parallel size tp (raises ShardingError when the
-    rewrite does not divide it)."""
+    rewrite does not divide it); under `autocast` (the runtime's precision "bf16"/"fp16": 16-bit
+    matmuls over the captured fp32 weights) with the bytes autocast saves for backward."""
     sub = _extract(captured, layer)
     inputs = _fake_inputs(sub)
+    share, casts = autocast_saved(sub, inputs, autocast) if autocast is not None else (1.0, 0.0)
     replicated_names, sp, sp_error = None, None, None
     if tp > 1:
         base_saved = _saved(sub)
@@ -191,7 +198,10 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1) -> LayerProfile
     else:
         propagate_shapes(sub, inputs)
     profile = _profile(sub, layer, tp, replicated_names, captured.batch, captured.seq)
-    return dataclasses.replace(profile, sp_collectives=sp, sp_error=sp_error)
+    return dataclasses.replace(profile, sp_collectives=sp, sp_error=sp_error,
+                               saved=profile.saved * share, saved_core=profile.saved_core * share,
+                               saved_replicated=profile.saved_replicated * share,
+                               cast_bytes=casts / tp)
 
 
 def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
@@ -502,7 +512,8 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      fwd_s=fwd + fwd_comm, bwd_s=bwd + recompute_s + bwd_comm,
                      comm_s=fwd_comm + bwd_comm,
                      flops=model_flops + recompute_flops, model_flops=model_flops,
-                     act_bytes=_activations(profile, strategy, tp) * scale,
+                     act_bytes=_activations(profile, strategy, tp) * scale
+                     + (profile.cast_bytes if strategy.recompute != "full" else 0.0),
                      params=profile.params, comm_bytes=comm_bytes, repeated_bytes=repeated,
                      tensors=profile.tensors,
                      retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops

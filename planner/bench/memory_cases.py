@@ -50,6 +50,8 @@ CASES = (
     Case("recompute full", "gpt-tiny", 2, {"dp": 2, "recompute": "full"}),
     Case("tied, pp", "hf:gpt2", 2, {"pp": 2, "schedule": "1f1b"}),
     Case("mixed precision bf16", "gpt-tiny", 2, {"dp": 2}, {"precision": "bf16"}),
+    Case("autocast bf16, pp", "gpt-tiny", 2, {"pp": 2, "schedule": "1f1b", "mb": 1},
+         {"precision": "bf16"}),
     Case("hf llama tp x pp", "hf:llama", 4, {"tp": 2, "pp": 2, "strategy": "tp"}),
     Case("hf qwen2 dp x tp", "hf:qwen2", 4, {"dp": 2, "tp": 2, "strategy": "tp"}),
     Case("hf gpt2 zero-2", "hf:gpt2", 2, {"dp": 2, "zero": 2}),
@@ -74,13 +76,15 @@ def case_plan(case: Case):
     from planner.models.presets import ModelConfig
     from planner.training.local import build
     spec = case_spec(case)
+    precision = case.options.get("precision")
+    autocast = precision if precision in ("bf16", "fp16") else None  # priced as it runs
     if isinstance(spec, ModelConfig):
-        return plan(spec, case.gpus, cluster="cpu-gloo", fix=case.fix)[0]
+        return plan(spec, case.gpus, cluster="cpu-gloo", fix=case.fix, autocast=autocast)[0]
     model, batch = build(spec)
     if case.options.get("precision") == "bf16-main":  # planned as the ranks train it: bf16
         from planner.api import in_compute_dtype
         model, batch = in_compute_dtype(model, batch)
-    return plan(model, case.gpus, batch, cluster="cpu-gloo", fix=case.fix)[0]
+    return plan(model, case.gpus, batch, cluster="cpu-gloo", fix=case.fix, autocast=autocast)[0]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch
 
 from cost_model.hardware.cluster import Cluster
 from cost_model.ops import fallback as op_fallback
+from cost_model.layers.autocast_saved import AUTOCAST_DTYPES
 from cost_model.layers.layer_cost import LayerCost, LayerProfile, price, profile_layer
 from cost_model.layers.memory import TrainingMemory
 from cost_model.layers.sharding import Sharding
@@ -62,7 +63,7 @@ class ModelCosts:
 
     def __init__(self, captured: Captured, num_blocks: int, dtype_bytes: int,
                  training: TrainingMemory | None = None,
-                 runs: tuple[tuple[int, int], ...] | None = None):
+                 runs: tuple[tuple[int, int], ...] | None = None, autocast: str = ""):
         if not captured.blocks:
             raise PlanningError("found no repeated blocks (an nn.ModuleList of blocks) to "
                                 "distribute; hold the model's layers in one nn.ModuleList")
@@ -70,17 +71,20 @@ class ModelCosts:
         self.runs = _check_runs(runs, self.kinds, num_blocks) if runs is not None else \
             _captured_runs(captured, self.kinds, num_blocks)
         self.captured = captured
+        # the runtime's autocast ("bf16", "fp16"; "": none): what the activations save
+        # (cost_model.layers.autocast_saved)
+        self.autocast = autocast
         self.num_blocks = num_blocks
         self.dtype_bytes = dtype_bytes
         self.training = training or TrainingMemory.for_dtype(dtype_bytes)
         self.block = captured.blocks[0]
         self.block_prefix = self.block.name.rsplit(".", 1)[0]
         with op_fallback.recording() as unpriced:
-            self.ends = {l.kind: profile_layer(captured, l) for l in captured.layers
+            self.ends = {l.kind: self._profile_layer(l) for l in captured.layers
                          if l.kind != "block"}
             # (kind, tp) -> the block of that kind rewritten for tp; kind 0 also under key tp
             self._kind_profiles: dict[tuple[int, int], LayerProfile] = {
-                (k, 1): profile_layer(captured, layer) for k, layer in enumerate(self.kinds)}
+                (k, 1): self._profile_layer(layer) for k, layer in enumerate(self.kinds)}
         self.unpriced = tuple(sorted(unpriced))  # ops priced without a rule (the plan says so)
         self.structure_notes: tuple[str, ...] = ()  # what the capture could not follow
         self._profiles: dict[int, LayerProfile] = {1: self._kind_profiles[0, 1]}
@@ -101,6 +105,9 @@ class ModelCosts:
         self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
         self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
         self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
+
+    def _profile_layer(self, layer, tp: int = 1) -> LayerProfile:
+        return profile_layer(self.captured, layer, tp, AUTOCAST_DTYPES.get(self.autocast))
 
     def block_name(self, i: int) -> str:
         """Block i's layer name: the captured one (a model of several parts names each part's
@@ -126,7 +133,7 @@ class ModelCosts:
             errors = {}
             for k, layer in enumerate(self.kinds):
                 try:
-                    self._kind_profiles[k, tp] = profile_layer(self.captured, layer, tp)
+                    self._kind_profiles[k, tp] = self._profile_layer(layer, tp)
                 except ShardingError as err:
                     errors[k] = str(err)
             if len(errors) == len(self.kinds) or (errors and not self._parts_may_differ()):
@@ -260,7 +267,7 @@ class ModelCosts:
         """The end layer rewritten vocabulary-parallel (padded) for tp, or None if it cannot be."""
         layer = next(l for l in self.captured.layers if l.kind == kind)
         try:
-            return profile_layer(self.captured, layer, tp)
+            return self._profile_layer(layer, tp)
         except ShardingError as err:
             self.vocab_errors[tp] = str(err)
             return None

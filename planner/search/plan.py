@@ -101,6 +101,8 @@ class Plan:
     # ZB-H1's split backward (runtime.pipeline.split_backward): "record" (W starts from the
     # gradients I recorded), or "" for the runtime's default, W walking the graph again
     split_backward: str = ""
+    # the runtime's autocast the activations were priced under ("bf16", "fp16"), "" for none
+    autocast: str = ""
 
     def layout(self) -> Layout:
         # "vocab-tp" is the vocabulary-parallel rewrite of an end layer ("tp" to the passes); it
@@ -200,10 +202,11 @@ class Plan:
             f"{plural(self.num_microbatches, 'micro-batch')} x {self.micro_batch}"
             f"{f'   seq {self.seq}' if self.sequences else ''}",
         ]
-        if self.params or self.sizes_from:
+        if self.params or self.sizes_from or self.autocast:
             head.append("   ".join(filter(None, (
                 f"model {_count(self.params)} parameters" if self.params else "",
-                self.sizes_from))))
+                self.sizes_from,
+                f"autocast {self.autocast} over fp32 weights" if self.autocast else ""))))
         unit, scale = ("GiB", GiB) if p.peak_memory_bytes >= GiB else ("MiB", 2**20)
         labels = part_labels(prefix for st in self.stages for prefix, _ in
                              _block_groups(st.layers))

@@ -51,7 +51,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None, params=costs.param_count(),
                 sizes_from=req.sizes_from, sequences=req.sequences, runtime=req.cluster.runtime,
-                split_backward="record" if records(req, cand) else "")
+                split_backward="record" if records(req, cand) else "", autocast=costs.autocast)
     if req.cluster.runtime_priced:  # the whole step simulated on shared cores
         plan = replace(plan, predicted=simulated(plan, req.cluster, req.global_batch *
                                                  costs.flops_per_sample()))

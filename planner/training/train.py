@@ -83,9 +83,11 @@ def make_plan(spec: ModelSpec, model, world: int, config, cluster: str) -> Plan:
         tokens = torch.zeros(config.training.global_batch, spec.seq, dtype=torch.long,
                              device="meta")
         inputs = (tokens, tokens)
+    precision = config.precision(torch.cuda.is_available())
     return plan(spec.plan_target(model), world, inputs, cluster=cluster,
                 global_batch=config.training.global_batch,
-                memory_limit=config.parallel.memory_limit or None, fix=config.fix)[0]
+                memory_limit=config.parallel.memory_limit or None, fix=config.fix,
+                autocast=precision if precision in ("bf16", "fp16") else None)[0]
 
 
 class Rows:
@@ -274,11 +276,6 @@ def run(config, log=print) -> dict:
         say(str(plan))
     say(f"planned in {planned_s:.2f} s; {'resuming at' if resumed else 'training from'} step "
         f"{pm.step} of {t.steps} on {world} ranks (attempt {attempt})")
-    if options.precision in ("bf16", "fp16"):
-        say(f"precision {options.precision}: autocast over fp32 weights, which the plan does "
-            f"not price (it prices the weights' own dtype: fp32 activations here); its "
-            f"predicted memory per device may be off either way. precision bf16-main is what "
-            f"plans price in 16 bits")
     from cost_model.hardware.cluster import get_cluster
     metrics = Metrics(config.logging.dir, t.steps, config.logging.every, plan,
                       get_cluster(plan.cluster).peak_flops, enabled=rank == 0, attempt=attempt,

@@ -9,10 +9,6 @@ from planner.bench.memory_cases import CASES, run_case
 # Plan kinds where a bound is known not to hold, and why; they are held to the wider bound
 # instead, so that a change for the worse still fails.
 KNOWN = {
-    # Autocast over fp32 weights, which plans do not price (they price the model's own dtype,
-    # fp32 here, or bf16 with fp32 main weights: the "bf16, fp32 main" case): it saves bf16
-    # copies beside fp32 tensors.
-    "mixed precision bf16": {"total": 0.15},
     # Real runs route tokens unevenly; the dry run routes them evenly.
     "ep": {"dry": 0.05},
 }
