@@ -81,6 +81,10 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "(default), megatron (Megatron-Core + Transformer Engine), megatron-lm, "
                         "torchtitan, torchtitan-compile, fsdp, automodel; --emit and --from-* "
                         "default to their framework's")
+    p.add_argument("--autocast", default=None, choices=("bf16", "fp16"),
+                   help="price the activations as the runtime's autocast of that name saves "
+                        "them (16-bit matmuls over fp32 weights; default: the weights' own "
+                        "dtype, bf16 with fp32 main weights on GPUs)")
     p.add_argument("--global-batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (what-if)")
@@ -134,7 +138,8 @@ def _hf_model(args):
                                                                                    **sizes)
     if has_experts(model):  # mixture of experts: one routed_experts op per layer, ep searched
         use_routed_experts(model)
-    bf16 = _on_gpus(args)   # trained in bf16 there (precision "bf16-main"): planned so
+    # trained in bf16 there (precision "bf16-main"): planned so, unless autocast over fp32 is asked
+    bf16 = _on_gpus(args) and not getattr(args, "autocast", None)
     if bf16:
         model = model.to(torch.bfloat16)
     if getattr(args, "parts", None):
@@ -172,7 +177,8 @@ def _plans(args, top_k: int = 1):
     sizes_from = hf_sizes_from(args, inputs[0].shape[1]) if inputs is not None else None
     return plan(model, args.gpus, inputs, cluster=args.cluster, global_batch=args.global_batch,
                 memory_limit=args.memory_limit, fix=args.fix, top_k=top_k, zero1=args.zero1,
-                moe_imbalance=args.moe_imbalance, sizes_from=sizes_from, runtime=args.runtime)
+                moe_imbalance=args.moe_imbalance, sizes_from=sizes_from, runtime=args.runtime,
+                autocast=args.autocast)
 
 
 def _load_plan(path: str):
@@ -208,6 +214,10 @@ def cmd_plan(args) -> int:
         raise ValueError("fxpar plan needs --gpus and a model: --model PRESET, --hf ARCH or "
                          "--hf-config FILE.json (or --diff A.json B.json)")
     if args.emit or args.from_megatron is not None or args.from_torchtitan:
+        if args.autocast:
+            raise ValueError("--autocast prices fxpar's runtime under torch.autocast; --emit and "
+                             "--from-* price the other framework's own precision (bf16 weights "
+                             "and fp32 main weights): leave --autocast out")
         from planner.interop.price_imported import cmd_portable  # --emit, --from-megatron, --from-torchtitan
         return cmd_portable(args, _config, _hf_model)
     start = time.perf_counter()
@@ -324,6 +334,10 @@ def _own_runtime(args, command: str) -> None:
         raise ValueError(f"fxpar {command} trains with fxpar's own runtime; --runtime "
                          f"{args.runtime} prices plans for another framework: use it with "
                          f"fxpar plan (or --emit)")
+    if args.autocast:
+        raise ValueError(f"fxpar {command} trains in the weights' own dtype (and compares with "
+                         f"them); --autocast is for fxpar plan, and fxpar train's precision "
+                         f"\"bf16\" / \"fp16\" trains under it")
 
 
 def cmd_bench(args) -> int:

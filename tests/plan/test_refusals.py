@@ -157,3 +157,31 @@ def test_a_recorded_split_backward_is_priced_and_carried_to_the_trainer():
     assert _split_backward(recorded, TrainOptions()) == "record"
     with pytest.raises(ValueError, match="plan with --fix split_backward=retraverse"):
         _split_backward(recorded, TrainOptions(split_backward="retraverse"))
+
+
+def test_autocast_is_priced_and_refused_where_it_cannot_be():
+    """autocast="bf16": the same static bytes, the activations as autocast saves them (less at
+    one micro-batch in flight than fp32's), the header says it and the trainer runs it; a
+    16-bit model or an unknown name is refused."""
+    import torch
+
+    from planner.api import _precision
+    from runtime.training.trainer import TrainOptions
+    fp32 = plan(TINY, 2, cluster="cpu-gloo", fix={"dp": 2})[0]
+    cast = plan(TINY, 2, cluster="cpu-gloo", fix={"dp": 2}, autocast="bf16")[0]
+    assert (fp32.autocast, cast.autocast) == ("", "bf16")
+    assert "autocast bf16 over fp32 weights" in str(cast)
+    assert cast.predicted.rank_memory[0][:3] == fp32.predicted.rank_memory[0][:3]
+    assert cast.stages[0].activation_bytes < 0.9 * fp32.stages[0].activation_bytes
+    assert _precision(cast, TrainOptions()) == "bf16"
+    with pytest.raises(ValueError, match="priced under autocast bf16"):
+        _precision(cast, TrainOptions(precision="fp32"))
+    with pytest.warns(UserWarning, match="plan with autocast='bf16'"):
+        assert _precision(fp32, TrainOptions(precision="bf16")) == "bf16"
+    with pytest.raises(ValueError, match="give one of bf16, fp16"):
+        plan(TINY, 2, cluster="cpu-gloo", autocast="int8")
+    from planner.models.presets import build_model, example_batch, get_config
+    cfg = get_config(TINY)
+    model = build_model(cfg).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="leave autocast out"):
+        plan(model, 2, example_batch(cfg, 16), cluster="cpu-gloo", autocast="bf16")

@@ -31,6 +31,10 @@ def test_plan_table(capsys):
     (["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "tpu-pod"], "tpu-pod"),
     (["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "/nonexistent/p.json"],
      "/nonexistent/p.json"),
+    (["plan", "--model", "gpt-tiny", "--gpus", "2", "--autocast", "bf16", "--emit", "megatron"],
+     "leave --autocast out"),
+    (["run", "--model", "gpt-tiny", "--gpus", "2", "--autocast", "bf16"],
+     "--autocast is for fxpar plan"),
 ])
 def test_bad_values_give_one_line_errors(capsys, argv, message):
     assert main(argv) == 2
