@@ -43,7 +43,7 @@ def plot_plan(plan: Plan, path: str) -> str:
     import matplotlib.pyplot as plt
 
     stages = plan.stages
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * len(stages)),
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.45 * len(stages)),
                                       gridspec_kw={"width_ratios": [3, 1]})
     for s, st in enumerate(stages):
         for i, strategy in enumerate(st.strategies):
@@ -59,8 +59,9 @@ def plot_plan(plan: Plan, path: str) -> str:
     used = sorted({s for st in stages for s in st.strategies})
     left.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(u, "#ff7f0e"))
                          for u in used], labels=used, loc="upper right", fontsize=8)
-    parts = [("params+grads", "param_bytes", "#1f77b4"), ("optimizer", "optimizer_bytes",
-             "#aec7e8"), ("activations", "activation_bytes", "#ff7f0e")]
+    parts = [("params+grads", "weight_grad_bytes", "#1f77b4"), ("optimizer", "optimizer_bytes",
+             "#aec7e8"), ("activations", "activation_bytes", "#ff7f0e"),
+             ("other", "transient_bytes", "#ffbb78")]
     base = [0.0] * len(stages)
     for label, field, color in parts:
         values = [getattr(st, field) / GiB for st in stages]
@@ -70,9 +71,10 @@ def plot_plan(plan: Plan, path: str) -> str:
     right.set_yticks(range(len(stages)), [""] * len(stages))
     right.invert_yaxis()
     right.set_xlabel("GiB per device")
-    # Below the axes: the bars fill the panel's height, and the limit line its right side.
-    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2)
-    fig.tight_layout()
+    # In a strip of its own under the panels: the bars fill the panel's height, and the limit
+    # line its right side.
+    fig.legend(*right.get_legend_handles_labels(), fontsize=7, loc="lower right", ncol=5)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

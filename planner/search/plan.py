@@ -47,6 +47,11 @@ class StagePlan:
     def memory_bytes(self) -> float:
         return self.param_bytes + self.optimizer_bytes + self.activation_bytes
 
+    @property
+    def weight_grad_bytes(self) -> float:
+        """Weights and gradients alone (param_bytes holds the rank's temporaries too)."""
+        return self.param_bytes - self.transient_bytes
+
 
 @dataclass(frozen=True)
 class Predicted:
@@ -212,12 +217,14 @@ class Plan:
                              _block_groups(st.layers))
         rows = [[f"{s} (rank {s % self.pp})" if self.virtual_stages > 1 else s,
                  _span(st.layers, labels), _strategies(st.strategies), f"{st.time_s * 1e3:.2f}",
-                 *(_size(b, scale) for b in (st.param_bytes, st.optimizer_bytes,
-                                             st.activation_bytes, st.memory_bytes))]
+                 *(_size(b, scale) for b in (st.weight_grad_bytes, st.optimizer_bytes,
+                                             st.activation_bytes, st.transient_bytes,
+                                             st.memory_bytes))]
                 for s, st in enumerate(self.stages)]
         table = tabulate(rows, headers=["stage", "layers", "strategy", "ms/micro-batch",
                                         f"params+grads {unit}", f"optimizer {unit}",
-                                        f"activations {unit}", f"memory/device {unit}"],
+                                        f"activations {unit}", f"other {unit}",
+                                        f"memory/device {unit}"],
                          tablefmt="simple", disable_numparse=True)
         if len(labels) > 1:
             table += "\n" + self._parts_table(labels)
