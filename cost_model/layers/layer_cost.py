@@ -11,7 +11,9 @@ times and bytes for a micro-batch size and a strategy:
                reduce: 10sbh) by t; selective recompute drops the attention core (the scores and
                everything computed from them up to the attention-over-values matmul: softmax
                output, dropout mask and dropout output, 5as²b); full recompute keeps only the
-               layer input.
+               layer input. Under the runtime's autocast, what autocast saves instead
+               (cost_model.layers.autocast_saved: measured on fake tensors, with the 16-bit
+               casts of the weights per micro-batch).
   compute      Σ roofline(op) forward and backward; recompute adds the recomputed forward.
   comm         the collectives the rewrite inserted, priced by alpha-beta ring models: those of
                the tensor-parallel rewrite, and for tp+sp those of the real sequence-parallel

@@ -31,8 +31,8 @@ Variables:  n[s,k] ∈ ℤ≥0, ρ ≥ 0 (slowest rank), σ ≥ 0 (slowest data-
   Σ_s Σ_{k ∈ K_j} n[s,k] = N_j                     ∀ run j              `_add_cover`
   Σ_k n[s,k] ≥ 1                                   ∀ 0 < s < S − 1       `_add_cover`
   Σ_{s, k tensor-parallel} n[s,k] ≥ 1              if tp > 1             `_add_cover`
-  Σ_{s on r} Σ_k n[s,k]·(w_k + γ·ℓ_k + μ_c(s)·a_k) + E, H terms + X_r + ζ ≤ M
-                                                   ∀ r, ∀ form (γ, μ, ζ) `_add_memory`
+  Σ_{s on r} Σ_k n[s,k]·(w_k + γ·ℓ_k + μ_c(s)·a_k + ν_c(s)·g'_k) + E, H terms + X_r + ζ ≤ M
+                                                   ∀ r, ∀ form (γ, μ, ν, ζ) `_add_memory`
 
 Memory. A rank's peak is the largest of a few forms, each one row: μ counts the activation
 sets each of its stages holds at a moment it could peak (after each forward of the schedule,
@@ -41,6 +41,10 @@ option k's lazy gradients, those no buffer holds (autograd makes them in the bac
 rank that runs every forward before its first backward they are absent at the activation peak
 (γ = −1), or present with one set of its last stage freed (γ = 0); elsewhere γ = 0. X_r is the
 largest temporary of any option the rank may hold (a constant; a plan reports its own layers').
+Under ZB-H1 with split_backward "record" ν counts, per stage at the same moments (after each
+forward and, then, after each I as well), the micro-batches whose W is still to come, each
+holding the gradients I recorded for it (g'_k, BlockOption.record_bytes; ν = 0 on the first stage
+and everywhere else).
 Under ZeRO 2-3 each form comes twice: with ζ the whole weights of the unit in use, or with ζ the
 whole transient (one or two units' gradients and weights, cost_model.layers.sharding) and one
 set of every stage freed (μ − 1), as the unit's gradients appear only after its backward. With
