@@ -12,6 +12,8 @@ def _mesh(p: Plan) -> str:
     cp += f" ep={p.ep}" if p.ep > 1 else ""
     cp += f" zero={p.zero}" if p.zero else ""
     cp += f" dp_shard={p.dp_shard}" if p.dp_shard and p.dp_shard != p.dp else ""
+    v += f" split_backward={p.split_backward}" if p.split_backward else ""
+    v += f"  autocast {p.autocast}" if p.autocast else ""
     return (f"dp={p.dp} tp={p.tp} pp={p.pp}{cp}  {p.schedule}{v}  mb={p.micro_batch} "
             f"x{p.num_microbatches}")
 
