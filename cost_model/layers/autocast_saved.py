@@ -9,8 +9,9 @@ fp32 (norms, softmax, the loss) save fp32. Which op saves what follows autocast'
 so rather than restate them, `autocast_saved` runs the layer's graph once on fake tensors (no
 memory) under torch.autocast with saved_tensors_hooks and counts each saved storage once
 (parameters and the layer's inputs aside: they are held anyway), the weights' casts apart (a
-dispatch mode sees each cast of a parameter). The layer's profile takes the rest as a share of
-the rule-based count (cost_model.ops.node_cost) of the same graph in its own dtype — scaling its
+dispatch mode sees each cast of a parameter): `saved_bytes`. The layer's profile
+(cost_model.layers.layer_cost) takes the rest as a share of the rule-based count
+(cost_model.ops.node_cost) of the same graph in its own dtype — scaling its
 attention-core and replicated parts alike, and with the micro-batch — and the casts as bytes per
 micro-batch that do not follow its size (1/tp of them under tensor parallelism).
 
@@ -26,19 +27,6 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_saved(sub: fx.GraphModule, inputs: list[torch.Tensor], dtype: torch.dtype
-                   ) -> tuple[float, float]:
-    """(share, casts): `sub`'s saved-for-backward bytes under autocast to `dtype` but the
-    weights' casts, per byte the rule-based count gives it (1.0 for a layer that saves nothing),
-    and the bytes of the weights' casts it saves."""
-    from cost_model.layers.layer_cost import _saved
-    from passes.capture.trace import propagate_shapes
-    propagate_shapes(sub, inputs)
-    rule = sum(_saved(sub).values())
-    rest, casts = saved_bytes(sub, inputs, dtype)
-    return (rest / rule if rule else 1.0), casts
 
 
 class _WeightCasts(TorchDispatchMode):

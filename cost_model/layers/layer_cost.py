@@ -42,7 +42,7 @@ from cost_model.hardware.comm import bytes_on_wire, collective_time
 from cost_model.hardware.compute import kernels_s, op_seconds
 from cost_model.ops.node_cost import UnknownOpError, node_cost, saved_node_name
 from cost_model.ops.ring_attention import RingShape
-from cost_model.layers.autocast_saved import autocast_saved
+from cost_model.layers.autocast_saved import saved_bytes
 from cost_model.layers.fusion import fused_bytes
 from cost_model.layers.runtime_terms import launched, tp_exposed
 from cost_model.layers.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
@@ -186,7 +186,7 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
     matmuls over the captured fp32 weights) with the bytes autocast saves for backward."""
     sub = _extract(captured, layer)
     inputs = _fake_inputs(sub)
-    share, casts = autocast_saved(sub, inputs, autocast) if autocast is not None else (1.0, 0.0)
+    share, casts = _autocast_saved(sub, inputs, autocast) if autocast is not None else (1.0, 0.0)
     replicated_names, sp, sp_error = None, None, None
     if tp > 1:
         base_saved = _saved(sub)
@@ -204,6 +204,17 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
                                saved=profile.saved * share, saved_core=profile.saved_core * share,
                                saved_replicated=profile.saved_replicated * share,
                                cast_bytes=casts / tp)
+
+
+def _autocast_saved(sub: fx.GraphModule, inputs: list[torch.Tensor], dtype: torch.dtype
+                    ) -> tuple[float, float]:
+    """(share, casts): the layer's saved-for-backward bytes under autocast to `dtype` but the
+    weights' casts, per byte the rule-based count gives it (1.0 for a layer that saves
+    nothing), and the bytes of the weights' casts it saves (cost_model.layers.autocast_saved)."""
+    propagate_shapes(sub, inputs)
+    rule = sum(_saved(sub).values())
+    rest, casts = saved_bytes(sub, inputs, dtype)
+    return (rest / rule if rule else 1.0), casts
 
 
 def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
