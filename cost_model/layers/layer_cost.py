@@ -42,7 +42,7 @@ from cost_model.hardware.comm import bytes_on_wire, collective_time
 from cost_model.hardware.compute import kernels_s, op_seconds
 from cost_model.ops.node_cost import UnknownOpError, node_cost, saved_node_name
 from cost_model.ops.ring_attention import RingShape
-from cost_model.layers.autocast_saved import saved_bytes
+from cost_model.layers.graph_saves import autocast_share, core_nodes, joins, saved, weighted
 from cost_model.layers.fusion import fused_bytes
 from cost_model.layers.runtime_terms import launched, tp_exposed
 from cost_model.layers.ring_pricing import fused_attention_s, ring_compute_s, ring_exposed
@@ -67,7 +67,7 @@ class OpRecord:
     fwd_bytes: float
     bwd_bytes: float
     matmul_flops: float
-    core: bool                     # part of the attention core (see _core_nodes)
+    core: bool                     # part of the attention core (see core_nodes)
     pairs: float = 0.0             # fused attention's (batch x head) pairs
     per_element: str = ""          # OpCost.per_element: priced per element when measured
     elements: float = 0.0
@@ -117,7 +117,7 @@ class LayerProfile:
     sp_error: str | None = None    # why that rewrite does not apply (the op it stops at)
     tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
     largest_bytes: float = 0.0     # the largest tensor one op of the layer makes
-    join_bytes: float = 0.0        # outputs of the ops where a weight meets the input (`_joins`)
+    join_bytes: float = 0.0        # outputs of the ops where a weight meets the input (`joins`)
     # under autocast, the 16-bit casts of the weights its matmuls save: per micro-batch, whatever
     # its size (cost_model.layers.autocast_saved)
     cast_bytes: float = 0.0
@@ -186,15 +186,15 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
     matmuls over the captured fp32 weights) with the bytes autocast saves for backward."""
     sub = _extract(captured, layer)
     inputs = _fake_inputs(sub)
-    share, casts = _autocast_saved(sub, inputs, autocast) if autocast is not None else (1.0, 0.0)
+    share, casts = autocast_share(sub, inputs, autocast) if autocast is not None else (1.0, 0.0)
     replicated_names, sp, sp_error = None, None, None
     if tp > 1:
-        base_saved = _saved(sub)
+        base_saved = saved(sub)
         _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
         propagate_shapes(sub, inputs)
         # A tensor the rewrite did not shrink is held whole on every rank: sequence parallel is
         # what shards it.
-        replicated_names = {k for k, v in _saved(sub).items() if base_saved.get(k) == v}
+        replicated_names = {k for k, v in saved(sub).items() if base_saved.get(k) == v}
         if layer.kind == "block":
             sp, sp_error = _sp_collectives(captured, layer, tp)
     else:
@@ -204,17 +204,6 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
                                saved=profile.saved * share, saved_core=profile.saved_core * share,
                                saved_replicated=profile.saved_replicated * share,
                                cast_bytes=casts / tp)
-
-
-def _autocast_saved(sub: fx.GraphModule, inputs: list[torch.Tensor], dtype: torch.dtype
-                    ) -> tuple[float, float]:
-    """(share, casts): the layer's saved-for-backward bytes under autocast to `dtype` but the
-    weights' casts, per byte the rule-based count gives it (1.0 for a layer that saves
-    nothing), and the bytes of the weights' casts it saves (cost_model.layers.autocast_saved)."""
-    propagate_shapes(sub, inputs)
-    rule = sum(_saved(sub).values())
-    rest, casts = saved_bytes(sub, inputs, dtype)
-    return (rest / rule if rule else 1.0), casts
 
 
 def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
@@ -265,68 +254,11 @@ def _stand_in_neighbours(sub: fx.GraphModule) -> list[str]:
     return [n.name for n in graph.nodes if n.meta.get(LAYER) != _OUTSIDE]
 
 
-def _identity_forward(node: fx.Node) -> bool:
-    """A collective that passes its input through unchanged in forward (tp_copy, tp_grad_sum): a
-    tensor kept after it is the tensor kept before it, under the name of its source."""
-    kind = getattr(node.target, "_fxpar_collective", "")
-    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    return (kind.endswith("_backward") and src is not None
-            and _bytes(node.meta.get("val")) == _bytes(src.meta.get("val")))
-
-
-def _canonical(name: str, nodes: dict[str, fx.Node], modules) -> str:
-    """A saved entry's name, followed back through identity-forward collectives and views."""
-    node_name, suffix = saved_node_name(name), name[len(saved_node_name(name)):]
-    node = nodes.get(node_name)
-    if node is None or not _identity_forward(node):
-        return name
-    while _identity_forward(node):
-        node = op_graph.alias_root(node.args[0], modules)
-    return node.name + suffix
-
-
-def _saved_entries(sub: fx.GraphModule):
-    """(canonical saved name, bytes) of every node, in graph order."""
-    modules, nodes = dict(sub.named_modules()), {n.name: n for n in sub.graph.nodes}
-    for node in sub.graph.nodes:
-        for name, nbytes in node_cost(node, modules).saved:
-            yield _canonical(name, nodes, modules), nbytes
-
-
-def _saved(sub: fx.GraphModule) -> dict[str, float]:
-    return dict(_saved_entries(sub))
-
-
-def _core_nodes(sub: fx.GraphModule, seq: int) -> set[str]:
-    """The attention core: the scores (an [..., s, s] product of two activations, QKᵀ) and every
-    non-matmul op computed from them at their shape (scale, mask, softmax, dropout), stopping at
-    the attention-over-values matmul. Found by structure, not by shape alone, so that a
-    [b, s, h] tensor with h == s is never mistaken for scores."""
-    modules = dict(sub.named_modules())
-    core: set[str] = set()
-    for node in sub.graph.nodes:
-        val = node.meta.get("val")
-        if not _square(val, seq) or node.op in ("placeholder", "get_attr", "output"):
-            continue
-        cost_class = node_cost(node, modules).op_class
-        args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        if cost_class == "matmul":
-            if len(args) >= 2 and all(op_graph.kind(a) == "activation" for a in args[:2]):
-                core.add(node.name)
-        elif any(a.name in core and a.meta["val"].shape == val.shape for a in args):
-            core.add(node.name)
-    return core
-
-
-def _square(val, seq: int) -> bool:
-    return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2] == seq
-
-
 def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | None,
              batch: int, seq: int):
     modules = dict(sub.named_modules())
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    core = _core_nodes(sub, seq)
+    core = core_nodes(sub, seq)
     ring = _ring_load(sub, layer)
     # what the context-parallel rewrite replaces by ring attention: the attention's output node
     # (a fused SDPA or the attention-over-values matmul) and the score ops before it
@@ -338,16 +270,16 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     ops = [OpRecord(cost.op_class, cost.fwd_flops, cost.bwd_flops, cost.fwd_bytes,
                     cost.bwd_bytes, cost.matmul_flops, node.name in core, cost.pairs,
                     cost.per_element, cost.elements, node.name in ringed, cost.gemm,
-                    fused.get(node.name), cost.op_class == "matmul" and _weighted(node, modules))
+                    fused.get(node.name), cost.op_class == "matmul" and weighted(node, modules))
            for node, cost in costs.items()]
     ops += [_moe_movement(node) for node in moe_nodes(sub)]
-    saved = _saved(sub)
+    kept = saved(sub)
     out = next(n for n in sub.graph.nodes if n.op == "output")
     return LayerProfile(
         layer.name, layer.kind, tp, batch, tuple(ops),
-        saved=sum(saved.values()),
-        saved_core=sum(b for k, b in saved.items() if saved_node_name(k) in core),
-        saved_replicated=sum(b for k, b in saved.items() if replicated and k in replicated),
+        saved=sum(kept.values()),
+        saved_core=sum(b for k, b in kept.items() if saved_node_name(k) in core),
+        saved_replicated=sum(b for k, b in kept.items() if replicated and k in replicated),
         input_bytes=sum(_bytes(p.meta["val"]) for p in placeholders
                         if p.meta["val"].dtype.is_floating_point),
         output_bytes=_bytes(fx.node.map_arg(out.args[0], lambda n: n.meta.get("val"))),
@@ -357,22 +289,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)),
         largest_bytes=max((_bytes(n.meta.get("val")) for n in sub.graph.nodes
                            if n.op.startswith("call")), default=0.0),
-        join_bytes=sum(_bytes(n.meta.get("val")) for n in _joins(sub, modules)))
-
-
-def _joins(sub: fx.GraphModule, modules: dict) -> list[fx.Node]:
-    """The ops where a parameter's path meets the activations' (a linear, a norm's weight, a
-    bias add): ZB-H1's I records the gradient arriving at each for W under split_backward
-    "record" (runtime.pipeline.split_backward), one of its output's size."""
-    return [n for n in sub.graph.nodes if n.op.startswith("call") and _weighted(n, modules)
-            and any(op_graph.kind(a) == "activation" for a in n.all_input_nodes)]
-
-
-def _weighted(node: fx.Node, modules: dict) -> bool:
-    """Whether an op reads a parameter: a module's own, or an input made of parameters only."""
-    if node.op == "call_module" and next(modules[node.target].parameters(), None) is not None:
-        return True
-    return any(op_graph.kind(a) == "param" for a in node.all_input_nodes)
+        join_bytes=sum(_bytes(n.meta.get("val")) for n in joins(sub, modules)))
 
 
 def _moe_movement(node: fx.Node) -> OpRecord:
