@@ -296,6 +296,7 @@ def cmd_run(args) -> int:
         raise ValueError("--checkpoint, --save-every and --resume train on local gloo ranks; "
                          "under torchrun call pm.save(DIR) / pm.load(DIR) in the training script")
     if args.torchrun:
+        from planner.bench.plans import torchrun_command
         print(torchrun_command(best, _config(args), args.steps, args.torchrun))
         return 0
     if args.checkpoint or args.save_every or args.resume:  # planner.training.resume
@@ -305,26 +306,6 @@ def cmd_run(args) -> int:
         return 0
     compare_with_reference(_config(args), best, steps=args.steps)
     return 0
-
-
-def torchrun_command(plan, config, steps: int, folder: str) -> str:
-    """Write the plan and model config to `folder` and return the command each node runs."""
-    import dataclasses
-    import os
-
-    from cost_model.hardware.cluster import get_cluster
-    os.makedirs(folder, exist_ok=True)
-    plan_path, model_path = os.path.join(folder, "plan.json"), os.path.join(folder, "model.json")
-    with open(plan_path, "w") as f:
-        f.write(plan.dumps())
-    with open(model_path, "w") as f:
-        json.dump(dataclasses.asdict(config), f)
-    per_node = min(plan.gpus, get_cluster(plan.cluster).gpus_per_node)
-    nodes = -(-plan.gpus // per_node)
-    return (f"# on each of the {nodes} node(s), with the same files at the same paths:\n"
-            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint $MASTER_HOST:29500 -m planner.bench.plans --worker {plan_path} "
-            f"{model_path} {steps} 0 {os.path.join(folder, 'result.json')}")
 
 
 def _own_runtime(args, command: str) -> None:

@@ -240,6 +240,23 @@ def plot(plans: list[Plan], results: list[Measured], path: str) -> str:
     return path
 
 
+def torchrun_command(plan, config, steps: int, folder: str) -> str:
+    """Write the plan and model config to `folder` and return the command each node runs."""
+    from cost_model.hardware.cluster import get_cluster
+    os.makedirs(folder, exist_ok=True)
+    plan_path, model_path = os.path.join(folder, "plan.json"), os.path.join(folder, "model.json")
+    with open(plan_path, "w") as f:
+        f.write(plan.dumps())
+    with open(model_path, "w") as f:
+        json.dump(dataclasses.asdict(config), f)
+    per_node = min(plan.gpus, get_cluster(plan.cluster).gpus_per_node)
+    nodes = -(-plan.gpus // per_node)
+    return (f"# on each of the {nodes} node(s), with the same files at the same paths:\n"
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint $MASTER_HOST:29500 -m planner.bench.plans --worker {plan_path} "
+            f"{model_path} {steps} 0 {os.path.join(folder, 'result.json')}")
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
