@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.search.plan import MEMORY_PARTS, Plan
+from planner.search.plan import MEMORY_PARTS, Plan, gib
 
 GiB = 2**30
 DISAGREE = 0.10     # a relative difference the plan reports
@@ -69,4 +69,21 @@ def check_table(plan: Plan, dry: dict) -> str:
     head += ":"
     agree = (f"predicted and dry-run peaks agree within {DISAGREE:.0%} on every rank checked"
              if not notes else "\n".join(notes))
-    return f"{head}\n{table}\n{agree}"
+    return "\n".join(filter(None, (head, table, agree, over_limit(plan, dry))))
+
+
+def over_limit(plan: Plan, dry: dict) -> str:
+    """A line when a dry-run peak, with what the device holds beyond live tensors, passes the
+    plan's memory limit (whatever the prediction said), and the limit that would leave room."""
+    device = plan.predicted.device_bytes
+    worst = max(dry.items(), key=lambda item: item[1].peak_bytes)
+    rank, run = worst
+    needed = run.peak_bytes + device
+    if needed <= plan.memory_limit_bytes:
+        return ""
+    over = needed - plan.memory_limit_bytes
+    return (f"rank {rank}: its programs peak at {run.peak_bytes / GiB:.3g} GiB of live tensors, "
+            f"{needed / GiB:.4g} GiB with the device's own {device / GiB:.3g} GiB, over the "
+            f"{plan.memory_limit_bytes / GiB:.4g} GiB limit by {over / GiB:.3g} GiB: this plan "
+            f"would not fit; plan with --memory-limit {gib(plan.memory_limit_bytes - over)} (the "
+            f"limit less that) for one that does")

@@ -101,3 +101,24 @@ def test_a_stage_of_few_activations_peaks_at_the_optimizer_step():
     weights, grads, optimizer, acts, other = chosen.predicted.rank_memory[-1]
     assert acts == 0.0
     assert 0 < other - optimizer / 3 < 0.05 * optimizer
+
+
+def test_plan_check_says_when_the_dry_run_passes_the_memory_limit():
+    """A dry-run peak over the limit is said, with the limit that would leave room for it,
+    whatever the prediction; under it nothing is added."""
+    import dataclasses
+
+    from planner.api import plan
+    from planner.bench.memory import RankMemory
+    from planner.bench.memory_check import check_table
+    from planner.search.plan import gib
+    chosen = plan("gpt-tiny", 2, cluster="cpu-gloo", fix={"pp": 2})[0]
+    totals = [sum(r) for r in chosen.predicted.rank_memory]
+    parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "other"), 0)
+    within = {r: RankMemory(r, int(t), {**parts, "other": int(t)}) for r, t in enumerate(totals)}
+    assert "would not fit" not in check_table(chosen, within)
+    tight = dataclasses.replace(chosen, memory_limit_bytes=max(totals) * 1.01)
+    over = {0: within[0], 1: RankMemory(1, int(max(totals) * 1.05), parts)}
+    line = check_table(tight, over).splitlines()[-1]
+    assert line.startswith("rank 1: its programs peak at") and "would not fit" in line
+    assert f"--memory-limit {gib(max(totals) * 0.97)} (the limit less that)" in line
