@@ -9,7 +9,9 @@ step's scalars (a loss read with .item(), a count of targets) read as 1 and a br
 takes that side, and a collective that exchanges Python objects (all_gather_object: which
 stages hold a tied weight, for one) answers every rank's share with this rank's own. Mixture-
 of-experts layers route evenly (runtime.experts.dispatch: no values to route by), and a step
-runs the fewest micro-batches that reach the plan's peaks (`fewer_microbatches`).
+runs the fewest micro-batches that reach the plan's peaks (`fewer_microbatches`). The kernels
+are the CPU's; for a plan on GPUs, the ops CUDA runs fused where the CPU composes them keep
+what the fused kernel keeps (planner.bench.gpu_kernels: RMSNorm on 16-bit inputs).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
         meta, batch_fn = _model_and_batch(spec)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         tracker = MemoryTracker(fake_mode=fake)
-        with fake, AnyScalar(), fake_run():
+        with fake, AnyScalar(), fake_run(), _device_kernels(plan):
             batch = batch_fn()
             with tracker:
                 pm = ParallelModel(meta, plan, [], batch,
@@ -64,6 +66,16 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
     finally:
         dist.all_gather_object = gather
         dist.destroy_process_group()
+
+
+def _device_kernels(plan):
+    """For a plan on GPUs, what CUDA's fused kernels keep where the CPU's composed ones keep
+    more (planner.bench.gpu_kernels); nothing changes for CPU ranks."""
+    import contextlib
+
+    from cost_model.hardware.cluster import get_cluster
+    from planner.bench.gpu_kernels import fused_norms
+    return fused_norms() if get_cluster(plan.cluster).device == "cuda" else contextlib.nullcontext()
 
 
 def _own_object(out: list, obj, group=None) -> None:

@@ -1,0 +1,64 @@
+"""What a GPU's fused kernels keep for backward, for a dry run on a CPU (planner.bench.dry_run).
+
+A dry run runs the rank programs on the planning machine's kernels. Where the CPU composes an op
+that CUDA runs fused, the two keep different tensors for backward, and a plan for GPUs must be
+checked against what CUDA keeps. One op differs where it matters: `F.rms_norm` (nn.RMSNorm) on
+16-bit inputs. Its CPU path upcasts to fp32 and autograd keeps the fp32 input, the normalised
+fp32 tensor and their product (three fp32 copies of the input); CUDA's fused kernel
+(aten._fused_rms_norm, PyTorch 2.8 and later) keeps the input and one fp32 rstd per row. Under
+`fused_norms()` F.rms_norm is a function that keeps what the fused kernel keeps, with the
+gradients of RMSNorm (computed in fp32). Norms written out op by op (Hugging Face's
+LlamaRMSNorm, with its own .float()) keep their fp32 tensors on either device and are untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+_COMPOSED_RMS_NORM = F.rms_norm
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """y = x · rstd · w, rstd = (mean(x²) + eps)^-½ over the normalised dims; keeps x and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims: int, eps: float):
+        wide = x.float()
+        rstd = torch.rsqrt(wide.pow(2).mean(dim=tuple(range(-dims, 0)), keepdim=True) + eps)
+        y = wide * rstd
+        y = (y * weight.float() if weight is not None else y).to(x.dtype)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.dims = dims
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dims = tuple(range(-ctx.dims, 0))
+        wide, g = x.float(), grad.float()
+        normed = wide * rstd
+        gw = g * weight.float() if weight is not None else g
+        dx = rstd * (gw - normed * (gw * normed).mean(dim=dims, keepdim=True))
+        dw = None
+        if weight is not None:
+            lead = tuple(range(g.dim() - ctx.dims))
+            dw = (g * normed).sum(dim=lead).to(weight.dtype)
+        return dx.to(x.dtype), dw, None, None
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None):
+    """F.rms_norm keeping, on 16-bit inputs, what CUDA's fused kernel keeps."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return _COMPOSED_RMS_NORM(x, normalized_shape, weight, eps)
+    eps = torch.finfo(torch.float32).eps if eps is None else eps
+    return _FusedRMSNorm.apply(x, weight, len(normalized_shape), eps)
+
+
+@contextlib.contextmanager
+def fused_norms():
+    """F.rms_norm as the fused kernel keeps it (see the module docstring)."""
+    with mock.patch.object(F, "rms_norm", rms_norm):
+        yield

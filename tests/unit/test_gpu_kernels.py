@@ -1,0 +1,40 @@
+"""planner.bench.gpu_kernels: the dry run's stand-in for CUDA's fused RMSNorm gives the values
+and gradients of F.rms_norm and keeps for backward what the fused kernel keeps."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planner.bench.gpu_kernels import fused_norms, rms_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_same_values_and_gradients_as_rms_norm(dtype, weighted):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16).to(dtype).requires_grad_()
+    w = torch.randn(16).to(dtype).requires_grad_() if weighted else None
+    g = torch.randn(3, 5, 16).to(dtype)
+    inputs = (x, w) if weighted else (x,)
+    want = F.rms_norm(x, (16,), w, 1e-5)
+    got = rms_norm(x, (16,), w, 1e-5)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g)):
+        torch.testing.assert_close(a, b)
+
+
+def test_keeps_the_input_and_one_rstd_per_row_in_16_bits():
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    norm = torch.nn.RMSNorm(64).to(torch.bfloat16)
+    kept = []
+
+    def pack(t):
+        kept.append((tuple(t.shape), t.dtype))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+    assert sum(dt == torch.float32 and shape == (4, 64) for shape, dt in kept) >= 2  # composed
+    kept.clear()
+    with fused_norms(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+    assert sorted(kept, key=str) == sorted([((4, 64), torch.bfloat16), ((4, 1), torch.float32),
+                                            ((64,), torch.bfloat16)], key=str)
