@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import warnings
 from typing import Callable
 
 import torch
@@ -357,7 +358,6 @@ def _precision(plan: Plan, options: TrainOptions) -> str:
                              f"for bf16/fp16) to train so")
         return plan.autocast
     if asked in ("bf16", "fp16"):
-        import warnings
         warnings.warn(f"precision {asked} (autocast) was not priced by the plan, whose activations "
                       f"are priced in the weights' dtype; plan with autocast={asked!r} (fxpar plan "
                       f"--autocast {asked}) for its memory", stacklevel=3)

@@ -11,7 +11,6 @@ import torch.fx as fx
 from cost_model.layers.autocast_saved import saved_bytes
 from cost_model.ops import graph_facts as op_graph
 from cost_model.ops.node_cost import node_cost, saved_node_name
-from passes.capture.trace import propagate_shapes
 
 
 def identity_forward(node: fx.Node) -> bool:
@@ -93,7 +92,6 @@ def autocast_share(sub: fx.GraphModule, inputs: list[torch.Tensor], dtype: torch
     """(share, casts): the layer's saved-for-backward bytes under autocast to `dtype` but the
     weights' casts, per byte the rule-based count gives it (1.0 for a layer that saves
     nothing), and the bytes of the weights' casts it saves (cost_model.layers.autocast_saved)."""
-    propagate_shapes(sub, inputs)
-    rule = sum(saved(sub).values())
+    rule = sum(saved(sub).values())  # the captured shapes, which _extract keeps
     rest, casts = saved_bytes(sub, inputs, dtype)
     return (rest / rule if rule else 1.0), casts

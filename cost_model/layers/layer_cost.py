@@ -59,6 +59,9 @@ from passes.rewrite.vocab_parallel import vocab_parallel, vocab_parallel_cross_e
 from runtime.comm import collectives as C
 
 
+_bytes = op_graph.total_bytes  # of a tensor, or of the tensors in nested tuples and lists
+
+
 @dataclass(frozen=True)
 class OpRecord:
     op_class: str
@@ -379,14 +382,6 @@ def _saves(node: fx.Node, modules) -> bool:
         return bool(node_cost(node, modules).saved)
     except UnknownOpError:
         return True  # unknown: assume it keeps something, so the collectives before it rerun
-
-
-def _bytes(val) -> float:
-    if isinstance(val, torch.Tensor):
-        return float(val.numel() * val.element_size())
-    if isinstance(val, (tuple, list)):
-        return float(sum(_bytes(v) for v in val))
-    return 0.0
 
 
 def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: Cluster,
