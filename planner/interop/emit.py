@@ -246,9 +246,12 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
                      f"always splits them over the vocabulary")
     config, zero_notes = _sharding(target, config)
     notes += zero_notes
+    unpriced = []  # what the target runs that fxpar prices otherwise: never "exact"
     if target == "torchtitan":
         config, split_notes = _torchtitan_split(config)
         notes += split_notes
+        config, unpriced = _torchtitan_split_backward(config)
+        notes += unpriced
     stages, tp = config.stages, plan.tp > 1
     lengths = [len(st) for st in stages]
     strategies = [Strategy.parse(s) for st in stages for s in st]
@@ -273,7 +276,7 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
                   for sp in sp_options for p in patterns]
     first, pattern = candidates[0]
     config = replace(config, stages=first)
-    if config == own:
+    if config == own and not unpriced:
         return Expressed(own, notes, pattern)
     pricer = pricer_factory()
     best = None
@@ -288,6 +291,28 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
         notes.append(f"nearest: {_mix(stages_)}, the fastest of the {len(candidates)} that "
                      f"{label} can state" + ("" if priced.fits else " (none fits: the smallest)"))
     return Expressed(replace(config, stages=stages_), notes, pattern, priced)
+
+
+# what torch.distributed.pipelining's I and W run (its _backward.stage_backward_input and
+# stage_backward_weight), said by --emit torchtitan and read by --from-torchtitan alike
+TORCHTITAN_SPLIT = ("torchtitan's pipelining splits the backward by recording: I keeps the "
+                    "gradients where the weights' paths join, W reads them")
+
+
+def _torchtitan_split_backward(config: Configuration) -> tuple[Configuration, list[str]]:
+    """ZB-H1 in torchtitan is fxpar's split_backward=record, which fxpar prices only without
+    recomputation (planner.search.meshes); with it, the nearest it prices is W walking again."""
+    if config.schedule != "zb-h1" or config.split_backward == "record":
+        return config, []
+    if {r for stage in recompute_of(config.stages) for r in stage} == {"none"}:
+        return replace(config, split_backward="record"), [
+            f"{TORCHTITAN_SPLIT}; nearest: split_backward=record"]
+    return config, [recorded_with_recompute()]
+
+
+def recorded_with_recompute() -> str:
+    return (f"{TORCHTITAN_SPLIT}, through its recomputed layers too; fxpar prices recording "
+            f"only without recomputation: priced as W walking the graph again, which keeps less")
 
 
 def _sharding(target: str, config: Configuration) -> tuple[Configuration, list[str]]:

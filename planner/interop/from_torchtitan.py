@@ -7,7 +7,8 @@ import os
 import re
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import ModelFacts, pattern_recompute, schedule_csv, with_flags
+from planner.interop.emit import (ModelFacts, pattern_recompute, recorded_with_recompute,
+                                  schedule_csv, with_flags)
 from planner.interop.readers import Imported, sized
 from planner.interop.configuration import Configuration, even_stages
 
@@ -160,8 +161,15 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     base = str(Strategy(tp > 1, tp > 1))
     stages = with_flags(tuple((base,) * n for n in lengths), tp > 1, tp > 1,
                         pattern_recompute(lengths, pattern, pp))
+    split = ""
+    if schedule == "zb-h1":  # torch.distributed.pipelining's I and W: fxpar's record form
+        if pattern == ("uniform", "none"):
+            split = "record"
+        else:
+            notes.append(recorded_with_recompute())
     config = Configuration(dp, tp, pp, cp, mb, schedule, v, stages,
-                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard)
+                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard,
+                           split_backward=split)
     return Imported("torchtitan", config, seq, batch, zero1, notes, ignored, recompute)
 
 

@@ -98,7 +98,9 @@ def test_torchtitan_export_field_by_field(case, request, tmp_path):
     assert "not expressible: torchtitan's tensor parallelism is always sequence-parallel" in text
     ours, label, theirs = PRICED.search(text).groups()
     assert float(ours) == pytest.approx(plan.predicted.iteration_s, rel=1e-3)
-    sp = pricer.price(replace(Configuration.of(plan), stages=tuple(
+    # torch.distributed.pipelining's I and W record the gradients at joins: fxpar's record form
+    assert "not expressible: torchtitan's pipelining splits the backward by recording" in text
+    sp = pricer.price(replace(Configuration.of(plan), split_backward="record", stages=tuple(
         tuple("tp+sp" for _ in st) for st in block_strategies(plan))))
     assert float(theirs) == pytest.approx(sp.iteration_s, rel=1e-3) and label == "torchtitan"
 
@@ -203,10 +205,17 @@ def test_cli_round_trip_with_a_layout_and_a_schedule_csv(tmp_path, capsys, monke
     assert main(base + ["--from-torchtitan", str(tmp_path / "job.toml")]) == 0
     out = capsys.readouterr().out
     # the price it was emitted at: the nearest configuration's, or the plan's when exact
-    nearest_s = re.search(r"(?:nearest torchtitan configuration|fxpar plan): ([\d.]+) "
-                          r"s/iteration", toml_text)
+    nearest_s = (re.search(r"nearest torchtitan configuration: ([\d.]+) s/iteration", toml_text)
+                 or re.search(r"fxpar plan: ([\d.]+) s/iteration", toml_text))
     assert "zb-h1" in out.splitlines()[0]
     assert f"torchtitan configuration: {nearest_s.group(1)} s/iteration" in out  # as emitted
+    # torchtitan's I and W record (fxpar's split_backward=record), not through recomputed layers
+    assert "split_backward=record" in out.splitlines()[0]
+    (tmp_path / "job.toml").write_text(toml_text.replace('mode = "none"', 'mode = "full"'))
+    assert main(base + ["--from-torchtitan", str(tmp_path / "job.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "split_backward" not in out.splitlines()[0] and "recomputation full" in out
+    assert "fxpar prices recording only without recomputation" in out
 
 
 def test_schedule_csv_is_what_torch_pipelining_reads():
