@@ -233,10 +233,10 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
         schedules = MEGATRON_SCHEDULES if target == "megatron" else (
             *TORCHTITAN_SCHEDULES, "zb-h1")
         if plan.schedule not in schedules:
-            config = replace(config, schedule="1f1b", v=1)
+            config = replace(config, schedule="1f1b", v=1, split_backward="")
             notes.append(f"{label} has no {plan.schedule} schedule; nearest: 1f1b")
     elif plan.schedule != "1f1b":
-        config = replace(config, schedule="1f1b")
+        config = replace(config, schedule="1f1b", split_backward="")
         notes.append(f"without a pipeline {label} runs a plain step; fxpar priced its "
                      f"{plan.schedule} there (its own runtime's form of the backward); "
                      f"nearest: 1f1b")
@@ -372,8 +372,10 @@ def _torchtitan_split(config: Configuration) -> tuple[Configuration, list[str]]:
 # Text
 # --------------------------------------------------------------------------------------------
 def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
+    # the runtime priced, as `fxpar plan --runtime R` prints the same plan (runtime_of_args)
+    runtime = f", {plan.runtime} runtime" if plan.runtime else ""
     lines = [f"# {label} configuration for fxpar's plan: {plan.model} on {plan.gpus} GPUs "
-             f"({plan.cluster}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
+             f"({plan.cluster}{runtime}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
              + (f" zero={plan.zero}" if plan.zero else "")
              + (f" dp_shard={plan.dp_shard}" if plan.dp_shard and plan.dp_shard != plan.dp
                 else "") + f", {plan.schedule}"

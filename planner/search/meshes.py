@@ -260,8 +260,9 @@ def configurations(costs: ModelCosts, req: Request):
     for dp, tp, cp, pp, b, m, schedules, zeros in _batchings(costs, req):
         for name, v in schedules:
             for level, shard in zeros:
-                yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
-                                shard if shard != dp else 0)
+                for split in split_forms(req, name):
+                    yield Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
+                                    shard if shard != dp else 0, split)
 
 
 def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
@@ -282,8 +283,25 @@ def candidates(costs: ModelCosts, req: Request) -> list[Candidate]:
                 if level or dp_shard:
                     own += least.sync_bound(Candidate(dp, tp, pp, b, m, name, v, 0.0, cp, level,
                                                       dp_shard)) - sync
-                result.append(Candidate(dp, tp, pp, b, m, name, v, own, cp, level, dp_shard))
-    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
+                result += [Candidate(dp, tp, pp, b, m, name, v, own, cp, level, dp_shard, split)
+                           for split in split_forms(req, name)]
+    return sorted(result, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v, c.split_backward))
+
+
+def split_forms(req: Request, schedule: str) -> tuple[str, ...]:
+    """The forms of ZB-H1's split backward the search tries (runtime.pipeline.split_backward):
+    W walking the graph again (""), and W from the gradients I recorded ("record": no second
+    walk, the records held from I to W), which no recomputed block takes, so it is tried only
+    where the fix leaves recompute=none possible. The lower bound (`_lower_bound`) leaves both
+    out, so it bounds either."""
+    if schedule != "zb-h1":
+        return ("",)
+    fixed = req.fix.get("split_backward")
+    if fixed is not None:
+        return ("record",) if fixed == "record" else ("",)
+    recompute = req.fix.get("recompute") or (Strategy.parse(req.fix["strategy"]).recompute
+                                             if "strategy" in req.fix else "none")
+    return ("", "record") if recompute == "none" else ("",)
 
 
 @dataclass(frozen=True)

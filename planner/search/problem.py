@@ -55,6 +55,7 @@ class Candidate:
     cp: int = 1
     zero: int = 0          # sharded data parallel level (planner.search.zero)
     dp_shard: int = 0      # ranks per shard group; 0: dp (no hybrid sharding)
+    split_backward: str = ""  # ZB-H1's W: "record", or "" walking the graph again
 
 
 def strategies(req: Request, tp: int, costs: ModelCosts | None = None,
@@ -108,6 +109,8 @@ def build_problem(costs: ModelCosts, req: Request, c: Candidate, memory_limit: f
     per_kind = []
     for kind in range(len(costs.kinds)):
         blocks = block_costs(costs, req, c.tp, c.micro_batch, c.cp, kind)
+        if records(req, c):  # never recorded through a recomputed block
+            blocks = [cost for cost in blocks if cost.strategy.recompute == "none"]
         options = [runtime_terms(costs.block_option(cost, zero_axis.sharding_of(c)), cost, req, c,
                                  costs)
                    for cost in blocks]
@@ -217,7 +220,7 @@ def records(req: Request, c: Candidate) -> bool:
     """Whether ZB-H1's I records the gradients W starts from (split_backward "record",
     runtime.pipeline.split_backward): W then runs only the weights' halves, and the recorded
     gradients live from I until W."""
-    return c.schedule == "zb-h1" and req.fix.get("split_backward") == "record"
+    return c.schedule == "zb-h1" and c.split_backward == "record"
 
 
 def lazy_grads(costs: ModelCosts, req: Request, c: Candidate, option, cost) -> float:

@@ -18,10 +18,11 @@ without meeting the input path is left to one backward from the stage's outputs,
 Memory: the recorded gradients (one per join: for a transformer block about the size of its
 matmuls' outputs, 0.8 of its saved activations for torch's TransformerEncoderLayer) live from I
 until W, beside the activations that live until W anyway; on rank r of ZB-H1, whose W trails its
-I by r micro-batches, that is up to r + 1 sets more. A plan prices them only when asked
-(`--fix split_backward=record`: cost_model LayerCost.record_bytes, the schedule's moments
+I by r micro-batches, that is up to r + 1 sets more. A plan prices them where it chose this form
+(planner.search.meshes.split_forms: cost_model LayerCost.record_bytes, the schedule's moments
 after each I), so the executor takes this way only then (TrainOptions.split_backward "record",
-or "auto" with such a plan), and never for a stage that recomputes layers (`recomputes`): each of W's backwards is a graph task of
+or "auto" with such a plan), and never for a stage that recomputes layers (`recomputes`): each
+of W's backwards is a graph task of
 its own, and non-reentrant checkpointing recomputes a region once per task that reaches it, so a
 checkpointed block would run its forward again per group (twice for two linears) where the plain
 backward from the outputs runs it once.

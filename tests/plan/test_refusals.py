@@ -145,9 +145,14 @@ def test_a_recorded_split_backward_is_priced_and_carried_to_the_trainer():
     from planner.api import _split_backward
     from runtime.training.trainer import TrainOptions
     fix = {"pp": 2, "schedule": "zb-h1", "mb": 1}
-    walked = plan(TINY, 2, cluster="cpu-gloo", fix=fix)[0]
+    walked = plan(TINY, 2, cluster="cpu-gloo", fix={**fix, "split_backward": "retraverse"})[0]
     recorded = plan(TINY, 2, cluster="cpu-gloo", fix={**fix, "split_backward": "record"})[0]
     assert (walked.split_backward, recorded.split_backward) == ("", "record")
+    # unfixed, the search keeps the faster form that fits: recording, unless its records do not
+    assert plan(TINY, 2, cluster="cpu-gloo", fix=fix)[0] == recorded
+    between = (walked.predicted.peak_memory_bytes + recorded.predicted.peak_memory_bytes) / 2
+    tight = plan(TINY, 2, cluster="cpu-gloo", fix=fix, memory_limit=between / 2**30)[0]
+    assert tight.split_backward == "" and tight.predicted.peak_memory_bytes <= between
     assert "split backward: record" in str(recorded)
     assert recorded.predicted.iteration_s < walked.predicted.iteration_s
     first, last = (sum(r) for r in walked.predicted.rank_memory)

@@ -78,7 +78,7 @@ def _reference_candidates(costs, req):
         if c.zero or c.dp_shard:
             bound += sync(c, least) - sync(plain, least)
         found.append(replace(c, lower_bound=bound))
-    return sorted(found, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v))
+    return sorted(found, key=lambda c: (c.lower_bound, c.pp, c.tp, c.cp, c.v, c.split_backward))
 
 
 @functools.lru_cache(maxsize=None)

@@ -114,7 +114,7 @@ def test_ranks_sharing_cores_slow_each_other():
 
 def test_zb_h1_pays_the_second_traversal():
     cluster = dataclasses.replace(CPU, split_backward=0.5)
-    p = _plan(cluster, pp=2, dp=2, schedule="zb-h1")
+    p = _plan(cluster, pp=2, dp=2, schedule="zb-h1", split_backward="retraverse")
     parts = predicted_step(p, cluster).parts[1]
     m = p.num_microbatches
     assert parts["I1"] + parts["W1"] == pytest.approx(1.5 * m * p.stages[1].bwd_s)
@@ -128,7 +128,7 @@ def test_zb_h1s_first_stage_runs_one_plain_backward():
     from runtime.pipeline.generators import make_schedule
     from runtime.pipeline.simulator import simulate
     cluster = dataclasses.replace(CPU, split_backward=0.5)
-    p = _plan(cluster, pp=2, dp=2, schedule="zb-h1")
+    p = _plan(cluster, pp=2, dp=2, schedule="zb-h1", split_backward="retraverse")
     parts = predicted_step(p, cluster).parts[0]
     m = p.num_microbatches
     assert parts["I0"] + parts["W0"] == pytest.approx(m * p.stages[0].bwd_s)

@@ -72,13 +72,17 @@ def test_what_the_round_trip_compares():
 def test_emit_states_the_plan_fxpar_plan_prints(capsys):
     args = ["--hf", "qwen2", "--layers", "4", "--gpus", "8", "--cluster", "h100-sxm-dgx",
             "--seq", "4096", "--global-batch", "64"]
-    assert main(["plan", *args, "--json"]) == 0
+    # --emit megatron plans under Megatron-Core's runtime profile, as --runtime megatron does,
+    # and says so; fxpar's own runtime may plan another layout, which its header names
+    assert main(["plan", *args, "--runtime", "megatron", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert main(["plan", *args, "--emit", "megatron"]) == 0
     emitted = capsys.readouterr().out
     mesh = planned["mesh"]
-    assert (f"dp={mesh['dp']} tp={mesh['tp']} pp={mesh['pp']} cp={mesh.get('cp', 1)}"
-            in emitted.splitlines()[0])
+    assert (f"(h100-sxm-dgx, megatron runtime), dp={mesh['dp']} tp={mesh['tp']} pp={mesh['pp']} "
+            f"cp={mesh.get('cp', 1)}" in emitted.splitlines()[0])
+    assert main(["plan", *args]) == 0
+    assert "(h100-sxm-dgx, fxpar runtime)" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_zero3_exports_shard_and_imports_as_zero3(tmp_path, capsys):
