@@ -24,6 +24,12 @@ profile and gives the `Cluster` every price is computed on.
                      own beside backward and forward, prefetched (comm_stream)
     dispatch         the expert dispatch sends a token once per GPU and node (DeepEP) or once per
                      routed slot (an all-to-all of permuted tokens) (dispatch_per_rank)
+    shards_experts   expert weights' states are sharded as the rest are, over the expert-data-
+                     parallel group (the data-parallel ranks holding the same experts):
+                     Megatron-Core's distributed optimizer over its expert-data-parallel group,
+                     FSDP2's fully_shard of the experts over the data-parallel ranks left
+                     beside ep (torchtitan, NeMo AutoModel); fxpar's runtime keeps them whole
+                     (shards_experts)
     optimizer_bytes  bytes the optimizer step reads and writes per parameter it holds, from the
                      precision policy: Adam over fp32 main weights, m and v (4 + 4 + 4 read and
                      written) with an fp32 gradient read and a bf16 copy written: 30 (Megatron's
@@ -76,6 +82,7 @@ class Runtime:
     host_op_s: float               # fitted
     compute_share: float = 1.0     # fitted
     dispatch_per_rank: bool = False
+    shards_experts: bool = True
 
     def __post_init__(self):
         if self.tp_overlap not in TP_OVERLAPS:
@@ -100,7 +107,7 @@ PRIORS: dict[str, Runtime] = {r.name: r for r in (
     Runtime("fxpar", "fxpar's own runtime: eager PyTorch ops, torch SDPA (FlashAttention-2), "
                      "tensor-parallel collectives waited on, data-parallel buckets overlapped "
                      "with backward", fused_pointwise=False, attention="fa2", tp_overlap="none",
-            dp_stream=True, optimizer_bytes=28, host_op_s=_EAGER_HOST),
+            dp_stream=True, optimizer_bytes=28, host_op_s=_EAGER_HOST, shards_experts=False),
     Runtime("megatron", "Megatron-Core with Transformer Engine: fused kernels, cuDNN attention, "
                         "tensor-parallel communication pipelined with its GEMMs "
                         "(--tp-comm-overlap), the distributed optimizer's reduce-scatter and "
@@ -197,6 +204,7 @@ def apply(hw, runtime: str | Runtime | None = None, attention: str | None = None
     return dataclasses.replace(
         hw, runtime=rt.name, fused_pointwise=rt.fused_pointwise, tp_overlap=rt.tp_overlap,
         comm_stream=rt.dp_stream, dispatch_per_rank=rt.dispatch_per_rank,
+        shards_experts=rt.shards_experts,
         optimizer_bytes=rt.optimizer_bytes, host_op_s=rt.host_op_s,
         matmul_eff=hw.matmul_eff * rt.compute_share,
         attention_eff=hw.attention_eff * shares[kernel] * rt.compute_share)

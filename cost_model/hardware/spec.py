@@ -65,6 +65,8 @@ _RULES: dict[str, tuple] = {
     "comm_sm_share": _SHARE,
     "fused_pointwise": ("bool",),
     "dispatch_per_rank": ("bool",),
+    "shards_experts": ("bool",),
+    "fused_loss": ("bool",),
     "round_robin_routing": ("bool",),
     "comm_corrections": ("corrections",),
     "matmul_overhead": _NONNEG,
@@ -207,6 +209,16 @@ class Cluster:
     # all-to-all of permuted slots, as fxpar's runtime and Megatron's all-to-all dispatcher
     # run it): cost_model.hardware.comm.dispatch_fanout. A property of the kernels a run used.
     dispatch_per_rank: bool = False
+    # Expert weights' states sharded as the runtime shards the rest, over the ranks that hold the
+    # same experts (runtimes.Runtime.shards_experts); False: whole on each of them, as fxpar's
+    # runtime keeps them (runtime.training.trainer).
+    shards_experts: bool = False
+    # The cross-entropy is one kernel that keeps the logits and a value per row and writes the
+    # logits' gradient in its backward (flash-attn's CrossEntropyLoss, llm-foundry's default
+    # loss_fn "fused_crossentropy"; Megatron's --cross-entropy-loss-fusion): no log-probabilities
+    # and no gradient of them beside it (cost_model.layers.layer_cost._temporary). A property of
+    # the run's loss, for pricing published runs; fxpar's runtime runs torch's cross-entropy.
+    fused_loss: bool = False
     # Tokens routed round-robin over consecutive experts with equal loads (the fake balanced
     # gate throughput benchmarks run, NeMo AutoModel's FakeBalancedGate), not by a trained
     # router: a property of the run, for pricing published benchmarks (dispatch_fanout).

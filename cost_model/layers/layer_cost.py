@@ -120,6 +120,7 @@ class LayerProfile:
     sp_error: str | None = None    # why that rewrite does not apply (the op it stops at)
     tensors: int = 0               # parameter tensors (the optimizer step's per-tensor cost)
     largest_bytes: float = 0.0     # the largest tensor one op of the layer makes
+    loss_bytes: float = 0.0        # the logits a cross-entropy of the layer reads (0: none)
     join_bytes: float = 0.0        # outputs of the ops where a weight meets the input (`joins`)
     # under autocast, the 16-bit casts of the weights its matmuls save: per micro-batch, whatever
     # its size (cost_model.layers.autocast_saved)
@@ -292,6 +293,9 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)),
         largest_bytes=max((_bytes(n.meta.get("val")) for n in sub.graph.nodes
                            if n.op.startswith("call")), default=0.0),
+        loss_bytes=max((_bytes(n.args[0].meta.get("val")) for n, c in costs.items()
+                        if c.op_class == "loss" and n.args and isinstance(n.args[0], fx.Node)),
+                       default=0.0),
         join_bytes=sum(_bytes(n.meta.get("val")) for n in joins(sub, modules)))
 
 
@@ -443,7 +447,7 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      tensors=profile.tensors,
                      retraverse_share=_retraverse_share(profile, scale, model_flops - fwd_flops
                                                         + recompute_flops),
-                     temp_bytes=_temporary(profile, strategy, tp) * scale,
+                     temp_bytes=_temporary(profile, strategy, tp, cluster.fused_loss) * scale,
                      record_bytes=profile.join_bytes * scale if strategy.recompute == "none"
                      else 0.0)
 
@@ -515,12 +519,16 @@ def _activations(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
     return saved
 
 
-def _temporary(profile: LayerProfile, strategy: Strategy, tp: int) -> float:
+def _temporary(profile: LayerProfile, strategy: Strategy, tp: int,
+               fused_loss: bool = False) -> float:
     """Bytes the layer's backward holds for a moment beyond its saved activations, at the
     captured batch: two of the largest tensor one of its ops makes (the gradient arriving at
     that op's output and the one it sends to its input; for the loss, the log-probabilities'
-    gradient and the logits'); under recomputation what the recomputed forward saves again."""
+    gradient and the logits'; with a fused loss, Cluster.fused_loss, the logits' alone);
+    under recomputation what the recomputed forward saves again."""
     largest = 2 * profile.largest_bytes
+    if fused_loss and profile.loss_bytes >= profile.largest_bytes:
+        largest = profile.largest_bytes
     if strategy.recompute == "none":
         return largest
     kept = _activations(profile, strategy, tp)

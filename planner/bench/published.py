@@ -27,7 +27,8 @@ planner.api.plan under a cluster profile (default h100-sxm-dgx):
   gpus, gbs, seq   the request
 
   kernels          the attention kernel where the row names one ("FlexAttn", "triton", "FA2"),
-                   else the runtime's own
+                   else the runtime's own; "fused cross-entropy": the loss as one kernel
+                   (Cluster.fused_loss)
   runtime          the training framework that ran the row (cost_model.hardware.runtimes): the
                    file's "# runtime:" line, or a runtime column; its profile decides what the
                    hardware's rates become (fusion, overlap, attention kernel, launches)
@@ -105,6 +106,12 @@ class Row:
         """The attention kernel the row names, or None for its runtime's own."""
         text = self.kernels.lower().replace("-", "")
         return next((kernel for word, kernel in _ATTENTION_WORDS if word in text), None)
+
+    @property
+    def fused_loss(self) -> bool:
+        """The row's kernels name a fused cross-entropy (Cluster.fused_loss)."""
+        text = self.kernels.lower().replace("-", "").replace(" ", "")
+        return "fusedcrossentropy" in text
 
     @property
     def flushes(self) -> int:
@@ -455,7 +462,8 @@ def run_cluster(row: Row, hw, runtimes: dict | None = None):
     Runtime to use, as a fit gives), with the row's routing."""
     runtime = (runtimes or {}).get(row.runtime, row.runtime)
     return dataclasses.replace(apply(hw, runtime, row.attention),
-                               round_robin_routing=row.routing == "round-robin")
+                               round_robin_routing=row.routing == "round-robin",
+                               fused_loss=row.fused_loss)
 
 
 _HEADROOM = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)   # memory limits tried, x the device's

@@ -2,6 +2,7 @@
 cost model (per layer, per strategy) and the ILP's plain numbers."""
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property, lru_cache
 
 import torch
@@ -102,6 +103,7 @@ class ModelCosts:
         # Expert parallelism (planner.search.experts): the EP size the search is at and the hook
         # that prices a MoE block for it (None: as captured, ep = 1).
         self.ep, self.ep_pricing = 1, None
+        self.shards_experts = False  # Cluster.shards_experts of the search under way
         self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
         self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
         self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
@@ -304,10 +306,19 @@ class ModelCosts:
     def block_static(self, cost: LayerCost, dp=1) -> float:
         """Static bytes (weights, gradients, optimizer states) one rank holds of a block."""
         static = cost.params * self._per_param(dp)
-        if self.ep_pricing is not None:  # expert weights stay whole under ZeRO (runtime.training.trainer)
+        if self.ep_pricing is not None:  # expert weights as the runtime shards them
             whole = self.ep_pricing.expert_params(self._kind_of[cost.layer])
-            static += whole * (self._per_param(1) - self._per_param(dp))
+            static += whole * (self._per_param(self._expert_sharding(dp)) - self._per_param(dp))
         return static
+
+    def _expert_sharding(self, dp):
+        """How a rank holds its experts' states: whole (fxpar's runtime, runtime.training.
+        trainer), or at the level of the rest over the ranks that hold the same experts, the
+        shard group's n over ep (Cluster.shards_experts: Megatron's expert-data-parallel
+        group, FSDP2's experts' mesh)."""
+        if not self.shards_experts or not isinstance(dp, Sharding):
+            return 1
+        return dataclasses.replace(dp, n=max(1, dp.n // self.ep))
 
     def block_option(self, cost: LayerCost, dp: int = 1) -> ilp.BlockOption:
         return ilp.BlockOption(str(cost.strategy), cost.fwd_s + cost.bwd_s,

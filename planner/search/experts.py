@@ -161,6 +161,7 @@ def search_experts(costs, req, search, imbalance: float | None = None) -> list:
     # that bound a size are the ones its search goes through.
     pricings = {ep: EPPricing(ep, by_kind, costs.captured.batch, imbalance) for ep in sizes}
     found, plans = {}, []
+    costs.shards_experts = req.cluster.shards_experts
     try:
         for ep in sizes:
             found[ep] = _candidates(costs, plain, ep, pricings[ep])
@@ -176,7 +177,7 @@ def search_experts(costs, req, search, imbalance: float | None = None) -> list:
             plans = sorted(plans + [dataclasses.replace(p, ep=ep) for p in best],
                            key=lambda p: (p.predicted.iteration_s, p.ep))
     finally:
-        costs.ep, costs.ep_pricing = 1, None
+        costs.ep, costs.ep_pricing, costs.shards_experts = 1, None, False
     return plans[: req.top_k]
 
 

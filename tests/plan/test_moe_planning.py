@@ -146,3 +146,33 @@ def test_ep_reprices_the_expert_gemms_at_the_groups_rows_and_weights():
                                            * cluster.grouped_gemm_eff)   # 4 experts a rank
             a2a = (priced.comm_s - base.comm_s) / 4
             assert priced.fwd_s - base.fwd_s == pytest.approx(2 * a2a + compute - memory_bound)
+
+
+def test_runtimes_that_shard_experts_hold_their_states_over_the_expert_data_parallel_group():
+    """Megatron's distributed optimizer and FSDP2 shard an expert's states over the ranks that
+    hold the same experts (n / ep of a shard group of n); fxpar's runtime keeps them whole."""
+    from cost_model.layers.sharding import Sharding
+    costs, *_ = api._model_costs("mixtral-tiny", None, None, None)
+    cluster, ep = get_cluster(H100), 4
+    pricing = expert_search.EPPricing(ep, expert_search.moe_facts(costs), costs.captured.batch)
+    costs.ep, costs.ep_pricing = ep, pricing
+    try:
+        cost = costs.price_block(Strategy(), 1, cluster, 1)
+        experts = pricing.expert_params(costs._kind_of[cost.layer])
+        opt = costs.training.optimizer_bytes()
+        assert experts > 0
+        for level, n, kept in [(1, 8, opt / 2), (3, 8, None), (1, 4, 0.0)]:
+            memory = Sharding(level, n)
+            whole = costs.block_static(cost, memory)
+            costs.shards_experts = True
+            sharded = costs.block_static(cost, memory)
+            costs.shards_experts = False
+            if kept is None:  # ZeRO-3: weights, gradients and states over n / ep = 2 ranks
+                kept = (costs._per_param(1) - costs._per_param(Sharding(3, 2)))
+            assert whole - sharded == pytest.approx(experts * kept)  # ep = n: nothing to shard
+    finally:
+        costs.ep, costs.ep_pricing, costs.shards_experts = 1, None, False
+    fix = {"dp": 8, "ep": ep, "zero": 1, "pp": 1, "tp": 1, "cp": 1}
+    own, megatron = (sum(plan("mixtral-tiny", 8, cluster=H100, runtime=r, fix=fix)[0]
+                         .predicted.rank_memory[0][:3]) for r in ("fxpar", "megatron"))
+    assert megatron < own

@@ -122,3 +122,26 @@ def test_plan_check_says_when_the_dry_run_passes_the_memory_limit():
     line = check_table(tight, over).splitlines()[-1]
     assert line.startswith("rank 1: its programs peak at") and "would not fit" in line
     assert f"--memory-limit {gib(max(totals) * 0.97)} (the limit less that)" in line
+
+
+def test_a_fused_loss_holds_the_logits_gradient_alone():
+    """Cluster.fused_loss: the head's backward holds one logits-sized gradient beside what it
+    saved (flash-attn's cross-entropy writes the logits' gradient), not the log-probabilities'
+    gradient and the logits' (torch's); no other layer changes."""
+    import dataclasses as dc
+
+    from cost_model.hardware.cluster import get_cluster
+    from cost_model.layers.strategy import Strategy
+    from planner import api
+    costs, *_ = api._model_costs("gpt2-small", None, None, None)
+    plain = get_cluster("a100-80g-dgx")
+    fused = dc.replace(plain, fused_loss=True)
+    (_, head), (_, head_fused) = (costs.end_costs(4, c, padded=True) for c in (plain, fused))
+    profile = costs.ends["head"]
+    assert profile.loss_bytes == profile.largest_bytes > 0
+    logits = profile.loss_bytes * 4 / profile.batch
+    assert head.temp_bytes == pytest.approx(2 * logits)
+    assert head_fused.temp_bytes == pytest.approx(logits)
+    assert head_fused.act_bytes == head.act_bytes
+    block, block_fused = (costs.price_block(Strategy(), 4, c, 1) for c in (plain, fused))
+    assert block_fused.temp_bytes == block.temp_bytes

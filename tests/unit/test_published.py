@@ -127,6 +127,11 @@ def test_what_the_recipes_add_flushes_routing_and_dispatch():
     assert hw.runtime == "automodel" and hw.tp_overlap == "none"
     hw = pub.run_cluster(megatron, get_cluster("h100-sxm-dgx"))
     assert not hw.dispatch_per_rank and hw.tp_overlap == "pipelined"
+    # llm-foundry's rows name its loss: flash-attn's fused cross-entropy; the others do not
+    mpt = [r for r in ROWS if r.source.startswith("llmf-")]
+    assert mpt and all(r.fused_loss and pub.run_cluster(r, get_cluster("a100-80g-dgx")).fused_loss
+                       for r in mpt)
+    assert not any(r.fused_loss for r in ROWS if not r.source.startswith("llmf-"))
     # flushes need a pipeline and the local batch the step is made of
     assert _row(gpus=8, pp=2, lbs=2, ga=2).flushes == 2          # 2 x 2 x dp 4 = 16
     assert _row(gpus=8, pp=2, lbs=2, ga=3).flushes == 1          # not the global batch
