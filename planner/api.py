@@ -204,6 +204,9 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     training = TrainingMemory.for_dtype(dtype_bytes, zero1=zero1)
     costs = ModelCosts(captured, len(captured.blocks), dtype_bytes, training,
                        autocast=_autocast(autocast, next(model.parameters()).dtype))
+    if example_inputs[0].shape[0] > 1:  # what one sample cannot show (ModelCosts.capture_wide)
+        costs.capture_wide = lambda: _capture(model, capture_inputs(
+            model, tuple(x[:2] for x in example_inputs)))
     costs.structure_notes = structure_notes(model, captured.parts)
     own_notes = getattr(model, "fxpar_plan_notes", None)  # what the model's inputs mean
     if callable(own_notes):

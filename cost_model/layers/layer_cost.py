@@ -210,6 +210,13 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
                                cast_bytes=casts / tp)
 
 
+def check_tensor_parallel(captured: Captured, layer: Layer, tp: int) -> None:
+    """Raises ShardingError where the layer's tensor-parallel rewrite at tp fails on this
+    capture (ModelCosts.wide: the same model at another batch)."""
+    sub = _extract(captured, layer)
+    _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
+
+
 def _shard(sub: fx.GraphModule, layer: Layer, layers: dict, tp: int, localize: bool = True):
     """The rewrite passes.stages.program applies at tp: the ends vocabulary-parallel (padded when tp
     does not divide the vocabulary: the planner prices the padding it will ask for), the

@@ -182,6 +182,9 @@ class _Flow:
         module = self.gm.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(module, _ELEMENTWISE_MODULES) or (module is None and name in _ELEMENTWISE):
             return self._elementwise(node, out)
+        if name in ("max", "min") and isinstance(_arg(node, 1, "other"), fx.Node) and \
+                _val(_arg(node, 1, "other")) is not None:  # torch.max(a, b): elementwise
+            return self._elementwise(node, out)
         if module is not None and isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return self._check_norm(node, src, d, len(module.normalized_shape))
         rules = {**dict.fromkeys(_VIEWS, self._view), **dict.fromkeys(_REDUCTIONS, self._reduce),
@@ -370,10 +373,21 @@ class _Flow:
             prefix *= size
         self.fail(node, "merges the sharded dimension with the dimensions before it")
 
+    def _int(self, node, x):
+        """An int argument of `node`, also one the graph computed (a traced `x.dim() - 1`: its
+        value as shape propagation recorded it); else the node is refused, named."""
+        if isinstance(x, fx.Node):
+            value = x.meta.get("val")
+            if not isinstance(value, int) or isinstance(value, bool):
+                self.fail(node, f"takes a dimension from {x.name}, which is not a constant the "
+                                f"capture recorded (write the dimension as a number)")
+            return value
+        return x
+
     def _transpose(self, node, src, d) -> None:
         ndim = _val(src).dim()
         a, b = (node.args[1], node.args[2]) if len(node.args) > 2 else (0, 1)
-        a, b = a % ndim, b % ndim
+        a, b = self._int(node, a) % ndim, self._int(node, b) % ndim
         self.dim[node] = b if d == a else a if d == b else d
         if src in self.blocks:
             self.blocks.add(node)
@@ -381,7 +395,7 @@ class _Flow:
     def _permute(self, node, src, d) -> None:
         dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
         ndim = _val(src).dim()
-        self.dim[node] = [x % ndim for x in dims].index(d)
+        self.dim[node] = [self._int(node, x) % ndim for x in dims].index(d)
 
     def _expand(self, node, src, d) -> None:
         self.dim[node] = d + _val(node).dim() - _val(src).dim()
@@ -391,7 +405,7 @@ class _Flow:
         if dim is None:
             return None
         dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-        return tuple(x % ndim for x in dims)
+        return tuple(self._int(node, x) % ndim for x in dims)
 
     def _reduce(self, node, src, d) -> None:
         ndim = _val(src).dim()

@@ -60,5 +60,10 @@ FAMILIES = (
            "embedding, fused QKV", refuses=(("cp", "no attention to ring"),)),
     Family("gpt_bigcode", "MQA fused into the QKV projection (under tp: kept whole, each rank "
            "taking its query heads and the one kv head from the parts of its split)"),
+    Family("xglm", "sinusoidal positions with an offset, scaled embeddings, eager attention "
+           "clamped by an elementwise torch.max, heads merged with the batch (which one "
+           "sample's capture cannot show: tp refused as two samples' shows it)",
+           refuses=(("tp", "multiplies values whose sharded dimension holds different merged"),
+                    ("cp", "no attention to ring"))),
 )
 BY_ARCH = {f.arch: f for f in FAMILIES}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cached_property, lru_cache
+from typing import Callable
 
 import torch
 
 from cost_model.hardware.cluster import Cluster
 from cost_model.ops import fallback as op_fallback
 from cost_model.layers.autocast_saved import AUTOCAST_DTYPES
-from cost_model.layers.layer_cost import LayerCost, LayerProfile, price, profile_layer
+from cost_model.layers.layer_cost import (LayerCost, LayerProfile, check_tensor_parallel, price,
+                                          profile_layer)
 from cost_model.layers.memory import TrainingMemory
 from cost_model.layers.sharding import Sharding
 from cost_model.layers.strategy import Strategy
@@ -104,12 +106,38 @@ class ModelCosts:
         # that prices a MoE block for it (None: as captured, ep = 1).
         self.ep, self.ep_pricing = 1, None
         self.shards_experts = False  # Cluster.shards_experts of the search under way
+        # The model captured at two samples, made on first use (planner.api gives the maker):
+        # the tensor-parallel rewrite is checked on it too, since a capture of one sample cannot
+        # show a view that merges the batch with the heads (size 1 there), which the run's
+        # micro-batches then break.
+        self.capture_wide: Callable[[], Captured] | None = None
+        self._wide: Captured | None = None
         self._ends_priced = lru_cache(maxsize=None)(self._end_costs_uncached)
         self._end_profile = lru_cache(maxsize=None)(self._end_profile_uncached)
         self._vocab_ends = lru_cache(maxsize=None)(self._vocab_ends_uncached)
 
     def _profile_layer(self, layer, tp: int = 1) -> LayerProfile:
-        return profile_layer(self.captured, layer, tp, AUTOCAST_DTYPES.get(self.autocast))
+        profile = profile_layer(self.captured, layer, tp, AUTOCAST_DTYPES.get(self.autocast))
+        wide = self._wide_capture() if tp > 1 else None
+        wide_layer = next((w for w in wide.layers if w.name == layer.name), None) if wide else None
+        if wide_layer is not None:  # raises ShardingError as the run's rewrite would
+            check_tensor_parallel(wide, wide_layer, tp)
+        return profile
+
+    def _wide_capture(self) -> Captured | None:
+        """`capture_wide`'s capture, made once; None where there is none (a preset, one sample)
+        or it fails, as it may for a model whose inputs are not all batched."""
+        if self.capture_wide is not None:
+            maker, self.capture_wide = self.capture_wide, None
+            try:
+                self._wide = maker()
+            except Exception as err:  # noqa: BLE001 - the check is extra: the plan says so
+                self._wide = None
+                self.structure_notes += (
+                    f"the model did not capture at two samples ({type(err).__name__}): its "
+                    f"tensor-parallel rewrite was checked at one, where a view merging the "
+                    f"batch with the heads cannot show",)
+        return self._wide
 
     def block_name(self, i: int) -> str:
         """Block i's layer name: the captured one (a model of several parts names each part's

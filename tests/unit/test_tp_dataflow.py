@@ -274,3 +274,20 @@ def test_queries_fused_with_one_kv_head_are_read_per_rank_from_their_split():
     costs = _costs(_Chain(lambda: FusedMQABlock(sliced=True)))
     assert costs.block_profile(2) is None
     assert "fused with the queries' in a way not split by sized parts" in costs.tp_errors[2]
+
+
+
+def test_a_view_merging_the_batch_with_the_heads_is_refused_from_two_samples():
+    """XGLM's attention merges the heads with the batch by constant sizes: one sample's capture
+    shows bsz x heads as the heads alone and accepts tp; the planner checks the rewrite on two
+    samples' capture too, so tp is refused at plan time rather than by the run's rewrite."""
+    pytest.importorskip("transformers")
+    from planner.api import _model_costs
+    from planner.training.local import HFSpec, build
+    torch.manual_seed(0)
+    model, batch = build(HFSpec("xglm", global_batch=4, seq=SEQ))
+    one = _model_costs(model, tuple(x[:1] for x in batch), None, None)[0]
+    assert one.block_profile(2) is not None  # what one sample shows
+    with pytest.raises(PlanningError, match="merged dimensions"):
+        plan(model, 2, batch, cluster="cpu-gloo", fix={"tp": 2})
+    assert plan(model, 2, batch, cluster="cpu-gloo")[0].tp == 1
