@@ -21,6 +21,8 @@ reads on its placeholders: a rewrite may slice such a value per rank without a g
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import linecache
 import re
 import traceback
@@ -213,8 +215,10 @@ def _hint(err: BaseException) -> str:
 
 
 def _export(model, example_inputs, trace_error) -> fx.GraphModule:
+    # torch.fx prints a failing graph's generated code to stderr; the error below says where
     try:
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        with contextlib.redirect_stderr(io.StringIO()):
+            exported = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as err:  # noqa: BLE001
         raise CaptureError(
             f"cannot capture {type(model).__name__}: torch.fx.symbolic_trace failed "

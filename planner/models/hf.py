@@ -313,11 +313,13 @@ def _text_config(model):
 
 def sequence_length(model: HFCausalLM) -> int:
     config = _text_config(model)
-    length = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings",
-                                                             None)
+    # the encoder's positions where a model has two tables (LED: 16K encoder, 1K decoder)
+    length = next((getattr(config, key) for key in ("n_positions", "max_position_embeddings",
+                                                     "max_encoder_position_embeddings")
+                   if getattr(config, key, None)), None)
     if not length:
-        raise ValueError("the config has neither n_positions nor max_position_embeddings: give "
-                         "the sequence length (--seq)")
+        raise ValueError("the config has none of n_positions, max_position_embeddings and "
+                         "max_encoder_position_embeddings: give the sequence length (--seq)")
     return int(length)
 
 

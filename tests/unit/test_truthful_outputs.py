@@ -324,3 +324,19 @@ def test_megatron_tensor_and_sequence_parallel_of_a_hf_model_is_priced(capsys):
                  "--from-megatron", flags]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM configuration: dp=2 tp=2" in out and "layers tp+sp" in out
+
+
+def test_the_sequence_comes_from_the_config_positions_or_is_asked_for():
+    from types import SimpleNamespace as NS
+
+    from planner.models.hf import sequence_length
+
+    def model(**config):
+        return NS(model=NS(config=NS(**config)))
+    assert sequence_length(model(n_positions=1024, max_position_embeddings=2048)) == 1024
+    assert sequence_length(model(max_position_embeddings=2048)) == 2048
+    # LED's two tables: the encoder's positions
+    assert sequence_length(model(max_encoder_position_embeddings=16384,
+                                 max_decoder_position_embeddings=1024)) == 16384
+    with pytest.raises(ValueError, match=r"give the sequence length \(--seq\)"):
+        sequence_length(model(vocab_size=8))
