@@ -212,7 +212,7 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
 
 def check_tensor_parallel(captured: Captured, layer: Layer, tp: int) -> None:
     """Raises ShardingError where the layer's tensor-parallel rewrite at tp fails on this
-    capture (ModelCosts.wide: the same model at another batch)."""
+    capture (ModelCosts.capture_wide: the same model at another batch)."""
     sub = _extract(captured, layer)
     _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
 

@@ -16,7 +16,8 @@ prices the fixed configurations again.
 
 Cross-validation leaves one source (one CSV file) out at a time: every family is fitted on the
 other sources' rows, and the left-out source's rows are priced with those fits; a family with
-no row left keeps its priors (runtimes.PRIORS). The table of those errors is the model's error
+fewer rows left than MIN_ROWS keeps its priors (runtimes.PRIORS): two constants fitted on one
+or two rows would be set by those rows alone. The table of those errors is the model's error
 on runs it was not fitted to.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cost_model.hardware.runtimes import FAMILY, FITTED, PRIORS, with_fitted
 from planner.bench.published import Result, Row, load_models, price
 
 RANGES = {"compute_share": (0.40, 1.00), "host_op_s": (0.0, 40e-6)}
+MIN_ROWS = len(FITTED) + 1   # a family's terms are fitted on more rows than there are terms
 EVALUATIONS = 30
 
 
@@ -80,13 +82,13 @@ def _eager_host(family: str, runtimes: dict) -> float:
 
 def fit_all(rows: list[Row], specs: dict | None = None,
             progress: Callable[[str], None] | None = None) -> tuple[dict, list[Fit]]:
-    """({runtime name: fitted Runtime}, the fits) over every family that has priced rows;
+    """({runtime name: fitted Runtime}, the fits) over every family with MIN_ROWS priced rows;
     the other families keep their priors."""
     specs = load_models() if specs is None else specs
     runtimes, fits = dict(PRIORS), []
     for family in dict.fromkeys(FAMILY.values()):
         mine = [r for r in rows if FAMILY[r.runtime] == family and _prices(r, specs)]
-        if not mine:
+        if len(mine) < MIN_ROWS:
             continue
         fit = fit_family(family, mine, specs)
         runtimes |= family_runtimes(family, fit.after)
@@ -142,7 +144,7 @@ def _fold(source: str, rows: list[Row], specs: dict, runtimes: dict, fits: list[
                                              _eager_host(family, PRIORS)))
         mine = [r for r in rows if r.source != source and FAMILY[r.runtime] == family
                 and _prices(r, specs)]
-        if mine:   # else the family keeps its priors
+        if len(mine) >= MIN_ROWS:   # else the family keeps its priors
             fit = fit_family(family, mine, specs)
             runtimes |= family_runtimes(family, fit.after)
             kept.append(fit)

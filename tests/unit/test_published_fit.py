@@ -91,9 +91,9 @@ def test_a_source_left_out_is_priced_with_terms_fitted_without_it():
     its error is the gap between the two, not zero."""
     small = dict(model="Small", pp=1, fsdp=8, seq=1024, mbs=8)
     a = [dataclasses.replace(r, source="a.csv") for r in _made_by(
-        (0.6, 8e-6), [_row(gbs=g, **small) for g in (64, 128)])]
+        (0.6, 8e-6), [_row(gbs=g, **small) for g in (64, 128, 256)])]
     b = [dataclasses.replace(r, source="b.csv") for r in _made_by(
-        (0.8, 8e-6), [_row(gbs=g, **small) for g in (128, 256)])]
+        (0.8, 8e-6), [_row(gbs=g, **small) for g in (128, 256, 512)])]
     folds = fit.cross_validate(a + b, SPECS)
     assert [f.source for f in folds] == ["a.csv", "b.csv"]
     assert all(f.fits[0].after[0] == pytest.approx(share, abs=0.03)
@@ -103,13 +103,17 @@ def test_a_source_left_out_is_priced_with_terms_fitted_without_it():
     assert fit.median_error(folds[1].results) > 10
 
 
-def test_a_family_with_no_row_left_keeps_its_priors():
-    rows = [dataclasses.replace(r, source="only.csv", runtime="megatron")
-            for r in _made_by((0.6, 8e-6), [_row(pp=1, fsdp=8)])]
-    (fold,) = fit.cross_validate(rows, SPECS)
-    assert fold.fits == ()
-    again = pub.price(rows[0], TINY, rows[0].cluster, dict(PRIORS))
-    assert fold.results[0].predicted_s == pytest.approx(again.predicted_s)
+def test_a_family_with_fewer_rows_left_than_terms_keeps_its_priors():
+    """None left, or two (fit.MIN_ROWS = 3): two constants are not fitted on them."""
+    made = _made_by((0.6, 8e-6), [_row(pp=1, fsdp=8, gbs=g) for g in (16, 32, 64)])
+    rows = [dataclasses.replace(r, source=source, runtime="megatron")
+            for r, source in zip(made, ("one.csv", "two.csv", "two.csv"))]
+    one, two = fit.cross_validate(rows, SPECS)
+    assert one.fits == () and two.fits == ()
+    for fold in (one, two):
+        row = fold.results[0].row
+        again = pub.price(row, TINY, row.cluster, dict(PRIORS))
+        assert fold.results[0].predicted_s == pytest.approx(again.predicted_s)
 
 
 def test_every_runtime_has_its_fitted_family_terms():
