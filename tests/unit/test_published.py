@@ -343,25 +343,28 @@ def test_package_data_ships_every_published_file():
 
 
 def test_validate_cross_validates_from_the_command_line(tmp_path, capsys):
-    """Two sources of one model under Megatron-LM's runtime: each left out is priced with the
-    family fitted on the other's row, and the report says so per row, per source and overall."""
+    """Two sources under Megatron-LM's runtime, one row and three: the one left out is priced
+    with the family fitted on the other's three rows, the three with the priors (one row is
+    fewer than the fit's MIN_ROWS), and the report says so per row, per source and overall."""
     rows = (pub.FOLDER / "megatron-sp-a100.csv").read_text().splitlines()
     head = [line for line in rows if line.startswith("#") and "runtime:" in line or
             line.startswith("# cluster:")]
     table = [line for line in rows if not line.startswith("#")]
     paths = []
-    for name, row in (("a.csv", table[1]), ("b.csv", table[2])):
+    for name, chosen in (("a.csv", table[1:2]), ("b.csv", table[2:5])):
         paths += ["--csv", str(tmp_path / name)]
-        (tmp_path / name).write_text("# Source: a test\n" + "\n".join(head + [table[0], row]) +
-                                     "\n")
+        (tmp_path / name).write_text("# Source: a test\n" + "\n".join(head + [table[0], *chosen])
+                                     + "\n")
     assert main(["validate", *paths, "--cross-validate"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fit of the megatron family on its 2 priced rows")
-    assert "a: 1 rows" in out and "b: 1 rows" in out and "overall: 2 rows" in out
-    assert "rankings left out: in 1 of 1 groups" in out   # the selective run measured faster
+    assert out.startswith("fit of the megatron family on its 4 priced rows")
+    assert "a: 1 rows" in out and "b: 3 rows" in out and "overall: 4 rows" in out
+    # GPT 22B's two runs and GPT-3's: the selective run of each measured faster
+    assert "rankings left out: in 2 of 2 groups" in out
     assert main(["validate", *paths, "--cross-validate", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [f["source"] for f in data["cross_validation"]] == ["a.csv", "b.csv"]
-    assert data["cross_validation"][0]["fits"][0]["family"] == "megatron"
+    assert [[f["family"] for f in fold["fits"]] for fold in data["cross_validation"]] == \
+        [["megatron"], []]
     assert main(["validate", *paths, "--fit", "--cluster", "a100-80g-dgx"]) == 2
     assert "drop --cluster" in capsys.readouterr().err
