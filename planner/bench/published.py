@@ -110,8 +110,7 @@ class Row:
     @property
     def fused_loss(self) -> bool:
         """The row's kernels name a fused cross-entropy (Cluster.fused_loss)."""
-        text = self.kernels.lower().replace("-", "").replace(" ", "")
-        return "fusedcrossentropy" in text
+        return "fusedcrossentropy" in self.kernels.lower().replace("-", "").replace(" ", "")
 
     @property
     def flushes(self) -> int:

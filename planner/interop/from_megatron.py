@@ -6,7 +6,8 @@ import re
 import shlex
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import ModelFacts, pattern_recompute, with_flags
+from planner.interop.emit import ModelFacts
+from planner.interop.recompute_patterns import pattern_recompute, with_flags
 from planner.interop.readers import Imported, agree, positive, sized
 from planner.interop.configuration import Configuration
 

@@ -7,8 +7,8 @@ import os
 import re
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import (ModelFacts, pattern_recompute, recorded_with_recompute,
-                                  schedule_csv, with_flags)
+from planner.interop.emit import ModelFacts, recorded_with_recompute, schedule_csv
+from planner.interop.recompute_patterns import pattern_recompute, with_flags
 from planner.interop.readers import Imported, sized
 from planner.interop.configuration import Configuration, even_stages
 
