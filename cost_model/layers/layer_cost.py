@@ -194,7 +194,7 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
     replicated_names, sp, sp_error = None, None, None
     if tp > 1:
         base_saved = saved(sub)
-        _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
+        _shard_whole(sub, layer, tp)
         propagate_shapes(sub, inputs)
         # A tensor the rewrite did not shrink is held whole on every rank: sequence parallel is
         # what shards it.
@@ -213,7 +213,11 @@ def profile_layer(captured: Captured, layer: Layer, tp: int = 1,
 def check_tensor_parallel(captured: Captured, layer: Layer, tp: int) -> None:
     """Raises ShardingError where the layer's tensor-parallel rewrite at tp fails on this
     capture (ModelCosts.capture_wide: the same model at another batch)."""
-    sub = _extract(captured, layer)
+    _shard_whole(_extract(captured, layer), layer, tp)
+
+
+def _shard_whole(sub: fx.GraphModule, layer: Layer, tp: int) -> None:
+    """`_shard` of the layer's extracted graph, every node of it the layer's."""
     _shard(sub, layer, {layer.name: [n.name for n in sub.graph.nodes]}, tp)
 
 

@@ -264,10 +264,17 @@ def _torchtitan_split_backward(config: Configuration) -> tuple[Configuration, li
     recomputation (planner.search.meshes); with it, the nearest it prices is W walking again."""
     if config.schedule != "zb-h1" or config.split_backward == "record":
         return config, []
-    if {r for stage in recompute_of(config.stages) for r in stage} == {"none"}:
+    if torchtitan_records(config):
         return replace(config, split_backward="record"), [
             f"{TORCHTITAN_SPLIT}; nearest: split_backward=record"]
     return config, [recorded_with_recompute()]
+
+
+def torchtitan_records(config: Configuration) -> bool:
+    """Whether torchtitan's run of `config` is one fxpar prices as split_backward=record: ZB-H1
+    with no block recomputed."""
+    return config.schedule == "zb-h1" and \
+        {r for stage in recompute_of(config.stages) for r in stage} == {"none"}
 
 
 def recorded_with_recompute() -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import ModelFacts, recorded_with_recompute, schedule_csv
+from planner.interop.emit import (ModelFacts, recorded_with_recompute, schedule_csv,
+                                  torchtitan_records)
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
 from planner.interop.readers import Imported, sized
 from planner.interop.configuration import Configuration, even_stages
@@ -161,15 +163,12 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     base = str(Strategy(tp > 1, tp > 1))
     stages = with_flags(tuple((base,) * n for n in lengths), tp > 1, tp > 1,
                         pattern_recompute(lengths, pattern, pp))
-    split = ""
-    if schedule == "zb-h1":  # torch.distributed.pipelining's I and W: fxpar's record form
-        if pattern == ("uniform", "none"):
-            split = "record"
-        else:
-            notes.append(recorded_with_recompute())
     config = Configuration(dp, tp, pp, cp, mb, schedule, v, stages,
-                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard,
-                           split_backward=split)
+                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard)
+    if torchtitan_records(config):  # torch.distributed.pipelining's I and W: fxpar's record
+        config = replace(config, split_backward="record")
+    elif schedule == "zb-h1":
+        notes.append(recorded_with_recompute())
     return Imported("torchtitan", config, seq, batch, zero1, notes, ignored, recompute)
 
 
