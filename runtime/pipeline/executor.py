@@ -2,9 +2,10 @@
 
 The executor walks its rank's action list once per training step. RECV_* post an irecv and SEND_*
 an isend, both non-blocking, so transfers overlap with compute; a compute action waits only for
-the receive it consumes, and sends are waited for only when the step ends. Receives may be posted
-a little ahead of where the schedule puts them (`recv_ahead`), always in the schedule's order, so
-each rank pair's receive order stays its send order.
+the receive it consumes, and a send is waited on (its tensor let go) once a message from the peer
+proves it arrived (runtime.pipeline.send_release), else when the step ends. Receives may be
+posted a little ahead of where the schedule puts them (`recv_ahead`), always in the schedule's
+order, so each rank pair's receive order stays its send order.
 
 F runs a stage program on one micro-batch, B back-propagates it, and a split backward runs I
 (input gradients, what the previous stage waits for) and later W (weight gradients). Boundary
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from runtime.programs.stage import StageProgram
 from runtime.launch import activity
 from runtime.pipeline.schedule import Action, Kind, Schedule
+from runtime.pipeline.send_release import releases
 from runtime.pipeline.simulator import Event, Timeline
 from runtime.pipeline.split_backward import Deferred, input_backward, recomputes, weight_backward
 
@@ -172,6 +173,7 @@ class StageExecutor:
                                receives if is_recv else None, action.kind.is_compute, doing))
             receives += is_recv
         self._recv_steps = [step for step in steps if step.recv_index is not None]
+        self._released_by = releases(self.schedule, self.pp_rank)
         return steps
 
     # -- one training step ------------------------------------------------------------------
@@ -186,7 +188,7 @@ class StageExecutor:
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._recvs: dict[Action, tuple[list, list[torch.Tensor], int]] = {}
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._sends: deque = deque()
+        self._sends: dict[Action, list] = {}  # posted sends not yet waited on, in order
         self._losses: list[torch.Tensor] = []
         self._posted = 0  # receives posted so far, in schedule order
         self.events = []
@@ -206,9 +208,8 @@ class StageExecutor:
                 on_stage_done(step.finishes_stage)
         activity.now("the end of the schedule (waiting for sends)")
         start = time.perf_counter()
-        while self._sends:
-            work, what = self._sends.popleft()
-            wait_or_explain([work], what)
+        for send in list(self._sends):
+            self._finish_send(send)
         self.waits.append(("sends", start, time.perf_counter()))
         if self._slots or self._recvs:
             raise RuntimeError(f"rank {self.rank}: schedule left work behind: "
@@ -249,28 +250,28 @@ class StageExecutor:
         start = time.perf_counter()
         wait_or_explain(works, lambda: f"rank {self.rank} waiting for {action} from rank {peer}")
         self.waits.append((str(action), start, time.perf_counter()))
+        for send in self._released_by.get(action, ()):
+            if send in self._sends:
+                self._finish_send(send)
         return bufs
 
     def _post_send(self, action: Action, peer: int, tensors, boundary: int, direction: int):
-        if self._sends:
-            self._reap_sends()
-
-        def what() -> str:
-            return f"rank {self.rank} waiting for {action} to rank {peer} to complete"
-
         tag = self._tag(boundary, action.mb, direction, 0)
+        posted = []
+        self._sends[action] = (peer, posted)
         for i, t in enumerate(tensors):
+            t = t.detach().contiguous()
             try:  # not `explained`, as in _post_recv
-                work = dist.isend(t.detach().contiguous(), dst=peer, tag=tag + i)
+                posted.append((dist.isend(t, dst=peer, tag=tag + i), t))
             except Exception as err:  # noqa: BLE001 - see explained
-                raise peer_error(err, what) from err
-            self._sends.append((work, what))
+                raise peer_error(err, f"rank {self.rank} sending {action} to rank {peer}") from err
 
-    def _reap_sends(self) -> None:
-        """Drop finished sends (oldest first) so their buffers can be freed during the step."""
-        while self._sends and self._sends[0][0].is_completed():
-            work, what = self._sends.popleft()
-            wait_or_explain([work], what)  # surfaces a failed send
+    def _finish_send(self, action: Action) -> None:
+        """Wait on a send (runtime.pipeline.send_release says when: it has completed by then)
+        and let go of its tensors; the wait surfaces a failed send."""
+        peer, posted = self._sends.pop(action)
+        wait_or_explain([work for work, _ in posted],
+                        lambda: f"rank {self.rank} waiting for {action} to rank {peer} to complete")
 
     def _recv_forward(self, action: Action, peer: int) -> None:
         specs = self.programs[action.stage].input_specs
