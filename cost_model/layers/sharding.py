@@ -123,17 +123,25 @@ def transient_bytes(unit_params: list[int], wb: int, gb: int, sharding: Sharding
     return grads + weights
 
 
-def peak_buffers(unit_params: list[int], wb: int, gb: int, sharding: Sharding
-                 ) -> tuple[float, float]:
+def peak_buffers(unit_params: list[int], wb: int, gb: int, sharding: Sharding,
+                 top_act: float = 0.0) -> tuple[float, float]:
     """What of `transient_bytes` can add to a rank's activation peak, as (in use, whole). The
     peak comes as the last backward starts, every activation set alive: then level 3 holds the
-    whole weights of the unit in use; a unit's whole gradients (levels 2-3) appear only as its
-    backward ends, after it freed that micro-batch's activations, so the whole transient adds
-    to the peak less one activation set (planner.search.ilp, "Memory")."""
+    whole weights of the unit in use and of the one before it, prefetched; a unit's whole gradients (levels 2-3) appear only as its
+    backward ends, after it freed its share of that micro-batch's activations, so the whole
+    transient adds to the peak less one activation set but for the rest of that set: the layers
+    below, at most the set less its top layer (`top_act`, one micro-batch's activations of the
+    largest layer; planner.search.ilp, "Memory"). Not so when the backward is split (ZB-H1's I
+    and W): W makes a unit's whole gradients while all of that micro-batch's activations still
+    live (they go with its graph once W returns), so the whole transient comes with every set."""
     if sharding.level < 2 or not unit_params:
         return 0.0, 0.0
-    in_use = max(unit_params) * wb if sharding.level == 3 else 0.0
-    return in_use, transient_bytes(unit_params, wb, gb, sharding)
+    largest = sorted(unit_params, reverse=True)
+    in_use = sum(largest[:2]) * wb if sharding.level == 3 else 0.0
+    whole = transient_bytes(unit_params, wb, gb, sharding)
+    if sharding.backward_actions == 2:
+        return whole, whole
+    return in_use, whole + top_act
 
 
 @dataclass(frozen=True)

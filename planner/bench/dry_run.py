@@ -55,7 +55,7 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
         meta, batch_fn = _model_and_batch(spec)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         tracker = MemoryTracker(fake_mode=fake)
-        with fake, AnyScalar(), fake_run(), _device_kernels(plan):
+        with fake, AnyScalar(), fake_run(_backend(plan)), _device_kernels(plan):
             batch = batch_fn()
             with tracker:
                 pm = ParallelModel(meta, plan, [], batch,
@@ -66,6 +66,12 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
     finally:
         dist.all_gather_object = gather
         dist.destroy_process_group()
+
+
+def _backend(plan) -> str:
+    """The backend the plan's ranks run on: NCCL on GPUs, gloo on CPU ranks."""
+    from cost_model.hardware.cluster import get_cluster
+    return "nccl" if get_cluster(plan.cluster).device == "cuda" else "gloo"
 
 
 def _device_kernels(plan):

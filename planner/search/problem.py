@@ -265,7 +265,8 @@ def zero_buffers(costs: ModelCosts, req: Request, c: Candidate, blocks=None
     layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
                                                        tp=c.tp)]
     t = costs.training
-    return peak_buffers(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c))
+    return peak_buffers(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c),
+                        max(cost.act_bytes for cost in blocks))
 
 
 def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:

@@ -99,6 +99,7 @@ def _fake(x: torch.Tensor) -> bool:
 
 
 _FAKE_RUN = [False]
+_DRY_BACKEND = ["nccl"]   # the backend a dry run stands in for
 
 
 def dry_running() -> bool:
@@ -106,15 +107,22 @@ def dry_running() -> bool:
     return _FAKE_RUN[0]
 
 
+def backend(group) -> str:
+    """The backend of `group`'s collectives: torch.distributed's, or in a dry run the one the
+    plan will run on (its fake process group stands in for it)."""
+    return _DRY_BACKEND[0] if _FAKE_RUN[0] else dist.get_backend(group)
+
+
 @contextlib.contextmanager
-def fake_run():
+def fake_run(backend: str = "nccl"):
     """Fake tensors are a dry run's (planner.bench.dry_run): collectives and recomputation
-    run on them as on real ones."""
-    previous, _FAKE_RUN[0] = _FAKE_RUN[0], True
+    run on them as on real ones, as `backend` runs them."""
+    previous = _FAKE_RUN[0], _DRY_BACKEND[0]
+    _FAKE_RUN[0], _DRY_BACKEND[0] = True, backend
     try:
         yield
     finally:
-        _FAKE_RUN[0] = previous
+        _FAKE_RUN[0], _DRY_BACKEND[0] = previous
 
 
 def _active(x: torch.Tensor, name: str) -> bool:

@@ -56,10 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from runtime.comm import collectives
 from runtime.comm.mesh import RankGroups, per_world
 from runtime.data_parallel.grad_views import attach_views, flat_views, move_into_view, release
 from runtime.data_parallel.zero3_graph import (insert_gathers, param_units, regather_recomputed, register,
                                  unit_order)
+from runtime.programs.saved import without_graph
 
 LEVELS = (0, 1, 2, 3)
 # torch 2.13 renames the tensor collectives (*_single) and deprecates the old names; 2.11 has
@@ -273,9 +275,17 @@ class _Bucket:
             if self.grad_full is None:
                 self.shard.grad.add_(flat[self.lo:self.lo + self.shard_len])
             return
-        out = torch.empty(self.shard_len, dtype=flat.dtype, device=flat.device)
         _count("reduce_scatter", self.nbytes, self.n)
-        work = _reduce_scatter(out, flat, group=group, async_op=True)
+        if self.grad_full is None and collectives.backend(group) == "gloo":
+            # gloo's reduce_scatter_tensor all-reduces a clone of its input and copies this
+            # rank's chunk out: one more whole-sized buffer while in flight. The flat copy of
+            # levels 2-3 is this bucket's own, so it is all-reduced in place instead: the same
+            # sums and traffic, without the clone.
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            out = flat[self.lo:self.lo + self.shard_len]
+        else:
+            out = torch.empty(self.shard_len, dtype=flat.dtype, device=flat.device)
+            work = _reduce_scatter(out, flat, group=group, async_op=True)
         self.inflight = (work, out, flat)
 
     def finish_reduce(self) -> None:
@@ -510,7 +520,7 @@ class ShardedDP:
             storage = t.untyped_storage()
             bucket = next((b for b in self.buckets if b.gathered and storage.nbytes()
                            and b.full.untyped_storage() is storage), None)
-            return bucket, t
+            return bucket, without_graph(t)
 
         def unpack(packed):
             bucket, t = packed

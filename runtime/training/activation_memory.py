@@ -18,6 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
+from runtime.programs.saved import without_graph
+
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
@@ -65,7 +67,7 @@ class SavedActivations:
         skip = self._ignored | {t.untyped_storage().data_ptr() for t in ignore}
 
         def pack(t: torch.Tensor):
-            key = _storage_key(t)
+            key, t = _storage_key(t), without_graph(t)
             return t if key[0] in skip or key[1] == 0 else _Saved(self, t, key, stage)
 
         def unpack(packed):
