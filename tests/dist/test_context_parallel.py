@@ -26,6 +26,7 @@ from runtime.comm import instrument
 from runtime.programs.token_split import shard_sequence
 from runtime.comm.mesh import Mesh, mesh_groups
 from runtime.context.ring_attention import ring_attention
+from tests.harness.positions import PositionSpec
 
 STEPS = 3
 _SUBGROUPS: dict[tuple[int, int], list] = {}
@@ -137,6 +138,20 @@ def test_written_out_attention_under_context_parallel(pool8):
     chosen = plan(config, 8, cluster="cpu-gloo",
                   fix={"dp": 2, "tp": 1, "pp": 1, "cp": 4, "mb": 4})[0]
     assert_same_run(run_parallel(config, chosen, STEPS, pool8), reference_run(config, STEPS))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("form", ["arange(0, t)", "pos[:t]"])
+def test_positions_sized_by_the_input_train_as_in_one_process(pool2, form):
+    """nanoGPT's wpe(arange(0, t)) and a learned table sliced [:t], t = tokens.shape[1] (a graph
+    value, at run time each rank's t/cp): under cp=2 each rank reads its tokens' global
+    positions, and training equals one process."""
+    spec = PositionSpec(form)
+    model, batch = spec.build()
+    assert capture(model, batch).method == "symbolic_trace"   # t stays a graph value
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 1, "pp": 1, "cp": 2})[0]
+    assert_same_run(run_parallel(spec, chosen, STEPS, pool2), reference_run(spec, STEPS))
 
 
 def _ring_traffic(model: str, tp: int, cp: int, mb: int, strategy: str):

@@ -15,6 +15,8 @@ from planner.models.presets import build_model, example_batch, get_config
 from runtime.programs.token_split import (chunk_ids, global_positions, shard_batch, shard_sequence,
                              unshard_sequence)
 from runtime.context.ring_attention import Spec, backward_blocks, forward_blocks, ring_attention
+from tests.harness.positions import (FORMS, SEQ, UNPROVABLE, VOCAB, WIDTH, PositionEmbed,
+                                     PositionLM)
 
 # ---------------------------------------------------------------- the split
 
@@ -270,6 +272,45 @@ def test_labels_shifted_inside_the_graph_are_refused():
     with pytest.raises(PlanningError, match="shifts the sequence.*; nearest legal cp: 1"):
         plan(_ShiftedLM(), 4, batch, cluster="cpu-gloo", fix={"cp": 2})
     assert plan(_ShiftedLM(), 4, batch, cluster="cpu-gloo")[0].cp == 1
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_positions_sized_by_the_input_read_this_ranks_global_positions(form):
+    """An arange or a table's first rows sized by the input's length t (a graph value, at run
+    time the rank's t/cp) reads the global positions of the rank's tokens, as one process does:
+    at cp=4 rank 1 holds positions 1 and 6 of 8."""
+    torch.manual_seed(0)
+    model = PositionEmbed(form)
+    batch = (torch.randint(0, VOCAB, (2, SEQ)), torch.randn(2, SEQ, WIDTH))
+    captured = capture(model, batch)
+    assert captured.method == ("export" if "exported" in form else "symbolic_trace")
+    gm = context_parallel(captured.gm, {}, cp=4, rank=1)
+    mine = [shard_sequence(x, 4, 1) for x in batch]
+    want = (shard_sequence(model.embed(batch[0]), 4, 1) * mine[1]).sum()
+    torch.testing.assert_close(gm(*mine), want)
+
+
+@pytest.mark.parametrize("form", list(UNPROVABLE))
+def test_positions_from_the_length_in_another_form_are_refused(form):
+    """Computed from t but not provably the rank's positions (an offset, t read off a dim that
+    batch = seq makes ambiguous): refused, not left to count from each rank's own t/cp."""
+    batch = (torch.randint(0, VOCAB, (SEQ, SEQ)), torch.randn(SEQ, SEQ, WIDTH))
+    gm = capture(PositionEmbed(form), batch).gm
+    with pytest.raises(ContextParallelError, match="computed from the sequence length t but is "
+                                                   "not a form context parallel rewrites"):
+        context_parallel(gm, {}, cp=2, rank=0)
+
+
+def test_positions_from_the_length_in_another_form_are_refused_at_plan_time():
+    from planner.api import plan
+    from planner.search.costs import PlanningError
+
+    model = PositionLM("pos[1:t + 1]")
+    batch = (torch.randint(0, VOCAB, (4, SEQ)), torch.randint(0, VOCAB, (4, SEQ)))
+    assert capture(model, batch).method == "symbolic_trace"   # t stays a graph value
+    with pytest.raises(PlanningError, match=r"getitem_\d+ = pos\[1:add\] is computed from the "
+                                            r"sequence length"):
+        plan(model, 2, batch, cluster="cpu-gloo", fix={"cp": 2})
 
 
 def test_blocks_a_boolean_mask_hides_do_no_work(monkeypatch):
