@@ -55,9 +55,9 @@ def check_table(plan: Plan, dry: dict) -> str:
                      f"{total / scale:.3g} / {run.peak_bytes / scale:.3g}",
                      f"{run.peak_bytes / total:.3f}" if total else "-"])
         if total and abs(run.peak_bytes / total - 1) > DISAGREE:
-            notes.append(f"rank {rank}: its programs peak at {run.peak_bytes / GiB:.3g} GiB, "
-                         f"the plan predicts {total / GiB:.3g} GiB "
-                         f"({run.peak_bytes / total - 1:+.0%}): the dry run is what these "
+            notes.append(f"rank {rank}: its programs peak at {run.peak_bytes / scale:.3g} "
+                         f"{unit}, the plan predicts {total / scale:.3g} {unit} "
+                         f"({run.peak_bytes / total - 1:+.1%}): the dry run is what these "
                          f"programs allocate")
     table = tabulate(rows, headers=["rank", *MEMORY_PARTS, "total", "dry/pred"],
                      disable_numparse=True)
@@ -74,16 +74,24 @@ def check_table(plan: Plan, dry: dict) -> str:
 
 def over_limit(plan: Plan, dry: dict) -> str:
     """A line when a dry-run peak, with what the device holds beyond live tensors, passes the
-    plan's memory limit (whatever the prediction said), and the limit that would leave room."""
+    plan's memory limit (whatever the prediction said), and what to do: plan with the limit
+    less the prediction's shortfall on that rank, where that leaves a usable limit."""
     device = plan.predicted.device_bytes
-    worst = max(dry.items(), key=lambda item: item[1].peak_bytes)
-    rank, run = worst
+    rank, run = max(dry.items(), key=lambda item: item[1].peak_bytes)
     needed = run.peak_bytes + device
     if needed <= plan.memory_limit_bytes:
         return ""
     over = needed - plan.memory_limit_bytes
-    return (f"rank {rank}: its programs peak at {run.peak_bytes / GiB:.3g} GiB of live tensors, "
-            f"{needed / GiB:.4g} GiB with the device's own {device / GiB:.3g} GiB, over the "
-            f"{plan.memory_limit_bytes / GiB:.4g} GiB limit by {over / GiB:.3g} GiB: this plan "
-            f"would not fit; plan with --memory-limit {gib(plan.memory_limit_bytes - over)} (the "
-            f"limit less that) for one that does")
+    per_stage = plan.gpus // plan.pp
+    short = run.peak_bytes - sum(plan.predicted.rank_memory[rank // per_stage])
+    line = (f"rank {rank}: its programs peak at {run.peak_bytes / GiB:.3g} GiB of live "
+            f"tensors, {needed / GiB:.4g} GiB with the device's own {device / GiB:.3g} GiB, "
+            f"over the {plan.memory_limit_bytes / GiB:.4g} GiB limit by {over / GiB:.3g} GiB: "
+            f"this plan would not fit; ")
+    limit = plan.memory_limit_bytes - short
+    if short > 0 and limit >= plan.memory_limit_bytes / 2:
+        return line + (f"plan with --memory-limit {gib(limit)} (the limit less the "
+                       f"{short / GiB:.3g} GiB the prediction misses here) for one that does")
+    return line + ("choose another layout (--fix) and check it again: the prediction misses "
+                   f"this one by {max(short, 0) / GiB:.3g} GiB, too much for a lower limit to "
+                   "make up")

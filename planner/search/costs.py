@@ -414,9 +414,10 @@ class ModelCosts:
         return float(max(carried))
 
     def param_count(self) -> int:
-        """Every parameter of the model, unsharded (each block kind times its count)."""
+        """Every parameter of the model, unsharded (each block kind times its count), a weight
+        the embedding and the head share counted once (as model.parameters() does)."""
         blocks = sum(self._kind_profiles[k, 1].params * n for k, n in self.runs)
-        return int(blocks + sum(p.params for p in self.ends.values()))
+        return int(blocks + sum(p.params for p in self.ends.values()) - self.tied_end_params)
 
     def flops_per_sample(self) -> float:
         """Model FLOPs (forward + backward, no recompute) of one sample."""

@@ -121,7 +121,12 @@ def test_plan_check_says_when_the_dry_run_passes_the_memory_limit():
     over = {0: within[0], 1: RankMemory(1, int(max(totals) * 1.05), parts)}
     line = check_table(tight, over).splitlines()[-1]
     assert line.startswith("rank 1: its programs peak at") and "would not fit" in line
-    assert f"--memory-limit {gib(max(totals) * 0.97)} (the limit less that)" in line
+    short = int(max(totals) * 1.05) - totals[1]    # what the prediction misses on rank 1
+    assert f"--memory-limit {gib(tight.memory_limit_bytes - short)} (the limit less the" in line
+    # A shortfall no usable limit makes up: another layout is the advice, not a tiny limit.
+    far = {0: within[0], 1: RankMemory(1, int(max(totals) * 3), parts)}
+    line = check_table(tight, far).splitlines()[-1]
+    assert "--memory-limit" not in line and "choose another layout (--fix)" in line
 
 
 def test_a_fused_loss_holds_the_logits_gradient_alone():
