@@ -67,11 +67,17 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number (0, 1, 2, ...), got {text!r}")
+    return int(text)
+
+
 def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", default=None if not required else "gpt-tiny",
-                   help="preset: gpt-tiny, gpt2-small, gpt2-xl, gpt3-175b, llama-tiny, "
-                        "llama2-7b, llama2-70b, mixtral-tiny, mixtral-8x7b, deepseek-tiny, "
-                        "deepseek-v3; diffusion transformers dit-tiny, dit-tiny-cross, dit-xl-2")
+    p.add_argument("--model", default=None,
+                   help="preset (fxpar run and bench: default gpt-tiny): gpt-tiny, gpt2-small, "
+                        "gpt2-xl, gpt3-175b, llama-tiny, llama2-7b, llama2-70b, mixtral-tiny, "
+                        "mixtral-8x7b, deepseek-tiny, deepseek-v3; diffusion transformers dit-tiny, dit-tiny-cross, dit-xl-2")
     p.add_argument("--gpus", type=_positive_int, required=required, help="number of devices")
     p.add_argument("--cluster", default=None,
                    help="cluster preset (cpu-gloo, a100-80g-dgx, h100-sxm-dgx, h200-sxm-dgx) "
@@ -117,7 +123,28 @@ def _config(args):
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
     sizes["seq"] = args.seq
     sizes["global_batch"] = args.global_batch
-    return get_config(args.model, **sizes)
+    return get_config(args.model or "gpt-tiny", **sizes)
+
+
+# the flags that choose and size the model and the request: what --diff and --plan leave out
+MODEL_FLAGS = ("--model", "--hf", "--hf-config", "--gpus", "--cluster", "--runtime", "--autocast",
+               "--global-batch", "--seq", "--memory-limit", "--fix", "--zero1", "--moe-imbalance",
+               "--parts", "--layers", "--hidden", "--heads", "--kv-heads", "--vocab")
+
+
+def _given(args, flags) -> list[str]:
+    """Those of `flags` the command line set: argparse leaves the others None, False or {}."""
+    values = {f: getattr(args, f[2:].replace("-", "_")) for f in flags}
+    return [f for f, v in values.items() if v is not None and v is not False and v != {}]
+
+
+def _refuse(args, flags, mode: str, advice: str) -> None:
+    """A flag that `mode` would ignore is an error naming it and, in `advice` (where {flags}
+    stands for the flags given), what to do instead."""
+    given = ", ".join(_given(args, flags))
+    if given:
+        raise ValueError(f"{given} {'do' if ',' in given else 'does'} not apply to {mode}: "
+                         + advice.format(flags=given))
 
 
 def _hf_model(args):
@@ -126,6 +153,10 @@ def _hf_model(args):
 
     from planner.models.hf import build_hf, build_hf_from_file, example_inputs, sequence_length
     from planner.models.hf_moe import has_experts, use_routed_experts
+    models = _given(args, ("--model", "--hf", "--hf-config"))
+    if len(models) > 1:
+        raise ValueError(f"{' and '.join(models)} each name the model: give one of --model "
+                         f"PRESET, --hf ARCH or --hf-config FILE.json")
     sizes = {name: getattr(args, flag) for flag, name in _HF_SIZES.items()
              if getattr(args, flag) is not None}
     if sizes and args.hf_config:
@@ -207,12 +238,15 @@ def _load_plan(path: str):
 def cmd_plan(args) -> int:
     from planner.report.explain import diff, explain
     if args.diff:
+        _refuse(args, MODEL_FLAGS + PLAN_OUTPUTS, "--diff",
+                "it compares the two saved plans as they are; drop {flags}")
         a, b = (_load_plan(p) for p in args.diff)
         print(diff(a, b, tuple(args.diff)))
         return 0
     if args.gpus is None or not (args.model or args.hf or args.hf_config):
         raise ValueError("fxpar plan needs --gpus and a model: --model PRESET, --hf ARCH or "
                          "--hf-config FILE.json (or --diff A.json B.json)")
+    _check_plan_outputs(args)
     if args.emit or args.from_megatron is not None or args.from_torchtitan:
         if args.autocast:
             raise ValueError("--autocast prices fxpar's runtime under torch.autocast; --emit and "
@@ -223,13 +257,14 @@ def cmd_plan(args) -> int:
     start = time.perf_counter()
     plans = _plans(args, top_k=args.top_k if args.explain else 1)
     best = plans[0]
-    if args.json:
-        print(best.dumps())  # the same bytes for the same request, but for the last key, timing
-        return 0
-    print(best)
-    if args.png:
+    # --json: the same bytes for the same request, but for the last key, timing
+    print(best.dumps() if args.json else best)
+    if args.png:  # beside --json, its line goes to stderr: stdout stays JSON
         from planner.report.pictures import plot_plan
-        print(f"plan picture written to {plot_plan(best, args.png)}")
+        print(f"plan picture written to {plot_plan(best, args.png)}",
+              file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        return 0
     if args.explain:
         print()
         print(explain(plans))
@@ -237,6 +272,35 @@ def cmd_plan(args) -> int:
     if args.check or args.check_every_rank:
         _check(args, best)
     return 0
+
+
+PLAN_OUTPUTS = ("--json", "--explain", "--top-k", "--png", "--check", "--check-every-rank",
+                "--emit", "--emit-csv", "--from-megatron", "--from-torchtitan")
+TOP_K = 5  # fxpar plan --explain's alternatives without --top-k
+
+
+def _check_plan_outputs(args) -> None:
+    """Refuse fxpar plan's flags that the others given leave nothing to do (--json and --png
+    with --emit and --from-*: planner.interop.price_imported)."""
+    if args.emit_csv and args.emit != "torchtitan":
+        raise ValueError("--emit-csv names the schedule CSV that --emit torchtitan writes"
+                         + ("; --emit megatron writes none: drop --emit-csv" if args.emit else
+                            ": add --emit torchtitan or drop --emit-csv"))
+    if args.top_k and not args.explain:
+        raise ValueError("--top-k sets how many alternatives --explain prints: add --explain or "
+                         "drop --top-k")
+    args.top_k = args.top_k or TOP_K
+    if args.json:
+        _refuse(args, ("--explain", "--check", "--check-every-rank"), "--json",
+                "it prints the plan alone, as JSON; run {flags} without --json")
+    for mode in _given(args, ("--emit", "--from-megatron", "--from-torchtitan"))[:1]:
+        _refuse(args, ("--check", "--check-every-rank"), mode,
+                "it dry-runs fxpar's own plan; run {flags} without " + mode)
+        _refuse(args, ("--moe-imbalance",), mode,
+                mode + " prices configurations without expert parallelism; drop {flags}")
+        if args.emit:
+            _refuse(args, ("--explain",), mode, "--emit prints one configuration; --explain "
+                    "goes with fxpar's plan or --from-*")
 
 
 def _check(args, best) -> None:
@@ -260,6 +324,8 @@ def cmd_simulate(args) -> int:
     from planner.report.pictures import predicted_timeline, write_timeline
     from planner.search.plan import plural
     if args.plan:
+        _refuse(args, MODEL_FLAGS, "--plan", "it simulates the saved plan as it is; drop {flags}, "
+                "or drop --plan to plan anew")
         chosen = _load_plan(args.plan)
     elif args.gpus and (args.model or args.hf or args.hf_config):
         chosen = _plans(args, top_k=1)[0]
@@ -284,7 +350,17 @@ def _preset_only(args, command: str) -> None:
 
 def cmd_run(args) -> int:
     from planner.training.local import compare_with_reference
+    if args.torchrun and (args.checkpoint or args.save_every or args.resume):
+        raise ValueError("--checkpoint, --save-every and --resume train on local gloo ranks; "
+                         "under torchrun call pm.save(DIR) / pm.load(DIR) in the training script")
+    if args.checkpoint and not (args.save_every or args.resume):
+        raise ValueError("--checkpoint DIR alone neither saves nor resumes: add --save-every N "
+                         "(save into DIR) and/or --resume (continue from DIR's latest)")
     if args.weights:  # a Hugging Face checkpoint directory, read per shard
+        _refuse(args, ("--model", "--runtime", "--autocast", "--zero1", "--moe-imbalance",
+                       "--parts"), "--weights", "the model is DIR/config.json's, trained with "
+                "fxpar's runtime and planned from --gpus, --cluster, --fix (zero=1 for ZeRO-1), "
+                "--memory-limit and --global-batch; drop {flags}")
         from planner.training.pretrained import cmd_run_weights
         return cmd_run_weights(args)
     _preset_only(args, "run")
@@ -292,9 +368,6 @@ def cmd_run(args) -> int:
     best = _plans(args)[0]
     print(best)
     print()
-    if args.torchrun and (args.checkpoint or args.save_every or args.resume):
-        raise ValueError("--checkpoint, --save-every and --resume train on local gloo ranks; "
-                         "under torchrun call pm.save(DIR) / pm.load(DIR) in the training script")
     if args.torchrun:
         from planner.bench.plans import torchrun_command
         print(torchrun_command(best, _config(args), args.steps, args.torchrun))
@@ -325,21 +398,27 @@ def cmd_bench(args) -> int:
     from planner.bench.plans import bench, plot, report
     _preset_only(args, "bench")
     _own_runtime(args, "bench")
+    if args.memory:
+        _refuse(args, ("--warmup", "--rounds", "--png", "--explain"), "--memory",
+                "it measures each plan's peak memory over --steps steps, not its time; drop "
+                "{flags}")
     plans = _plans(args, top_k=args.top_k)
     if args.memory:
         return _bench_memory(args, plans)
+    warmup, rounds = 2 if args.warmup is None else args.warmup, args.rounds or 1
+    png = args.png or "fxpar-bench.png"
     print(f"benchmarking the top {len(plans)} plans for {plans[0].model} on {args.gpus} "
           f"{'GPUs' if plans[0].cluster != 'cpu-gloo' else 'gloo CPU ranks'}, {args.steps} steps "
-          f"each after {args.warmup} warm-up steps"
-          + (f", the plans in turn {args.rounds} times" if args.rounds > 1 else ""))
-    results = bench(plans, _config(args), args.steps, args.warmup, args.rounds)
+          f"each after {warmup} warm-up steps"
+          + (f", the plans in turn {rounds} times" if rounds > 1 else ""))
+    results = bench(plans, _config(args), args.steps, warmup, rounds)
     print(report(plans, results))
-    print(f"plot written to {plot(plans, results, args.png)}")
+    print(f"plot written to {plot(plans, results, png)}")
     if args.explain:
         from cost_model.hardware.cluster import get_cluster
         from planner.bench.explain import explain_table, write_traces
         cluster = get_cluster(args.cluster)
-        stem = os.path.splitext(args.png)[0]
+        stem = os.path.splitext(png)[0]
         for i, (p, m) in enumerate(zip(plans, results)):
             print(f"\nplan {i + 1}: dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''}"
                   f" {p.schedule} x{p.num_microbatches} micro-batches")
@@ -412,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true",
                    help="also print the top alternatives, the binding constraint and what the "
                         "next best gives up")
-    p.add_argument("--top-k", type=_positive_int, default=5, help="alternatives for --explain")
+    p.add_argument("--top-k", type=_positive_int, default=None,
+                   help=f"alternatives for --explain (default {TOP_K})")
     p.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
                    help="compare two plans written by --json")
     p.add_argument("--png", metavar="FILE", help="also draw the plan (stages x layers, memory)")
@@ -459,11 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(b)
     b.add_argument("--top-k", type=_positive_int, default=3)
     b.add_argument("--steps", type=_positive_int, default=10)
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--rounds", type=_positive_int, default=1, help="run the plans in turn this "
-                   "many times and report each one's median: on a shared host whose speed "
-                   "drifts, every plan then sees the same spells")
-    b.add_argument("--png", default="fxpar-bench.png", help="where to write the plot")
+    b.add_argument("--warmup", type=_count, default=None, help="warm-up steps (default 2)")
+    b.add_argument("--rounds", type=_positive_int, default=None, help="run the plans in turn "
+                   "this many times and report each one's median (default 1): on a shared host "
+                   "whose speed drifts, every plan then sees the same spells")
+    b.add_argument("--png", default=None, help="where to write the plot (default "
+                   "fxpar-bench.png)")
     b.add_argument("--memory", action="store_true", help="instead of timing: each plan's "
                    "peak live tensor memory per rank, measured (parameters, gradients, "
                    "optimizer states, activations, other) beside the prediction")

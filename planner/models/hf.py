@@ -180,6 +180,10 @@ def extra_batch(names, shape: tuple[int, int], gen: torch.Generator) -> tuple[to
     return tuple(made)
 
 
+SUPPORTED_KINDS = ("fxpar plans decoder-only causal LMs (gpt2, llama, ...), encoder-decoder "
+                   "models (t5, bart, ...) and vision-language models (llava, qwen2_vl, ...)")
+
+
 def build_hf_from_file(path: str) -> HFCausalLM:
     """A model from a config.json (its "model_type" picks the architecture). Whatever is wrong
     with the file is a ValueError of one short line."""
@@ -219,10 +223,12 @@ def build_hf_from_file(path: str) -> HFCausalLM:
     from planner.models import hf_seq2seq
     if hf_seq2seq.is_seq2seq(config):  # before the causal LM: BART has a decoder-only one too
         return _built(path, hf_seq2seq.from_config, config)
+    if type(config) in tf.MODEL_FOR_MASKED_LM_MAPPING:  # BERT's causal LM head is another model
+        raise ValueError(f"{path}: model_type {model_type!r} is an encoder-only masked language "
+                         f"model, which fxpar does not plan; {SUPPORTED_KINDS}")
     if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"{path}: model_type {model_type!r} has no causal language model in "
-                         f"transformers (AutoModelForCausalLM); fxpar plans models that take "
-                         f"tokens and return the loss")
+                         f"transformers (AutoModelForCausalLM); {SUPPORTED_KINDS}")
     return _built(path, from_config, config)
 
 

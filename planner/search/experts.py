@@ -156,6 +156,10 @@ def search_experts(costs, req, search, imbalance: float | None = None) -> list:
     if sizes == [1] and imbalance is None:
         return search(costs, dataclasses.replace(req, fix=_without_ep(req.fix)))
     by_kind = moe_facts(costs)
+    if not by_kind:
+        raise ValueError(f"moe_imbalance (--moe-imbalance) {imbalance:g} states how unevenly a "
+                         f"mixture of experts routes; the model has no mixture-of-experts layer: "
+                         f"leave it out")
     plain = dataclasses.replace(req, fix=_without_ep(req.fix))
     # One pricing per size, kept: ModelCosts caches prices per pricing, and the candidates
     # that bound a size are the ones its search goes through.

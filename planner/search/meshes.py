@@ -184,6 +184,9 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
     if tp > 1 and not any(s.tp for s in strategies(req, tp)):
         return Refusal(6, f"strategy={req.fix['strategy']} leaves tp={tp} unused (a tp > 1 mesh "
                           f"needs some block to use tensor parallelism)", ("tp", "strategy"))
+    if dp % req.fix.get("dp_shard", 1):  # planner.search.zero: shard groups split dp
+        return Refusal(6, f"dp_shard={req.fix['dp_shard']} does not divide dp={dp}",
+                       ("dp_shard",))
     return None
 
 

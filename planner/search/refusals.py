@@ -24,6 +24,12 @@ def refusal(costs: ModelCosts, req: Request) -> Refusal | None:
         verb = "is not" if len(fixed) == 4 else "does not divide"
         return Refusal(0, f"{what} {verb} the {req.gpus} GPUs",
                        tuple(k for k, _ in reversed(fixed)))
+    shard = fix.get("dp_shard")
+    if shard and all(m[0] % shard for m in factorisations(req.gpus) if fixed_mesh(req, *m)):
+        within = f" with {', '.join(f'{k}={v}' for k, v in fixed)}" if fixed else ""
+        return Refusal(6, f"dp_shard={shard} must divide dp (a shard group is dp_shard of the "
+                          f"dp ranks), and no dp × tp × pp × cp mesh of the {req.gpus} "
+                          f"GPUs{within} has a dp it divides", ("dp_shard",))
     deepest = None
     for mesh in factorisations(req.gpus):
         if not fixed_mesh(req, *mesh):
@@ -68,6 +74,8 @@ def legal_values(costs: ModelCosts, req: Request, key: str) -> list:
         loose.pop("v", None)
     attribute = {"mb": "micro_batch"}.get(key, key)
     free = replace(req, fix=loose)
+    if key == "dp_shard":  # any divisor of a dp that plans (unfixed, the search tries few)
+        return sorted({d for c in configurations(costs, free) for d in divisors(c.dp)})
     return sorted({getattr(c, attribute) for c in configurations(costs, free)})
 
 
