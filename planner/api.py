@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import inspect
 import warnings
 from typing import Callable
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from cost_model.hardware.cluster import Cluster, get_cluster
 from cost_model.layers.memory import TrainingMemory
+from cost_model.layers.strategy import Strategy
 from passes.capture.trace import capture
 from passes.stages.program import rank_programs
 from planner.search.experts import search_experts
@@ -84,6 +86,10 @@ def plan(model: str | ModelConfig | torch.nn.Module, gpus: int, example_inputs=N
         if fix.setdefault("cp", 1) != 1:
             raise ValueError(f"cp={fix['cp']} splits a sequence; sequence_dim=None says the "
                              f"inputs have none")
+        if not is_preset(model) and Strategy.parse(fix.get("strategy", "none")).sp:
+            raise ValueError(f"strategy={fix['strategy']} splits a sequence (sp: sequence "
+                             f"parallelism); sequence_dim=None says the inputs have none: "
+                             f"fix strategy='tp' instead")
     asked_seq = seq
     costs, name, batch, seq = _model_costs(model, example_inputs, global_batch, seq, zero1,
                                            fp32=hw.runtime_priced or hw.device == "cpu" or
@@ -197,6 +203,7 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     if example_inputs is None:
         raise ValueError("a model given as an nn.Module needs example_inputs=(...) with the "
                          "global batch on dim 0")
+    check_example_inputs(model, example_inputs)
     captured = _capture(model, capture_inputs(model, tuple(x[:1] for x in example_inputs)))
     batch = global_batch or example_inputs[0].shape[0]
     seq = example_inputs[0].shape[1] if example_inputs[0].dim() > 1 and sequences else 1
@@ -212,6 +219,36 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     if callable(own_notes):
         costs.structure_notes += tuple(own_notes(example_inputs))
     return costs, getattr(model, "fxpar_name", type(model).__name__), batch, seq
+
+
+def check_example_inputs(model: torch.nn.Module, example_inputs) -> None:
+    """Every example input must be a tensor with the batch on dim 0: fxpar cuts each one into
+    micro-batches (and the batch train_step is given the same way). A constant argument - a flag,
+    a label smoothing - is refused, named, rather than failing inside the cut."""
+    if not isinstance(example_inputs, (tuple, list)):
+        raise ValueError(f"example_inputs must be a tuple of the tensors forward takes, got "
+                         f"{type(example_inputs).__name__}: pass (x,) for a single input")
+    names = _forward_names(model)
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            continue
+        name = f" ({names[i]})" if i < len(names) else ""
+        what = ("a 0-dim tensor" if isinstance(x, torch.Tensor) else "None" if x is None
+                else f"a {type(x).__name__} ({repr(x)[:40]})")
+        attribute = f"self.{names[i]}" if i < len(names) else "an attribute"
+        raise ValueError(f"example_inputs[{i}]{name} is {what}, not a tensor with the batch on "
+                         f"dim 0: fxpar cuts every input into micro-batches; bind a constant in "
+                         f"the model instead - leave it to forward's default, or set it as a "
+                         f"module attribute forward reads ({attribute}) - and pass tensors only")
+
+
+def _forward_names(model: torch.nn.Module) -> list[str]:
+    """The names of forward's positional parameters, for messages ([] where unknown)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _autocast(autocast: str | None, weights: torch.dtype) -> str:
@@ -322,6 +359,7 @@ def build_trainer(model, plan: Plan, example_inputs, optimizer: Callable,
         raise RuntimeError(f"the plan is for {plan.gpus} GPUs but the world size is {world}; "
                            f"launch with --nproc-per-node {plan.gpus} or plan for {world} GPUs")
     groups = mesh_groups(Mesh(plan.pp, plan.dp, plan.tp, plan.cp))
+    check_example_inputs(model, example_inputs)
     given = example_inputs   # what train_step will be given: floats are cast at each step
     if options is not None and options.precision == "bf16-main":
         model, example_inputs = in_compute_dtype(model, example_inputs)

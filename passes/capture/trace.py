@@ -22,6 +22,7 @@ reads on its placeholders: a rewrite may slice such a value per rank without a g
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import linecache
 import re
@@ -33,6 +34,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from passes.capture import unsupported
 
 CONSTANT = "fxpar_constant"
 
@@ -84,14 +87,20 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     parts = parts or getattr(model, "fxpar_parts", None)
     lists = _named_lists(model, tuple(parts)) if parts else _block_lists(model)
     fused = next((m for m in model.modules() if isinstance(m, _FUSED_MODULES)), None)
+    _refuse(unsupported.batch_statistics(model))
+    written: list = []
     try:
         if fused is not None:  # symbolic_trace keeps them whole (leaves no rule prices)
             raise CaptureError(f"{type(fused).__name__} is traced into its ops by torch.export")
-        gm, method = fx.symbolic_trace(model), "symbolic_trace"
+        with unsupported.untouched(model) as written:  # what the trace wrote into the model
+            gm, method = _symbolic_trace(model, len(example_inputs)), "symbolic_trace"
     except Exception as trace_error:  # noqa: BLE001 - fall back to export, report both if it fails
-        gm, method = _export(model, example_inputs, trace_error), "export"
+        gm, method, written = _export(model, example_inputs, trace_error), "export", []
+    _refuse(unsupported.state_updates(gm, model, written))
+    _refuse(unsupported.functional_batch_norm(gm, model))
     propagate_shapes(gm, example_inputs)
     check_loss(gm, model)
+    _refuse(unsupported.non_tensor_output(gm, model))
     mark_constants(gm)
     parts = _parts(gm, lists)
     layers = _group_layers(gm, parts)
@@ -101,6 +110,52 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
     return Captured(gm, layers, _layer_graph(gm, layers), inputs, method, batch, seq,
                     tied_parameters(model), parts)
+
+
+def _symbolic_trace(model: torch.nn.Module, given: int) -> fx.GraphModule:
+    """fx.symbolic_trace with forward's parameters past the `given` inputs at their defaults
+    (`causal: bool = True`), as calling forward without them runs: traced as constants, with
+    their placeholders (and the checks fx adds that a caller passes the same value) removed, so
+    that the graph's inputs are the batch's."""
+    defaults = _defaults_after(model, given)
+    gm = fx.symbolic_trace(model, concrete_args=defaults or None)
+    gm.meta[unsupported.CONCRETE_ARGS] = defaults or None  # to trace it again alike
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"][given:]:
+        if node.args:  # a default, now a constant: nothing reads this input but fx's check
+            _erase_with_users(gm.graph, node)
+    gm.recompile()
+    return gm
+
+
+def _defaults_after(model: torch.nn.Module, given: int) -> dict:
+    """forward's positional parameters after the first `given`, with their plain defaults."""
+    try:
+        params = list(inspect.signature(type(model).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    plain = (bool, int, float, str, type(None))
+    return {p.name: p.default for p in params[given:]
+            if p.kind == p.POSITIONAL_OR_KEYWORD and isinstance(p.default, plain)}
+
+
+def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase `node` and every node computed from it, unless the output is among them."""
+    doomed = {node}
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in doomed:
+                doomed.add(user)
+                stack.append(user)
+    if any(n.op == "output" for n in doomed):
+        return
+    for n in reversed([n for n in graph.nodes if n in doomed]):
+        graph.erase_node(n)
+
+
+def _refuse(why: str | None) -> None:
+    if why:
+        raise CaptureError(why)
 
 
 def mark_constants(gm: fx.GraphModule) -> None:
@@ -166,6 +221,10 @@ class _TrackingProp(FakeTensorProp):
     """FakeTensorProp that remembers the node it is running, to name it when one fails."""
     current: fx.Node | None = None
 
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
+        super().__init__(gm, mode)
+        self.extra_traceback = False  # else torch appends the node, a traceback, tlparse's URL
+
     def run_node(self, n: fx.Node):
         self.current = n
         return super().run_node(n)
@@ -207,6 +266,13 @@ def _hint(err: BaseException) -> str:
                 "nonzero, boolean-mask indexing, torch.unique); fxpar captures on fake tensors, "
                 "so compute such sizes from the config or the inputs' shapes (e.g. a fixed "
                 "capacity per expert, a mask multiplied in instead of indexed with)")
+    if "more than 1 value per channel when training" in text:
+        return ("fxpar captures the model with one sample of the example batch, and a layer "
+                "that needs more than one sample in training mode (batch statistics, as "
+                "BatchNorm's) fails on it; batch statistics would be those of each micro-batch "
+                "on each data-parallel rank under fxpar, not the global batch's, so such a "
+                "layer is not trained: use LayerNorm or GroupNorm, or freeze its statistics "
+                "(eval mode)")
     if "Guard" in text or "Unsupported" in text or "control flow" in text:
         return ("a Python branch or call there cannot be traced: keep control flow on sizes "
                 "and config values, not on tensor values")
@@ -310,6 +376,14 @@ def _module_paths(node: fx.Node) -> list[str]:
         path = value[0] if isinstance(value, tuple) else key
         paths.append(re.sub(r"^L\['self'\]\.?", "", str(path)))
     return paths
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The innermost module that made `node` ("blocks.0.attn"), None where none is recorded."""
+    paths = _module_paths(node)
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    return paths[-1] if paths and paths[-1] else None
 
 
 def _block_of(node: fx.Node, prefixes: tuple[str, ...]) -> str | None:

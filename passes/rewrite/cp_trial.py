@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from typing import Mapping, Sequence
 
 import torch.fx as fx
@@ -22,7 +23,12 @@ from passes.rewrite.sharding import ShardingError, localize_shapes, tag_layers
 
 def trial_error(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp: int = 2) -> str | None:
     """None when `gm` rewritten for cp ranks runs on rank 0's shapes; else why it does not."""
-    trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    with warnings.catch_warnings():
+        # copying an exported graph copies its pytree specs, whose LeafSpec this torch deprecates
+        # (a FutureWarning on the user's terminal about torch's own class, nothing to act on)
+        warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)",
+                                FutureWarning)
+        trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     tag_layers(trial, layers)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # logs the failure it raises
     level, quiet.level = quiet.level, logging.CRITICAL

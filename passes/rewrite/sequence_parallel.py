@@ -174,6 +174,14 @@ class _Walk:
             if arg in self.sharded or not isinstance(val, torch.Tensor) or not val.dim():
                 continue
             seq_dim = self.dim - (out.dim() - val.dim())
+            if seq_dim >= val.dim():
+                # the output has no sequence dimension left (a reduction over it, or inputs
+                # that are not sequences), so no operand can be matched to its shards
+                op = getattr(node.target, "__name__", node.target)
+                raise ShardingError(f"layer {layer}: {node.name} ({op}) gives "
+                                    f"{tuple(out.shape)}, without the sequence dimension "
+                                    f"{self.dim} of the shards it reads: not per-token work, "
+                                    f"which sequence parallelism needs")
             if seq_dim < 0 or val.shape[seq_dim] == 1:  # the same on every shard
                 if val.is_floating_point() and arg.op != "get_attr" and \
                         not arg.meta.get(CONSTANT):

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from passes.capture.trace import module_path
 from runtime.attention import sinks  # noqa: F401 - registers torch.ops.fxpar.sink_attention
+from runtime.comm import collectives as c
 from runtime.training import rng
 from runtime.programs.shards import ShardSpec, shard_specs  # noqa: F401 - re-exported for the passes
 
@@ -293,7 +295,9 @@ def _quiet_fake_tensor_log():
 class _Localize(FakeTensorProp):
     def __init__(self, gm, full):
         super().__init__(gm, FakeTensorMode(allow_non_fake_inputs=True))
+        self.extra_traceback = False  # else torch appends the node, a traceback, tlparse's URL
         self.full = full
+        self.sp = any(n.target in _SP_OPS for n in gm.graph.nodes)  # sequence-parallel graph
         first = next((v for n, v in full.items() if n.op == "placeholder"
                       and isinstance(v, torch.Tensor) and v.dim()), None)
         self.batch = int(first.shape[0]) if first is not None else 1
@@ -309,9 +313,11 @@ class _Localize(FakeTensorProp):
         except ShardingError:
             raise
         except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
-            raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({_target_name(n)}) "
-                                f"does not run on the sharded shapes: "
-                                f"{str(err).splitlines()[0]}") from err
+            why = (self._asks_full(n) if n.target in _VIEWS else None) or \
+                str(err).splitlines()[0]
+            raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({_target_name(n)})"
+                                f"{_in_module(n)} does not run on the sharded shapes: "
+                                f"{why}") from err
         if reshapes and n.target not in _EXPANDS:
             self._check_cut_kept(n, result)
         return result
@@ -388,11 +394,54 @@ class _Localize(FakeTensorProp):
         expected = _cut_output(*shapes, self.batch)
         if expected is not None and tuple(result.shape) != expected:
             full_in, local_in, full_out = shapes
+            asked = self._asked(n) if n.target in _VIEWS else None
             raise ShardingError(
-                f"layer {n.meta.get(LAYER)}: {n.name} ({_target_name(n)}) reshapes the rank's "
-                f"part {local_in} of {full_in} into {tuple(result.shape)}, not {expected} (its "
-                f"full {full_out} cut alike): a size fixed in the model does not follow the cut; "
-                f"write that size as -1 or compute it from the input's shape")
+                f"layer {n.meta.get(LAYER)}: {n.name} ({_target_name(n)}){_in_module(n)} "
+                f"reshapes the rank's part {local_in} of {full_in} into {tuple(result.shape)}, "
+                f"not {expected} (its full {full_out} cut alike): "
+                f"{self._advice(asked, expected, full_out)}")
+
+    def _asks_full(self, n: fx.Node) -> str | None:
+        """Why a view or reshape of a cut value failed, with the size to change (None where the
+        sizes or the cut cannot be read: torch's own message then)."""
+        shapes, asked = self._cuts(n), self._asked(n)
+        expected = _cut_output(*shapes, self.batch) if shapes else None
+        if expected is None or asked is None:
+            return None
+        full_in, local_in, full_out = shapes
+        return (f"it asks for {tuple(asked)} of the rank's part {local_in} of {full_in}, cut "
+                f"to {expected}: {self._advice(asked, expected, full_out)}")
+
+    def _asked(self, n: fx.Node) -> list[int] | None:
+        """The sizes a view or reshape asks for, as it runs here (-1 kept)."""
+        rest = n.args[1:]
+        if len(rest) == 1 and isinstance(rest[0], (list, tuple, fx.Node)):
+            rest = rest[0]
+        sizes = self.env.get(rest) if isinstance(rest, fx.Node) else \
+            [self.env.get(s) if isinstance(s, fx.Node) else s for s in rest]
+        if isinstance(sizes, (list, tuple)) and all(isinstance(s, int) for s in sizes):
+            return list(sizes)
+        return None
+
+    def _advice(self, asked: list[int] | None, expected: tuple, full_out: tuple) -> str:
+        """Which size of a reshape does not follow the cut, and what to write instead."""
+        wrong = [d for d, (a, e) in enumerate(zip(asked or (), expected)) if a not in (-1, e)]
+        if not wrong or len(asked) != len(expected):
+            return ("a size fixed in the model does not follow the cut; take the sizes from the "
+                    "shape of the tensor reshaped (or write the cut dimension as -1)")
+        d = wrong[0]
+        why = f"its size {asked[d]} at dim {d} does not follow the cut"
+        if self.sp and asked[d] < expected[d]:  # read from a sequence shard's shape
+            why += (" (under sequence parallelism a size read from a block input's shape is "
+                    "the rank's 1/tp of the sequence, and this tensor holds all of it)")
+        free = [k for k, a in enumerate(asked) if a == -1]
+        if not free:
+            return f"{why}; write dim {d} as -1"
+        if expected[free[0]] == full_out[free[0]]:  # the -1 stands for a size the cut keeps
+            return (f"{why}; write dim {d} as -1 and dim {free[0]} as its size, "
+                    f"{expected[free[0]]} (the same on every rank)")
+        return (f"{why}; take the sizes from the shape of the tensor reshaped (or flatten it), "
+                f"not from another tensor's")
 
 
 def _arg_or(node: fx.Node, index: int, name: str):
@@ -401,6 +450,16 @@ def _arg_or(node: fx.Node, index: int, name: str):
 
 def _target_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
+
+
+def _in_module(node: fx.Node) -> str:
+    """" in module 'blocks.0.attn'" for a message, "" where the capture recorded none."""
+    path = module_path(node)
+    return f" in module '{path}'" if path else ""
+
+
+# the collectives passes.rewrite.sequence_parallel inserts: their graph's block inputs are shards
+_SP_OPS = {c.sp_all_gather, c.sp_reduce_scatter, c.sp_scatter, c.sp_gather, c.sp_gather_linear}
 
 
 def _cut_output(full_in, local_in, full_out, batch: int) -> tuple | None:

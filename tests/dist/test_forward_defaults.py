@@ -1,0 +1,42 @@
+"""A forward whose parameters after the batch's inputs have defaults (a label smoothing, a flag)
+trains at those defaults, as calling it without them does in one process: the capture binds them
+as constants (passes.capture.trace._symbolic_trace) instead of leaving inputs no batch gives."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planner.api import plan
+from planner.training.local import assert_same_run, reference_run, run_parallel
+
+STEPS = 2
+
+
+class Smoothed(torch.nn.Module):
+    def __init__(self, vocab: int = 64, hidden: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, tokens, targets, label_smoothing: float = 0.1, residual: bool = True):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x)) if residual else torch.tanh(block(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten(),
+                               label_smoothing=label_smoothing)
+
+
+class _Spec:
+    def build(self):
+        gen = torch.Generator().manual_seed(0)
+        return Smoothed(), tuple(torch.randint(0, 64, (8, 8), generator=gen) for _ in "xy")
+
+
+@pytest.mark.dist
+def test_defaulted_forward_arguments_train_at_their_defaults_as_one_process(pool2):
+    torch.manual_seed(0)
+    model, batch = _Spec().build()
+    fix = {"dp": 1, "tp": 1, "pp": 2, "mb": 2, "schedule": "1f1b", "strategy": "none"}
+    chosen = plan(model, 2, batch, cluster="cpu-gloo", fix=fix)[0]
+    assert_same_run(run_parallel(_Spec(), chosen, STEPS, pool2),
+                    reference_run(_Spec(), STEPS), what=str(fix))

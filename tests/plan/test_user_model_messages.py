@@ -1,0 +1,169 @@
+"""A user's own model planned with inputs or code fxpar cannot split: one clear line that says what
+and how to fix it, never torch's internal text - a constant example input, tp+sp asked of inputs
+declared not to be sequences, a reshape to sizes the tensor-parallel or sequence-parallel cut does
+not follow - and no FutureWarning from torch's pytree when an exported graph is copied."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from passes.capture.trace import capture
+from passes.rewrite.cp_trial import trial_error
+from planner.api import plan
+from planner.search.costs import PlanningError
+
+TORCH_NOISE = ("While executing", "Original traceback", "tlparse", "https://")
+
+
+class Attention(nn.Module):
+    """Heads split with sizes read from the block input: `reshape(B, S, D)` merges them back to
+    the full width, which tensor parallelism cuts (`merge="-1"` writes that dim as -1)."""
+
+    def __init__(self, d=32, heads=4, merge="D"):
+        super().__init__()
+        self.h, self.merge = heads, merge
+        self.ln = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        B, S, D = x.shape
+        y = self.ln(x)
+        q, k, v = (f(y).view(B, S, self.h, D // self.h).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        a = a.reshape(B, S, D) if self.merge == "D" else a.reshape(B, S, -1)
+        return x + self.o(a)
+
+
+class Tokens(nn.Module):
+    def __init__(self, merge="D", vocab=50, d=32, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Attention(d, merge=merge) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens, targets, label_smoothing=0.0):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten(),
+                               label_smoothing=label_smoothing)
+
+
+class Gated(nn.Module):
+    """Feature vectors: a gate times the batch mean, per feature (no sequence anywhere)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gate = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        h = x + self.down(F.gelu(self.up(self.ln(x))))
+        return h + self.gate * h.mean(0)
+
+
+class Features(nn.Module):
+    def __init__(self, d=16, layers=2):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Gated(d) for _ in range(layers))
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return F.cross_entropy(self.out(h), y)
+
+
+def _tokens(batch=8, seq=16, vocab=50):
+    t = torch.randint(0, vocab, (batch, seq + 1))
+    return t[:, :-1], t[:, 1:]
+
+
+def _features(batch=8):
+    return torch.randn(batch, 8), torch.randint(0, 4, (batch,))
+
+
+def _one_line(message: str) -> str:
+    assert "\n" not in message and not any(n in message for n in TORCH_NOISE), message
+    return message
+
+
+@pytest.mark.parametrize("constant, shown", [(0.1, "a float (0.1)"), (False, "a bool (False)")])
+def test_a_constant_example_input_is_refused_naming_its_position_and_how_to_bind_it(
+        constant, shown):
+    with pytest.raises(ValueError) as err:
+        plan(Tokens(), 2, (*_tokens(), constant), cluster="cpu-gloo")
+    message = _one_line(str(err.value))
+    for words in (f"example_inputs[2] (label_smoothing) is {shown}", "not a tensor",
+                  "forward's default", "module attribute", "self.label_smoothing"):
+        assert words in message, message
+
+
+def test_inputs_not_sequences_plan_tensor_parallel_without_sequence_parallelism():
+    # the block's per-feature mean once stopped the sequence-parallel rewrite with an IndexError
+    best = plan(Features(), 2, _features(), cluster="cpu-gloo", sequence_dim=None,
+                fix={"tp": 2})[0]
+    strategies = [s for stage in best.stages for s in stage.strategies]
+    assert best.tp == 2 and not any("sp" in s.split("+") for s in strategies), best
+    with pytest.raises(ValueError) as err:
+        plan(Features(), 2, _features(), cluster="cpu-gloo", sequence_dim=None,
+             fix={"tp": 2, "strategy": "tp+sp"})
+    message = _one_line(str(err.value))
+    assert "sequence_dim=None says the inputs have none" in message, message
+    assert "strategy='tp'" in message, message
+
+
+def test_a_reshape_to_the_full_width_names_the_op_module_and_the_dim_to_write_as_minus_one():
+    with pytest.raises(PlanningError) as err:
+        plan(Tokens(), 2, _tokens(), cluster="cpu-gloo", fix={"tp": 2})
+    message = _one_line(str(err.value))
+    for words in ("node reshape (reshape) in module 'blocks.0'", "asks for (1, 16, 32)",
+                  "its size 32 at dim 2 does not follow the cut", "write dim 2 as -1"):
+        assert words in message, message
+    note = "\n".join(plan(Tokens(), 2, _tokens(), cluster="cpu-gloo")[0].notes)
+    assert "write dim 2 as -1" in note and not any(n in note for n in TORCH_NOISE), note
+    assert plan(Tokens(merge="-1"), 2, _tokens(), cluster="cpu-gloo", fix={"tp": 2})[0].tp == 2
+
+
+def test_under_sequence_parallelism_a_length_read_from_the_block_input_is_named_local():
+    with pytest.raises(PlanningError) as err:
+        plan(Tokens(merge="-1"), 2, _tokens(), cluster="cpu-gloo",
+             fix={"tp": 2, "strategy": "tp+sp"})
+    message = _one_line(str(err.value))
+    for words in ("in module 'blocks.0'", "its size 8 at dim 1 does not follow the cut",
+                  "the rank's 1/tp of the sequence", "write dim 1 as -1"):
+        assert words in message, message
+
+
+def test_trying_context_parallel_on_an_exported_graph_warns_nothing_of_torch_pytree():
+    class Block(nn.Module):  # nn.MultiheadAttention: captured by torch.export
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x.square().mean()
+
+    captured = capture(Model(), (torch.randn(1, 8, 16),))
+    assert captured.method == "export"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trial_error(captured.gm, {l.name: l.nodes for l in captured.layers})
+    assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
