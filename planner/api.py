@@ -329,8 +329,14 @@ class ParallelModel:
         return info
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, on every rank (for checkpoints and comparisons)."""
-        return gather_full_state(self.shard())
+        """Every parameter, unsharded, on every rank (for checkpoints and comparisons). A
+        parameter forward never reads is in no stage program: it gets no gradient, so it keeps
+        the model's own value, as in one process (absent where the model is on the meta
+        device and has none)."""
+        full = gather_full_state(self.shard())
+        unread = {name: p.detach().clone() for name, p in self.model.named_parameters()
+                  if name not in full and not p.is_meta}
+        return {**unread, **full}
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Every gradient of the last step (averaged over replicas), unsharded, on every rank."""

@@ -40,3 +40,33 @@ def test_defaulted_forward_arguments_train_at_their_defaults_as_one_process(pool
     chosen = plan(model, 2, batch, cluster="cpu-gloo", fix=fix)[0]
     assert_same_run(run_parallel(_Spec(), chosen, STEPS, pool2),
                     reference_run(_Spec(), STEPS), what=str(fix))
+
+
+class _Unread(torch.nn.Module):
+    """A model holding a parameter its forward never reads (a table left from an experiment)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Smoothed()
+        self.unread = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, tokens, targets):
+        return self.inner(tokens, targets)
+
+
+class _UnreadSpec:
+    def build(self):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        return _Unread(), tuple(torch.randint(0, 64, (8, 8), generator=gen) for _ in "xy")
+
+
+@pytest.mark.dist
+def test_a_parameter_forward_never_reads_stays_in_the_full_state(pool2):
+    """No stage program holds it; the gathered state has it at the model's value, as one
+    process leaves it (no gradient, no update)."""
+    model, batch = _UnreadSpec().build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo", fix={"dp": 2})[0]
+    parallel = run_parallel(_UnreadSpec(), chosen, STEPS, pool2)
+    assert "unread" in parallel.state
+    assert_same_run(parallel, reference_run(_UnreadSpec(), STEPS), what="dp=2")
