@@ -203,6 +203,8 @@ class StageProblem:
     # (its options' lazy gradients are absent at its activation peak)
     rank_temp: tuple[float, ...] = ()
     lazy_grads: tuple[bool, ...] = ()
+    # W of a split backward (ZB-H1) makes the lazy gradients beside every set (`rank_forms`)
+    split_w: bool = False
     # ZeRO levels 2-3 (cost_model.layers.sharding.peak_buffers): the whole weights of the unit
     # in use at the activation peak, and the whole transient, which adds less one set
     zero_in_use: float = 0.0
@@ -447,13 +449,13 @@ def _rank_memory(problem: StageProblem, n, r: int) -> list:
     local = len(problem.stages_of(r))
     forms = [(1.0, *form) for form in rank_forms(rank_moments(problem, r), lazy,
                                                   problem.zero_in_use, problem.zero_whole,
-                                                  local)]
+                                                  local, problem.split_w and r > 0)]
     if problem.step_share:   # the optimizer step: static bytes and their share, no activations
         none = (0.0,) * local
-        forms.append((1 + problem.step_share, 0.0, none, none, 0.0))
+        forms.append((1 + problem.step_share, 0.0, none, none, 0.0, 1.0))
     rows = []
-    for w, g, factors, kept, extra in forms:
-        memory = _Lin({}, (temp + extra) / unit)
+    for w, g, factors, kept, extra, with_temp in forms:
+        memory = _Lin({}, (with_temp * temp + extra) / unit)
         for s, a, b in zip(problem.stages_of(r), factors, kept):
             def load(o) -> float:
                 return (w * o.static_bytes + g * o.lazy_grad_bytes + a * o.act_bytes

@@ -152,7 +152,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
                             hide_alpha_s=parts.hide_alpha, hide_s_per_byte=parts.hide_slope,
                             hide_beside=(1 - cluster.comm_sm_share) * parts.beside,
                             hide_least=max(cluster.comm_sm_share, 1 / units),
-                            rank_temp=temp, lazy_grads=lazy, zero_in_use=in_use,
+                            rank_temp=temp, lazy_grads=lazy, split_w=c.schedule == "zb-h1",
+                            zero_in_use=in_use,
                             zero_whole=whole, step_share=_step_share(costs, cluster, c),
                             moments=inflight_moments(c.schedule, c.pp, c.microbatches, c.v,
                                                      records(req, c)))
@@ -171,17 +172,13 @@ def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tupl
     temporary (LayerCost.temp_bytes) of any block option, or of the embedding on the first
     rank and the loss's head on the last. lazy_r: the rank runs every forward before its first
     backward (it holds all m·v of its activation sets at once), so the gradients autograd
-    makes in the backward (`lazy_grad_bytes`) are not there at its activation peak. Not so on
-    ZB-H1's ranks past the first: their first W makes the gradients while the set it frees,
-    and every other set of that moment, still lives (the split backward frees a set once W
-    returns; stage 0's W is a plain backward, freeing as it goes)."""
+    makes in the backward (`lazy_grad_bytes`) are not there at its activation peak."""
     blocks = max((b.temp_bytes for b in layer_costs), default=0.0)
     embed, head = (e.temp_bytes if e is not None else 0.0 for e in ends)
     first, last = 0, (c.pp * c.v - 1) % c.pp
     temp = tuple(max(blocks, embed if r == first else 0.0, head if r == last else 0.0)
                  for r in range(c.pp))
-    return temp, tuple(f >= c.microbatches * c.v and (c.schedule != "zb-h1" or r == 0)
-                       for r, f in enumerate(inflight))
+    return temp, tuple(f >= c.microbatches * c.v for f in inflight)
 
 
 def _untied(costs: ModelCosts, req: Request, c: Candidate, head):

@@ -23,50 +23,58 @@ class RankParts:
     zero: tuple[float, float] = (0.0, 0.0)   # (in use, whole): StageProblem.zero_*
     step_share: float = 0.0                  # StageProblem.step_share
     records: tuple[float, ...] = ()          # per stage, one micro-batch's recorded gradients
+    split_w: bool = False                    # StageProblem.split_w, on a rank past the first
 
-    def forms(self) -> list[tuple[float, tuple[float, ...], tuple[float, ...], float]]:
+    def forms(self) -> list[tuple[float, tuple[float, ...], tuple[float, ...], float, float]]:
         """rank_forms, and with a step share the optimizer step's: every gradient, no
         activation set, the step's fp32 gradient copies beside them."""
-        forms = rank_forms(self.moments, self.lazy, *self.zero, stages=len(self.acts))
+        forms = rank_forms(self.moments, self.lazy, *self.zero, stages=len(self.acts),
+                           split_w=self.split_w)
         if self.step_share:
             none = (0.0,) * len(self.acts)
-            forms.append((0.0, none, none, self.static * self.step_share))
+            forms.append((0.0, none, none, self.static * self.step_share, 1.0))
         return forms
 
     def peaks(self) -> list[float]:
         records = self.records or (0.0,) * len(self.acts)
         return [self.static + g * self.lazy_grads
                 + sum(f * a for f, a in zip(factors, self.acts))
-                + sum(f * b for f, b in zip(kept, records)) + self.temp + extra
-                for g, factors, kept, extra in self.forms()]
+                + sum(f * b for f, b in zip(kept, records)) + t * self.temp + extra
+                for g, factors, kept, extra, t in self.forms()]
 
 
-def rank_forms(moments, lazy: bool, in_use: float = 0.0, whole: float = 0.0, stages: int = 0
-               ) -> list[tuple[float, tuple[float, ...], tuple[float, ...], float]]:
+def rank_forms(moments, lazy: bool, in_use: float = 0.0, whole: float = 0.0, stages: int = 0,
+               split_w: bool = False
+               ) -> list[tuple[float, tuple[float, ...], tuple[float, ...], float, float]]:
     """The peak-memory forms of a rank's `stages` local stages as (coefficient of its lazy
     gradients, per stage the coefficient of one micro-batch's activations, per stage that of
-    its recorded gradients, bytes beside them): one per moment (a moment longer than `stages`
-    carries the record counts after the activation counts,
-    runtime.pipeline.generators.inflight_moments); with lazy gradients two, those absent, or
-    present with one set of the stage backwarded first (its last) freed; under ZeRO 2-3 each
-    twice again, with the unit in use, or with the whole transient and one set of every stage
-    freed."""
+    its recorded gradients, bytes beside them, coefficient of the rank's largest temporary
+    X_r): one per moment (a moment longer than `stages` carries the record counts after the
+    activation counts, runtime.pipeline.generators.inflight_moments); with lazy gradients two,
+    those absent, or present with one set of the stage backwarded first (its last) freed; under
+    ZeRO 2-3 each twice again, with the unit in use, or with the whole transient and one set of
+    every stage freed. With `split_w` (a ZB-H1 rank past the first) the gradients come in W,
+    which frees its set only once it returns: the second form keeps every set, and the
+    temporaries of the backward before it (I's, X_r) are gone by then."""
     forms = []
     for mo in moments:
         acts, kept = tuple(mo[:stages or len(mo)]), tuple(mo[stages or len(mo):])
         kept = kept or (0.0,) * len(acts)
         if not lazy:
-            forms.append((0.0, acts, kept))
+            forms.append((0.0, acts, kept, 1.0))
             continue
         last = len(acts) - 1
-        forms.append((-1.0, acts, kept))
-        forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(acts)),
-                      kept))
+        forms.append((-1.0, acts, kept, 1.0))
+        if split_w:
+            forms.append((0.0, acts, kept, 0.0))
+        else:
+            forms.append((0.0, tuple(f - min(f, 1.0) * (c == last) for c, f in enumerate(acts)),
+                          kept, 1.0))
     if not whole:
-        return [(g, factors, kept, in_use) for g, factors, kept in forms]
-    return [form for g, factors, kept in forms for form in
-            ((g, factors, kept, in_use),
-             (g, tuple(max(f - 1.0, 0.0) for f in factors), kept, whole))]
+        return [(g, factors, kept, in_use, t) for g, factors, kept, t in forms]
+    return [form for g, factors, kept, t in forms for form in
+            ((g, factors, kept, in_use, t),
+             (g, tuple(max(f - 1.0, 0.0) for f in factors), kept, whole, t))]
 
 
 def rank_moments(problem, r: int) -> tuple[tuple[float, ...], ...]:
@@ -93,7 +101,7 @@ def rank_parts(problem, counts, r: int) -> RankParts:
     lazy = bool(problem.lazy_grads) and problem.lazy_grads[r] and lazy_grads > 0
     return RankParts(static, grads, lazy_grads, tuple(acts), rank_moments(problem, r), temp,
                      lazy, steps, (problem.zero_in_use, problem.zero_whole),
-                     problem.step_share, tuple(records))
+                     problem.step_share, tuple(records), problem.split_w and r > 0)
 
 
 def stage_ends(problem, s: int) -> list:

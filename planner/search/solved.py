@@ -134,9 +134,9 @@ def rank_memory(costs, problem, counts, sharding, r: int, temp: float) -> tuple:
     t = costs.training
     fw, fg, _ = sharding.fractions()
     grads = both * t.grad_bytes * fg / (t.weight_bytes * fw + t.grad_bytes * fg)
-    g, factors, kept, zero = peak_form(problem, counts, r)
+    g, factors, kept, zero, with_temp = peak_form(problem, counts, r)
     act = sum(f * a for f, a in zip(factors, parts.acts))
     recorded = sum(f * b for f, b in zip(kept, parts.records))
     weights = both - grads
     grads += g * parts.lazy_grads    # the lazy ones absent at an activation peak
-    return (weights, grads, optimizer, act, temp + zero + recorded)
+    return (weights, grads, optimizer, act, with_temp * temp + zero + recorded)

@@ -188,7 +188,7 @@ class StageExecutor:
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._recvs: dict[Action, tuple[list, list[torch.Tensor], int]] = {}
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._sends: dict[Action, list] = {}  # posted sends not yet waited on, in order
+        self._sends: dict[Action, tuple[int, list]] = {}  # unwaited sends: (peer, works)
         self._losses: list[torch.Tensor] = []
         self._posted = 0  # receives posted so far, in schedule order
         self.events = []

@@ -88,7 +88,7 @@ def test_the_optimizer_step_is_a_peak_form_of_16_bit_weights():
     parts = RankParts(static=16.0, grads=2.0, lazy_grads=0.0, acts=(3.0,), moments=((1.0,),),
                       temp=0.5, lazy=False, steps=0.0, step_share=0.25)
     assert parts.peaks() == [16.0 + 3.0 + 0.5, 16.0 * 1.25 + 0.5]
-    assert parts.forms()[-1] == (0.0, (0.0,), (0.0,), 4.0)
+    assert parts.forms()[-1] == (0.0, (0.0,), (0.0,), 4.0, 1.0)
 
 
 def test_a_stage_of_few_activations_peaks_at_the_optimizer_step():
