@@ -12,9 +12,11 @@ __all__ = ["GB", "GiB", "PRESETS"]
 GB = 1e9  # vendor datasheets use decimal units
 GiB = float(2**30)
 
-# mem_bytes uses the datasheet's decimal GB. The card reports slightly more
-# (80 GB cards show ~79-80 GiB), but the CUDA context and allocator
-# fragmentation take ~1-3 GB, so the decimal figure is a fair usable cap.
+# mem_bytes uses the datasheet's decimal GB, less than the card gives a process (an 80 GB card
+# reports about 79 GiB, 85 GB, as its total capacity). The CUDA context, workspaces and NCCL
+# buffers are counted against this cap (cost_model.hardware.device_memory); the ~5 GB between
+# the two is the margin for what that module does not measure yet (the caching allocator's
+# reserve and fragmentation, left at 1 until a GPU run sets it).
 
 # Efficiencies shared by the NVIDIA presets: what the hardware does, measured by public
 # microbenchmarks; what a training framework makes of it is a runtime profile's
