@@ -473,6 +473,9 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors are one line too (with where to read more), exit status 2."""
 
     def error(self, message: str):
+        if "--from-megatron: expected one argument" in message:  # its value starts with --
+            message += ("; Megatron-LM's flags start with --: attach them, "
+                        "--from-megatron='--sequence-parallel ...'")
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
 
 

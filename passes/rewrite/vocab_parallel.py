@@ -64,14 +64,27 @@ def vocab_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: 
                 continue
             cut = True
         if not cut:  # planned as split, it would run whole: prices and memory untrue
-            raise ShardingError(f"layer {layer}: not vocabulary-parallel: it has neither a token "
-                                f"embedding (an embedding lookup of a model input) nor a "
-                                f"cross-entropy over a linear's logits; keep its strategy 'none'")
+            raise ShardingError(f"layer {layer}: not vocabulary-parallel: {_why_not(nodes)}; "
+                                f"keep its strategy 'none'")
     gm.graph.lint()
     gm.recompile()
     if localize:
         localize_shapes(gm)
     return gm
+
+
+def _why_not(nodes) -> str:
+    """Why a layer has nothing to split: a lookup whose ids are not a model input as given (GPT-2
+    reshapes its input_ids first), or neither a lookup nor a cross-entropy."""
+    for node in nodes:
+        if node.op == "call_function" and node.target in _EMBEDDING:
+            ids = node.args[0] if node.target is F.embedding else node.args[1]
+            if getattr(ids, "op", None) != "placeholder":
+                return (f"its embedding lookup ({node.name}) takes ids computed from the "
+                        f"inputs by {ids.name} ({getattr(ids.target, '__name__', ids.target)}), "
+                        f"and the rewrite splits only lookups of a model input as given")
+    return ("it has neither a token embedding (an embedding lookup of a model input) nor a "
+            "cross-entropy over a linear's logits")
 
 
 def _slice(vocab: int, what: str, layer: str, tp: int, rank: int, pad: bool):

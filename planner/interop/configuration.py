@@ -24,7 +24,8 @@ from planner.search import ilp
 from planner.search.plan import Plan, gib
 from planner.search import zero as zero_axis
 from planner.search.refusals import why_nothing_plans
-from planner.search.meshes import Request, check_fix, configurations, make_plan, search
+from planner.search.meshes import (Request, check_fix, configurations, make_plan, search,
+                                   tp_sizes)
 from planner.search.problem import runtime_terms, stage_problem
 
 ENDS = ("auto", "vocab-tp", "none")
@@ -134,16 +135,19 @@ class Pricer:
         self.zero = {"zero": 1} if zero1 else {}
 
     def request(self, fix: dict | None = None, top_k: int = 1,
-                memory_limit: float | None = None) -> Request:
-        return Request(self.gpus, self.cluster, self.global_batch, self.seq,
-                       self.limit if memory_limit is None else memory_limit, self.name,
-                       {**self.zero, **(fix or {})}, top_k=top_k)
+                memory_limit: float | None = None, schedules: tuple | None = None) -> Request:
+        req = Request(self.gpus, self.cluster, self.global_batch, self.seq,
+                      self.limit if memory_limit is None else memory_limit, self.name,
+                      {**self.zero, **(fix or {})}, top_k=top_k)
+        return req if schedules is None else replace(req, schedules=schedules)
 
-    def best(self, top_k: int = 1, fix: dict | None = None) -> list[Plan]:
-        """fxpar's own plans, fastest first (as planner.api.plan, with `fix` as --fix)."""
+    def best(self, top_k: int = 1, fix: dict | None = None,
+             schedules: tuple | None = None) -> list[Plan]:
+        """fxpar's own plans, fastest first (as planner.api.plan, with `fix` as --fix), among
+        `schedules` ((name, v) pairs) when given, else every schedule."""
         from planner.api import _infeasible
         check_fix(dict(fix or {}))
-        req = self.request(fix, top_k=top_k)
+        req = self.request(fix, top_k=top_k, schedules=schedules)
         plans = search(self.costs, req)
         if not plans:
             raise _infeasible(self.costs, req)
@@ -155,6 +159,17 @@ class Pricer:
         if config.stages is None and config.ends == "auto":
             return self._searched(fix)
         return self._given(config, fix)
+
+    def tp_sizes(self) -> list[int]:
+        """The tensor-parallel sizes the search considers for this model and cluster."""
+        return tp_sizes(self.costs, self.gpus, self.cluster)
+
+    def vocab_split(self, tp: int) -> str | None:
+        """None where the embedding and head split over the vocabulary at `tp` (as Megatron-LM
+        and torchtitan split them), else why not."""
+        if tp == 1 or all(self.costs._end_profile(k, tp) is not None for k in self.costs.ends):
+            return None
+        return self.costs.vocab_errors.get(tp, "see the vocabulary-parallel rewrite")
 
     def _refusal(self, fix: dict) -> ValueError:
         from planner.api import _infeasible

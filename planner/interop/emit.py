@@ -17,7 +17,9 @@ What the target cannot express (a schedule, a per-layer mix of strategies, repli
 tp > 1, ...) is said in a comment line, and the nearest configuration it can express is emitted
 instead, priced by fxpar's cost model beside the plan (planner.interop.configuration: the same mesh and stage
 layout, only what the target cannot express changed; among several candidates the fastest that
-fits).
+fits). The model's definition is written as planner.interop.megatron_model states it, with what no
+flag states among those lines; planner.interop.expressible plans among the layouts a target
+states where fxpar's plan uses what it cannot.
 """
 from __future__ import annotations
 
@@ -30,84 +32,14 @@ from dataclasses import dataclass, field, replace
 from cost_model.layers.strategy import Strategy
 from planner.search.plan import Plan
 from planner.interop.configuration import Configuration, Priced, Pricer, compare
+from planner.interop.megatron_model import emitted_flags
+from planner.interop.model_facts import ModelFacts, facts_of_config, facts_of_hf
 from planner.interop.recompute_patterns import pattern_recompute, recompute_of, with_flags
 
 TARGETS = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}
 # fxpar schedule -> torch.distributed.pipelining class name (get_schedule_class's keys)
 TORCHTITAN_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved-1f1b": "Interleaved1F1B"}
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
-
-
-# --------------------------------------------------------------------------------------------
-# What a model is, for the flags that size it
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelFacts:
-    name: str
-    arch: str            # "gpt" (LayerNorm, GELU, learned positions) or "llama"
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    seq: int
-    tie: bool
-    global_batch: int = 16
-    dtype_bytes: int = 2  # what fxpar prices: presets train in bf16, a module in its own dtype
-    # The definition beside the sizes, for the flags that build the same model elsewhere
-    # (None: the family's usual, which the target's default states)
-    qkv_bias: bool | None = None     # biases on the q/k/v projections
-    linear_bias: bool | None = None  # biases on the other linears
-    rope_theta: float | None = None  # rotary base
-    rope_scaling: str | None = None  # a scaled rotary (its type), which no flag here states
-    norm_eps: float | None = None
-    activation: str | None = None    # the config's hidden_act
-
-
-def facts_of_config(config) -> ModelFacts:
-    return ModelFacts(config.name, config.arch, config.layers, config.hidden, config.heads,
-                      config.n_kv_heads, config.ffn_hidden, config.vocab, config.seq, config.tie,
-                      config.global_batch)
-
-
-def facts_of_hf(model, seq: int, global_batch: int = 16) -> ModelFacts:
-    """From a planner.models.hf model's transformers config (GPT-2 or Llama field names)."""
-    c = model.model.config
-    get = lambda *names, default=None: next((getattr(c, n) for n in names  # noqa: E731
-                                             if getattr(c, n, None) is not None), default)
-    hidden = get("hidden_size", "n_embd")
-    heads = get("num_attention_heads", "n_head")
-    gpt = getattr(c, "model_type", "") == "gpt2"
-    rope = dict(get("rope_parameters", "rope_scaling", default={}) or {})
-    theta = rope.get("rope_theta", get("rope_theta", "rotary_emb_base"))
-    qkv_bias, linear_bias = _biases(model)
-    return ModelFacts(type(model.model).__name__, "gpt" if gpt else "llama",
-                      get("num_hidden_layers", "n_layer"), hidden, heads,
-                      get("num_key_value_heads", default=heads),
-                      get("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
-                      get("vocab_size"), seq, bool(get("tie_word_embeddings", default=gpt)),
-                      global_batch, next(model.parameters()).element_size(),
-                      qkv_bias, linear_bias, None if gpt else theta,
-                      rope.get("rope_type") if rope.get("rope_type", "default") != "default"
-                      else None,
-                      get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon"),
-                      get("hidden_act", "activation_function"))
-
-
-_QKV = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
-
-
-def _biases(model) -> tuple[bool, bool]:
-    """(q/k/v projections have biases, the other linears do), read off the model's linears
-    (Qwen2's q/k/v biases are in its code, not its config)."""
-    import torch.nn as nn
-    from transformers.pytorch_utils import Conv1D
-    qkv, other = [], []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, Conv1D)) and not name.endswith("lm_head"):
-            (qkv if name.rsplit(".", 1)[-1] in _QKV else other).append(module.bias is not None)
-    return any(qkv), any(other)
 
 
 def model_of_args(args, seq: int | None = None, global_batch: int | None = None):
@@ -129,24 +61,29 @@ def _with(args, **changes):
 
 
 def pricer_of_args(args, seq: int | None = None, global_batch: int | None = None,
-                   zero1: bool | None = None) -> tuple[Pricer, ModelFacts]:
+                   zero1: bool | None = None, runtime: str | None = None
+                   ) -> tuple[Pricer, ModelFacts]:
     model, inputs, facts = model_of_args(args, seq, global_batch)
     pricer = Pricer(model, args.gpus, inputs, cluster=args.cluster,
                     global_batch=global_batch or args.global_batch, memory_limit=args.memory_limit,
-                    zero1=args.zero1 if zero1 is None else zero1, runtime=runtime_of_args(args))
+                    zero1=args.zero1 if zero1 is None else zero1,
+                    runtime=runtime_of_args(args, runtime))
     return pricer, facts
 
 
-def runtime_of_args(args) -> str:
+def runtime_of_args(args, wanted: str | None = None) -> str:
     """--runtime, else the framework the configuration is written for or read from: a plan
-    emitted for Megatron is the one fastest under Megatron-Core's runtime profile. CPU ranks
-    run fxpar's own runtime only (runtimes.apply), and their profile measured it."""
+    emitted for Megatron is the one fastest under Megatron-Core's runtime profile; `wanted`, the
+    profile an imported configuration asks for (torchtitan's compile). CPU ranks run fxpar's own
+    runtime only (runtimes.apply), and their profile measured it."""
     from cost_model.hardware.cluster import get_cluster
     from planner.api import default_cluster
     if getattr(args, "runtime", None):
         return args.runtime
     if get_cluster(args.cluster or default_cluster()).device == "cpu":
         return "fxpar"
+    if wanted:
+        return wanted
     if getattr(args, "emit", None):
         return args.emit
     return "megatron" if getattr(args, "from_megatron", None) is not None else "torchtitan"
@@ -173,6 +110,10 @@ class Expressed:
     # read back (--from-*): "" the same plan, None not read back, else what differs
     round_trip: str | None = None
     definition: list[str] = field(default_factory=list)  # what of the model it cannot state
+    model_differs: bool = False   # the stated model is not the model (Megatron-LM's nearest)
+    # the plan the configuration states, where it is not fxpar's own: planned among the
+    # layouts the target can state (planner.interop.expressible)
+    planned: Plan | None = None
 
     @property
     def exact(self) -> bool:
@@ -338,34 +279,49 @@ def _torchtitan_split(config: Configuration) -> tuple[Configuration, list[str]]:
 # --------------------------------------------------------------------------------------------
 # Text
 # --------------------------------------------------------------------------------------------
+def layout_text(plan: Plan) -> str:
+    """'dp=8 tp=4 pp=16 cp=2 zero=1, 1f1b, 192 micro-batches of 1'."""
+    return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
+            + (f" zero={plan.zero}" if plan.zero else "")
+            + (f" dp_shard={plan.dp_shard}" if plan.dp_shard and plan.dp_shard != plan.dp
+               else "") + f", {plan.schedule}"
+            + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+            + f", {plan.num_microbatches} micro-batch"
+            f"{'es' if plan.num_microbatches > 1 else ''} of {plan.micro_batch}")
+
+
 def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
     # the runtime priced, as `fxpar plan --runtime R` prints the same plan (runtime_of_args)
     runtime = f", {plan.runtime} runtime" if plan.runtime else ""
     lines = [f"# {label} configuration for fxpar's plan: {plan.model} on {plan.gpus} GPUs "
-             f"({plan.cluster}{runtime}), dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
-             + (f" zero={plan.zero}" if plan.zero else "")
-             + (f" dp_shard={plan.dp_shard}" if plan.dp_shard and plan.dp_shard != plan.dp
-                else "") + f", {plan.schedule}"
-             + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-             + f", {plan.num_microbatches} micro-batch"
-             f"{'es' if plan.num_microbatches > 1 else ''} of {plan.micro_batch}"]
+             f"({plan.cluster}{runtime}), {layout_text(plan)}"]
     lines += [f"# {n}" if n.startswith("nearest") else f"# not expressible: {n}"
               for n in expressed.notes]
+    p = plan.predicted
     if expressed.exact and expressed.round_trip:  # read back, it differs
-        lines.append(f"# fxpar plan: {plan.predicted.iteration_s:.4g} s/iteration; {label} "
+        lines.append(f"# fxpar plan: {p.iteration_s:.4g} s/iteration; {label} "
                      f"configuration: the same, but read back it prices another plan: "
                      f"{expressed.round_trip}")
+    elif expressed.exact and expressed.model_differs:  # never "exact": the model is not
+        lines.append(f"# fxpar plan: {p.iteration_s:.4g} s/iteration; {label} configuration: "
+                     f"the same parallel plan ({_checked(expressed)}), for the nearest model "
+                     f"{label} can state: the differences above")
     elif expressed.exact:
-        p = plan.predicted
-        checked = ("read back, it prices this very plan" if expressed.round_trip == "" else
-                   "not read back: the model's facts were not given")
         model = ("; the model's definition as the lines above say" if expressed.definition
                  else "")
         lines.append(f"# fxpar plan: {p.iteration_s:.4g} s/iteration; {label} configuration: "
-                     f"the same plan (expressed exactly: {checked}){model}")
+                     f"the same plan (expressed exactly: {_checked(expressed)}){model}")
     else:
         lines.append("# " + compare(plan, expressed.priced, f"nearest {label} configuration"))
+        if expressed.planned is not None and expressed.round_trip:
+            lines.append(f"# note: read back, it prices another plan than the one planned: "
+                         f"{expressed.round_trip}")
     return lines
+
+
+def _checked(expressed: Expressed) -> str:
+    return ("read back, it prices this very plan" if expressed.round_trip == "" else
+            "not read back: the model's facts were not given")
 
 
 # Megatron-FSDP's --data-parallel-sharding-strategy per ZeRO level (its README: the strategy with
@@ -382,7 +338,7 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None) -> str:
                  f"{plan.gpus} / (tp x pp x cp))")
     flags: list[str] = []
     if facts is not None:
-        flags += _megatron_model(facts, plan)
+        flags += emitted_flags(facts, plan.seq)[0]
     flags += [f"--tensor-model-parallel-size {config.tp}",
               f"--pipeline-model-parallel-size {config.pp}",
               f"--context-parallel-size {config.cp}"]
@@ -419,57 +375,17 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None) -> str:
     return "\n".join(lines + [f + " \\" for f in flags[:-1]] + flags[-1:])
 
 
-def _megatron_model(facts: ModelFacts, plan: Plan) -> list[str]:
-    flags = [f"--num-layers {facts.layers}", f"--hidden-size {facts.hidden}",
-             f"--ffn-hidden-size {facts.ffn}", f"--num-attention-heads {facts.heads}"]
-    if facts.kv_heads != facts.heads:
-        flags += ["--group-query-attention", f"--num-query-groups {facts.kv_heads}"]
-    flags += [f"--seq-length {plan.seq}", f"--max-position-embeddings {plan.seq}",
-              f"--vocab-size {facts.vocab}"]
-    if facts.arch == "llama":
-        flags += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope"]
-        if facts.rope_theta is not None:
-            flags.append(f"--rotary-base {_number(facts.rope_theta)}")
-    linear_bias = facts.linear_bias if facts.linear_bias is not None else facts.arch == "gpt"
-    if not linear_bias:
-        flags.append("--disable-bias-linear")
-        if facts.qkv_bias:
-            flags.append("--add-qkv-bias")
-    if facts.norm_eps is not None:
-        flags.append(f"--norm-epsilon {facts.norm_eps:g}")  # a float flag: 1e-06 reads back
-    if not facts.tie:
-        flags.append("--untie-embeddings-and-output-weights")
-    return flags
-
-
-def _number(x: float) -> str:
-    """An integral value as an integer (Megatron-LM's --rotary-base is an int flag)."""
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def definition_notes(target: str, facts: ModelFacts | None) -> list[str]:
+def definition_notes(target: str, facts: ModelFacts | None, seq: int = 0) -> list[str]:
     """What of the model's definition the target's configuration cannot state."""
     if facts is None:
         return []
-    if target == "torchtitan":
-        return [f"the model itself: torchtitan builds it from its own model code ([model] name "
-                f"and flavor), not from this file; choose one matching {facts.name} ({facts.layers} "
-                f"layers, hidden {facts.hidden}, {facts.heads} heads / {facts.kv_heads} kv, FFN "
-                f"{facts.ffn}, vocabulary {facts.vocab})"]
-    notes = []
-    if facts.rope_scaling:
-        notes.append(f"a scaled rotary embedding ({facts.rope_scaling}): no Megatron-LM flag "
-                     f"here states it")
-    if facts.linear_bias and facts.qkv_bias is False:
-        notes.append("biases on every linear but the q/k/v projections: Megatron-LM has "
-                     "biases on all or (--add-qkv-bias) on q/k/v only")
-    act = (facts.activation or "").lower()
-    gated = facts.arch == "llama"
-    if act and ((gated and act not in ("silu", "swish")) or
-                (not gated and not act.startswith("gelu"))):
-        notes.append(f"the activation {facts.activation} ({'gated' if gated else 'plain'}): "
-                     f"Megatron-LM's --swiglu is SiLU-gated and its default GELU")
-    return notes
+    if target == "megatron":
+        return emitted_flags(facts, seq or facts.seq)[1]
+    head = f", head width {facts.head_dim}" if facts.head_dim else ""
+    return [f"the model itself: torchtitan builds it from its own model code ([model] name "
+            f"and flavor), not from this file; choose one matching {facts.name} ({facts.layers} "
+            f"layers, hidden {facts.hidden}, {facts.heads} heads / {facts.kv_heads} kv{head}, FFN "
+            f"{facts.ffn}, vocabulary {facts.vocab})"]
 
 
 def _layout(lengths: list[int]) -> str:
@@ -493,6 +409,7 @@ def torchtitan(plan: Plan, expressed: Expressed,
     """The TOML fragment and, for a schedule without a class, the CSV text (written to
     `csv_path` by the caller)."""
     config = expressed.config
+    m = (expressed.planned or plan).num_microbatches  # the configuration's own micro-batches
     lines = _head(plan, "torchtitan", expressed)
     if config.zero == 3:  # FSDP over the shard groups, replicated across them (HSDP)
         shard = config.dp_shard or config.dp
@@ -519,7 +436,7 @@ def torchtitan(plan: Plan, expressed: Expressed,
         if config.schedule in TORCHTITAN_SCHEDULES:
             body.append(f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[config.schedule]}"')
         else:
-            table = schedule_csv(config.schedule, config.pp, plan.num_microbatches, config.v)
+            table = schedule_csv(config.schedule, config.pp, m, config.v)
             single = "PipelineScheduleSingle" if config.v == 1 else "PipelineScheduleMulti"
             lines.append(f"# pipeline_parallel_schedule_csv: fxpar's {config.schedule} as "
                          f"torch.distributed.pipelining compute actions (<stage><F|I|W|B>"
@@ -547,7 +464,7 @@ def torchtitan(plan: Plan, expressed: Expressed,
         body.append(f'mode = "{value}"')
     # torchtitan's local batch is one forward of each data-parallel rank, and it accumulates
     # gradients over global // (local x dp) of them; a pipeline splits it into micro-batches
-    local = config.micro_batch * (plan.num_microbatches if config.pp > 1 else 1)
+    local = config.micro_batch * (m if config.pp > 1 else 1)
     body += ["", "[training]",
              f"local_batch_size = {local}",
              f"global_batch_size = {plan.global_batch}",
@@ -584,7 +501,8 @@ def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = Non
 
 def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | None,
           csv_path: str | None = None) -> tuple[str, str | None]:
-    expressed.definition = definition_notes(target, facts)
+    expressed.definition = definition_notes(target, facts, plan.seq)
+    expressed.model_differs = target == "megatron" and bool(expressed.definition)
     expressed.notes[:0] = [n for n in expressed.definition if n not in expressed.notes]
     if target == "megatron":
         return megatron(plan, expressed, facts), None

@@ -1,14 +1,16 @@
 """Megatron-LM command-line flags as a `planner.interop.configuration.Configuration` (see planner.interop.price_imported):
-the mesh, micro-batching and schedule, Megatron's stage split or layout, and its recomputation."""
+the mesh, micro-batching and schedule, Megatron's stage split or layout, and its recomputation;
+the flags that define the model checked against it (planner.interop.megatron_model)."""
 from __future__ import annotations
 
 import re
 import shlex
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import ModelFacts
+from planner.interop.megatron_model import check as model_check
+from planner.interop.model_facts import ModelFacts
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
-from planner.interop.readers import Imported, agree, positive, sized
+from planner.interop.readers import Imported, positive, sized
 from planner.interop.configuration import Configuration
 
 
@@ -32,6 +34,28 @@ MEGATRON_FLAGS = {
     "--add-qkv-bias": SWITCH, "--rotary-base": STR, "--norm-epsilon": STR,
     "--use-megatron-fsdp": SWITCH, "--data-parallel-sharding-strategy": STR,
     "--expert-model-parallel-size": INT, "--num-experts": INT,
+    # the model's definition beyond its sizes (planner.interop.megatron_model checks them)
+    "--kv-channels": INT, "--qk-layernorm": SWITCH, "--rotary-percent": STR,
+    "--squared-relu": SWITCH, "--openai-gelu": SWITCH, "--quick-geglu": SWITCH,
+    "--apply-layernorm-1p": SWITCH, "--window-size": STR, "--window-attn-skip-freq": STR,
+    "--use-rope-scaling": SWITCH, "--rope-scaling-factor": STR, "--no-position-embedding": SWITCH,
+    # other names of the stage flags above (ALIASES)
+    "--virtual-pipeline-model-parallel-size": INT, "--num-layers-in-first-pipeline-stage": INT,
+    "--num-layers-in-last-pipeline-stage": INT,
+    # numerics that leave the model and its price as they are (NUMERICS says why)
+    "--apply-query-key-layer-scaling": SWITCH, "--rotary-interleaved": SWITCH,
+}
+# Names of one setting: Megatron-LM's older or newer flag -> the one read here
+ALIASES = {"--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank",
+           "--num-layers-in-first-pipeline-stage": "--decoder-first-pipeline-num-layers",
+           "--num-layers-in-last-pipeline-stage": "--decoder-last-pipeline-num-layers"}
+NUMERICS = {
+    "--apply-query-key-layer-scaling": "scales the attention scores down by the layer number "
+                                       "(fp16 range) and back up in the softmax: the same model; "
+                                       "not priced differently",
+    "--rotary-interleaved": "rotates interleaved pairs of each head's dimensions: not checked "
+                            "against the model (fxpar does not read which dimensions its rotary "
+                            "pairs); not priced differently",
 }
 # Flags that do not change what fxpar prices (optimizer settings, data, logging, checkpoints,
 # kernels and overlaps fxpar's cost model does not distinguish).
@@ -115,7 +139,31 @@ def read_megatron_flags(text: str) -> tuple[dict, list[str]]:
         if name in values and values[name] != value:
             raise ValueError(f"{name} is given twice ({values[name]!r} and {value!r})")
         values[name] = value
-    return values, ignored
+    return _one_name(values), ignored
+
+
+def _one_name(values: dict) -> dict:
+    """Each setting under the name read here, whichever of Megatron-LM's names gave it (the
+    name given kept under WRITTEN, for the messages)."""
+    out, written = dict(values), {}
+    for alias, name in ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if name in out and out[name] != value:
+            raise ValueError(f"{alias} {value} and {name} {out[name]} name one setting: give "
+                             f"one")
+        out[name], written[name] = value, alias
+    out[WRITTEN] = written
+    return out
+
+
+WRITTEN = "written names"  # not a flag: {flag read here: the other name it was given as}
+
+
+def _name(f: dict, flag: str) -> str:
+    """The flag as the configuration wrote it."""
+    return f.get(WRITTEN, {}).get(flag, flag)
 
 
 def parse_layout(text: str, layers: int, pp: int) -> list[int]:
@@ -166,8 +214,7 @@ def _slots(layers: int, stages: int, embed: bool, loss: bool, why: str) -> list[
 def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=None,
                            ours_batch=None, ours_zero1=False) -> Imported:
     f, ignored = read_megatron_flags(text)
-    notes: list[str] = []
-    _megatron_model_checks(f, facts, notes)
+    notes: list[str] = [f"{flag} {NUMERICS[flag]}" for flag in NUMERICS if flag in f]
     if f.get("--expert-model-parallel-size", 1) > 1 or "--num-experts" in f:
         flag = "--num-experts" if "--num-experts" in f else "--expert-model-parallel-size"
         raise ValueError(f"{flag}: fxpar plans dense models (no experts)")
@@ -187,6 +234,7 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
             f["--max-position-embeddings"] < seq:
         raise ValueError(f"--max-position-embeddings {f['--max-position-embeddings']} is below "
                          f"the sequence length {seq}")
+    model_check(f, facts, seq, notes)
     batch = sized("--global-batch-size", f.get("--global-batch-size"), ours_batch,
                    "--global-batch")
     if batch is None:
@@ -238,97 +286,40 @@ def _megatron_zero(f: dict) -> int:
     return 1 if f.get("--use-distributed-optimizer") else 0
 
 
-def _megatron_model_checks(f: dict, facts: ModelFacts, notes: list[str]) -> None:
-    agree("--num-layers", f.get("--num-layers"), facts.layers, facts, "number of layers")
-    agree("--hidden-size", f.get("--hidden-size"), facts.hidden, facts, "hidden size")
-    agree("--ffn-hidden-size", f.get("--ffn-hidden-size"), facts.ffn, facts, "MLP width")
-    agree("--num-attention-heads", f.get("--num-attention-heads"), facts.heads, facts,
-           "number of attention heads")
-    if "--num-query-groups" in f or f.get("--group-query-attention"):
-        groups = f.get("--num-query-groups", 1) if f.get("--group-query-attention") else \
-            facts.heads
-        agree("--num-query-groups", groups, facts.kv_heads, facts, "number of key/value heads")
-    agree("--vocab-size", f.get("--vocab-size"), facts.vocab, facts, "vocabulary")
-    llama = facts.arch == "llama"
-    if f.get("--swiglu") and not llama:
-        raise ValueError(f"--swiglu contradicts the model {facts.name}, whose MLP is GELU")
-    norm = f.get("--normalization")
-    if norm is not None and norm not in ("LayerNorm", "RMSNorm"):
-        raise ValueError(f"--normalization {norm!r}: Megatron-LM knows LayerNorm and RMSNorm")
-    if norm is not None and (norm == "RMSNorm") != llama:
-        raise ValueError(f"--normalization {norm} contradicts the model {facts.name}, which "
-                         f"uses {'RMSNorm' if llama else 'LayerNorm'}")
-    position = f.get("--position-embedding-type")
-    if f.get("--use-rotary-position-embeddings"):
-        position = "rope"
-    if position is not None and (position == "rope") != llama:
-        raise ValueError(f"--position-embedding-type {position} contradicts the model "
-                         f"{facts.name}, which uses "
-                         f"{'rotary' if llama else 'learned absolute'} positions")
-    _definition_checks(f, facts)
-    if "--num-layers" in f and f.get("--untie-embeddings-and-output-weights") == facts.tie:
-        notes.append(f"the flags {'untie' if not facts.tie else 'tie'} the embedding and output "
-                     f"weights, the model {facts.name} does not: priced as the model")
-
-
-def _definition_checks(f: dict, facts: ModelFacts) -> None:
-    """Biases, rotary base and norm epsilon the flags state must be the model's (where the
-    model says; a preset leaves them to the family's usual)."""
-    if "--num-layers" not in f:
-        return  # flags of the parallel layout only: they do not define the model
-    bias = not f.get("--disable-bias-linear")
-    if facts.linear_bias is not None and bias != facts.linear_bias:
-        raise ValueError(f"{'--disable-bias-linear' if not bias else 'biases (no --disable-bias-linear)'} "
-                         f"contradicts the model {facts.name}, whose linears "
-                         f"{'have' if facts.linear_bias else 'have no'} biases")
-    qkv = bias or bool(f.get("--add-qkv-bias"))
-    if facts.qkv_bias is not None and qkv != facts.qkv_bias:
-        raise ValueError(f"{'--add-qkv-bias' if qkv else 'no q/k/v biases'} contradicts the "
-                         f"model {facts.name}, whose q/k/v projections "
-                         f"{'have' if facts.qkv_bias else 'have no'} biases")
-    for flag, own, what in (("--rotary-base", facts.rope_theta, "rotary base"),
-                            ("--norm-epsilon", facts.norm_eps, "norm epsilon")):
-        if flag in f:
-            try:
-                given = float(f[flag])
-            except ValueError:
-                raise ValueError(f"{flag}: expected a number, got {f[flag]!r}") from None
-            if own is not None and abs(given - own) > 1e-9 * abs(own):
-                raise ValueError(f"{flag} {f[flag]} contradicts the model {facts.name}, whose "
-                                 f"{what} is {own:g}")
-
-
 def _megatron_stages(f: dict, layers: int, pp: int) -> list[int]:
     vflags = [k for k in ("--num-layers-per-virtual-pipeline-stage",
                           "--num-virtual-stages-per-pipeline-rank",
                           "--pipeline-model-parallel-layout") if k in f]
     if len(vflags) > 1:
-        raise ValueError(f"{vflags[0]} and {vflags[1]} are exclusive (Megatron-LM accepts one)")
+        raise ValueError(f"{_name(f, vflags[0])} and {_name(f, vflags[1])} are exclusive "
+                         f"(Megatron-LM accepts one)")
     embed = bool(f.get("--account-for-embedding-in-pipeline-split"))
     loss = bool(f.get("--account-for-loss-in-pipeline-split"))
     first, last = (f.get("--decoder-first-pipeline-num-layers"),
                    f.get("--decoder-last-pipeline-num-layers"))
+    ends_given = " and ".join(_name(f, k) for k in ("--decoder-first-pipeline-num-layers",
+                                                    "--decoder-last-pipeline-num-layers") if k in f)
     if "--pipeline-model-parallel-layout" in f:
         for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                      "--account-for-embedding-in-pipeline-split",
                      "--account-for-loss-in-pipeline-split"):
             if flag in f:
-                raise ValueError(f"{flag} contradicts --pipeline-model-parallel-layout, which "
-                                 f"places every layer")
+                raise ValueError(f"{_name(f, flag)} contradicts "
+                                 f"--pipeline-model-parallel-layout, which places every layer")
         return parse_layout(f["--pipeline-model-parallel-layout"], layers, pp)
     if first is not None or last is not None:
         if vflags or embed or loss:
-            other = vflags[0] if vflags else ("--account-for-embedding-in-pipeline-split" if embed
-                                              else "--account-for-loss-in-pipeline-split")
-            raise ValueError(f"--decoder-first/last-pipeline-num-layers with {other}: give the "
-                             f"stages as --pipeline-model-parallel-layout")
+            other = _name(f, vflags[0]) if vflags else (
+                "--account-for-embedding-in-pipeline-split" if embed
+                else "--account-for-loss-in-pipeline-split")
+            raise ValueError(f"{ends_given} with {other}: give the stages as "
+                             f"--pipeline-model-parallel-layout")
         ends = (first or 0) + (last or 0)
         middle = pp - (first is not None) - (last is not None)
         rest = layers - ends
         if rest < 0 or (middle and rest % middle) or (not middle and rest):
-            raise ValueError(f"--decoder-first/last-pipeline-num-layers {first}/{last} leave "
-                             f"{rest} layers for {middle} middle stages of "
-                             f"--pipeline-model-parallel-size {pp}")
+            raise ValueError(f"{ends_given} {first}/{last} leave {rest} layers for {middle} "
+                             f"middle stages of --pipeline-model-parallel-size {pp}")
         each = rest // middle if middle else 0
         counts = [each] * pp
         if first is not None:

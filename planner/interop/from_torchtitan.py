@@ -1,8 +1,11 @@
 """A torchtitan TOML file as a `planner.interop.configuration.Configuration` (see planner.interop.price_imported): the
 parallelism degrees, the pipeline's split points or model parts and schedule (a schedule CSV
-included), and activation checkpointing."""
+included), and activation checkpointing; beside them, torch.compile as the runtime profile to
+price under (torchtitan-compile), and what fxpar does not price (float8 converters, async tensor
+parallelism, ...) as notes, the rest listed as ignored."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import replace
@@ -33,9 +36,30 @@ TORCHTITAN_FIELDS = {
                  "mixed_precision_param", "mixed_precision_reduce", "compile", "gc_freq",
                  "gc_debug", "seed", "deterministic", "warmup_steps"},
 }
+# Fields read into the configuration or a note; the others of TORCHTITAN_FIELDS are listed as
+# ignored (data, steps, seeds: no effect on the price) unless NOTED says what fxpar does instead
+READ = {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+        "pipeline_parallel_degree", "context_parallel_degree", "pipeline_parallel_schedule",
+        "pipeline_parallel_schedule_csv", "pipeline_parallel_split_points",
+        "pipeline_parallel_layers_per_stage", "pipeline_parallel_microbatch_size",
+        "module_fqns_per_model_part", "disable_loss_parallel", "expert_parallel_degree",
+        "enable_async_tensor_parallel", "fsdp_reshard_after_forward", "mode",
+        "selective_ac_option", "local_batch_size", "batch_size", "global_batch_size", "seq_len",
+        "compile", "mixed_precision_param", "mixed_precision_reduce", "enable_cpu_offload"}
+NOTED = {
+    "pipeline_parallel_first_stage_less_layers": "not read: the stages are priced as the split "
+                                                 "points, or an even spread, place them",
+    "pipeline_parallel_last_stage_less_layers": "not read: the stages are priced as the split "
+                                                "points, or an even spread, place them",
+    "enable_compiled_autograd": "not priced differently",
+    "context_parallel_rotate_method": "priced as fxpar's ring attention, whatever the method",
+    "per_op_sac_force_recompute_mm_shapes_by_fqns": "not priced: fxpar's selective "
+                                                    "recomputation keeps every matmul's output",
+}
 TORCHTITAN_IGNORED = {"job", "profiling", "metrics", "model", "optimizer", "lr_scheduler",
                       "checkpoint", "float8", "mx", "comm", "memory_estimation",
                       "fault_tolerance", "experimental", "validation", "compile", "quantize"}
+LOW_PRECISION = ("float8", "mx", "quantize")  # sections of low-precision training
 TORCHTITAN_SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved-1f1b"}
 SINGLE_STAGE = {"1f1b", "gpipe", "pipelineschedulesingle"}
 
@@ -74,7 +98,8 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     ignored = []
     for section, body in data.items():
         if section in TORCHTITAN_IGNORED:
-            ignored.append(f"[{section}]")
+            if section not in ("model", "compile") + LOW_PRECISION:  # those: _beside_layout
+                ignored.append(f"[{section}]")
             continue
         if section not in TORCHTITAN_FIELDS:
             raise ValueError(f"unknown torchtitan section [{section}] in {path}")
@@ -83,8 +108,6 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
         for name in body:
             if name not in TORCHTITAN_FIELDS[section]:
                 raise ValueError(f"unknown torchtitan field [{section}] {name} in {path}")
-    if any(k in data for k in ("float8", "mx")):
-        notes.append("[float8]/[mx]: low-precision matmuls are not priced (fxpar prices bf16)")
     get = lambda name, kind, default=None: _field(data, "parallelism", name, kind,  # noqa: E731
                                                   default)
     replicate = get("data_parallel_replicate_degree", int, 1)
@@ -156,6 +179,7 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
         mb = local if local is not None else 1
     if batch is None:
         raise ValueError("give a batch size: [training] local_batch_size or --global-batch")
+    runtime = _beside_layout(data, tp, shard, notes, ignored)
     if tp > 1 and get("disable_loss_parallel", bool, False):
         notes.append("disable_loss_parallel = true gathers the logits before the loss; priced "
                      "as fxpar's vocabulary-parallel head")
@@ -169,7 +193,71 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
         config = replace(config, split_backward="record")
     elif schedule == "zb-h1":
         notes.append(recorded_with_recompute())
-    return Imported("torchtitan", config, seq, batch, zero1, notes, ignored, recompute)
+    return Imported("torchtitan", config, seq, batch, zero1, notes, ignored, recompute, runtime)
+
+
+def _beside_layout(data: dict, tp: int, shard: int, notes: list[str], ignored: list[str]):
+    """What the file says beside the layout: compile (the runtime profile to price under,
+    returned), low-precision matmuls, async tensor parallelism and the other fields, each a
+    note or listed as ignored."""
+    compiled = _compiled(data, ignored)
+    _low_precision(data, notes, ignored)
+    if _field(data, "parallelism", "enable_async_tensor_parallel", bool, False):
+        notes.append("enable_async_tensor_parallel = true (tensor-parallel collectives overlapped "
+                     "with their matmuls): " + (
+                         "not priced: fxpar's torchtitan profiles wait on each tensor-parallel "
+                         "collective" if tp > 1 else "no effect at tensor_parallel_degree = 1"))
+    if shard > 1 and _field(data, "parallelism", "fsdp_reshard_after_forward", str) == "never":
+        notes.append("fsdp_reshard_after_forward = \"never\" keeps the gathered weights from "
+                     "forward to backward: priced as FSDP gathering them again")
+    if _field(data, "training", "mixed_precision_param", str, "bfloat16") != "bfloat16":
+        notes.append(f"[training] mixed_precision_param = "
+                     f"\"{data['training']['mixed_precision_param']}\": priced in bfloat16")
+    if _field(data, "training", "mixed_precision_reduce", str, "float32") != "float32":
+        notes.append(f"[training] mixed_precision_reduce = "
+                     f"\"{data['training']['mixed_precision_reduce']}\": priced as fxpar reduces "
+                     f"gradients, in float32")
+    if _field(data, "training", "enable_cpu_offload", bool, False):
+        notes.append("[training] enable_cpu_offload = true: not priced (fxpar keeps the weights "
+                     "and optimizer states on the GPU)")
+    for section in TORCHTITAN_FIELDS:
+        for name in data.get(section, {}):
+            if name in NOTED:
+                notes.append(f"[{section}] {name}: {NOTED[name]}")
+            elif name not in READ:
+                ignored.append(f"[{section}] {name}")
+    return "torchtitan-compile" if compiled else None
+
+
+def _compiled(data: dict, ignored: list[str]) -> bool:
+    """[compile] enable (with the model among its components), or the older [training]
+    compile: torch.compile, which fxpar prices with its torchtitan-compile profile."""
+    section = data.get("compile", {})
+    if not isinstance(section, dict):
+        raise ValueError("[compile] must be a table")
+    enable = _field(data, "compile", "enable", bool, False)
+    components = _field(data, "compile", "components", list, ["model", "loss"])
+    ignored += [f"[compile] {name}" for name in section if name not in ("enable", "components")]
+    return (enable and "model" in components) or _field(data, "training", "compile", bool, False)
+
+
+def _low_precision(data: dict, notes: list[str], ignored: list[str]) -> None:
+    model = data.get("model", {})
+    if not isinstance(model, dict):
+        raise ValueError("[model] must be a table")
+    converters = _field(data, "model", "converters", list, [])
+    low = [c for c in converters if str(c).startswith(("float8", "mx"))]
+    said = [f"[{s}]" for s in LOW_PRECISION if s in data]
+    if low or said:
+        given = ", ".join(([f"[model] converters = {json.dumps(low)}"] if low else []) + said)
+        notes.append(f"{given}: low-precision (float8/MX) matmuls are not priced: fxpar prices "
+                     f"them in bf16")
+    if set(converters) - set(low):
+        notes.append(f"[model] converters {json.dumps(sorted(set(converters) - set(low)))}: "
+                     f"not priced")
+    other = [name for name in model if name != "converters"]
+    if other:
+        ignored.append(f"[model] {', '.join(other)} (the model comes from --model/--hf-config)")
 
 
 def _torchtitan_pipeline(data, path, layers, pp, local, batch, dp, notes):

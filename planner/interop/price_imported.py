@@ -9,10 +9,12 @@ would build: Megatron-LM's even split, `--decoder-first/last-pipeline-num-layers
 Recomputation is placed per layer as the framework places it (Megatron's block method: the first
 k layers of each stage; torchtitan's integer option: every n-th layer of a rank).
 
-The model comes from --model (with fxpar's size flags) or --hf/--hf-config. Flags that describe
-the model (--num-layers, --hidden-size, --ffn-hidden-size, --num-attention-heads,
---num-query-groups, --vocab-size, --swiglu, --normalization, --position-embedding-type) must
-agree with it: a contradiction is an error naming the flag. Flags that size the training run
+The model comes from --model (with fxpar's size flags) or --hf/--hf-config. Megatron-LM flags
+that define the model (sizes, --kv-channels, --swiglu, --normalization, --qk-layernorm, positions,
+biases, --rotary-base, --norm-epsilon, the window, tying) must be the model, each given or implied
+by its absence (planner.interop.megatron_model): a contradiction is an error naming the flag;
+flags of the parallel layout alone are priced as the model, which a note says. torchtitan's
+compile prices both plans under the torchtitan-compile profile. Flags that size the training run
 (--seq-length, --global-batch-size; torchtitan's seq_len and batch sizes) set it, unless fxpar's
 own --seq or --global-batch says otherwise (an error). Flags that do not change the price
 (learning rate, data paths, logging, ...) are listed as ignored; any other flag is an error
@@ -23,7 +25,7 @@ from __future__ import annotations
 import argparse
 
 from cost_model.layers.strategy import Strategy
-from planner.interop.emit import model_of_args, pricer_of_args
+from planner.interop.emit import model_of_args, pricer_of_args, runtime_of_args
 from planner.interop.round_trip import cmd_emit
 from planner.report.explain import binding_constraint, diff, explain
 from planner.interop.from_megatron import megatron_configuration
@@ -45,6 +47,18 @@ def _describe(imp: Imported) -> str:
             f"recomputation {imp.recompute} (as --fix {c.fix_text()}, the stages as given)")
 
 
+def _runtime_note(imp: Imported, runtime: str) -> None:
+    """Say which runtime profile prices a compiled configuration (both plans alike)."""
+    if imp.runtime is None:
+        return
+    if runtime == imp.runtime:
+        imp.notes.append(f"torch.compile ([compile] enable = true): priced under the {runtime} "
+                         f"runtime profile (pointwise chains fused), fxpar's plan too")
+    else:
+        imp.notes.append(f"torch.compile ([compile] enable = true): priced under the {runtime} "
+                         f"runtime profile (--runtime, or CPU ranks), not {imp.runtime}")
+
+
 def cmd_import(args) -> int:
     _, _, facts = model_of_args(args)
     if args.from_torchtitan:
@@ -53,7 +67,9 @@ def cmd_import(args) -> int:
     else:
         imp = megatron_configuration(args.from_megatron, facts, args.gpus, args.seq,
                                      args.global_batch, args.zero1)
-    pricer, _ = pricer_of_args(args, seq=imp.seq, global_batch=imp.global_batch, zero1=imp.zero1)
+    pricer, _ = pricer_of_args(args, seq=imp.seq, global_batch=imp.global_batch, zero1=imp.zero1,
+                               runtime=imp.runtime)
+    _runtime_note(imp, runtime_of_args(args, imp.runtime))
     theirs = pricer.price(imp.config)
     plans = pricer.best(top_k=args.top_k if args.explain else 1, fix=args.fix)
     ours = plans[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.interop.emit import ModelFacts
 from planner.interop.configuration import Configuration
 
 
@@ -19,6 +18,7 @@ class Imported:
     notes: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     recompute: str = "none"                      # how the source states it, for the summary
+    runtime: str | None = None                   # the runtime profile it runs (compiled: its own)
 
 
 def positive(flag: str, value, what: str = "a positive integer") -> int:
@@ -26,12 +26,6 @@ def positive(flag: str, value, what: str = "a positive integer") -> int:
             not str(value).strip().isdigit() or int(value) < 1:
         raise ValueError(f"{flag}: expected {what}, got {value!r}")
     return int(value)
-
-
-def agree(flag: str, given, model_value, facts: ModelFacts, what: str) -> None:
-    if given is not None and given != model_value:
-        raise ValueError(f"{flag} {given} contradicts the model {facts.name}, whose {what} is "
-                         f"{model_value} (the model comes from --model/--hf-config)")
 
 
 def sized(flag: str, given: int | None, ours: int | None, ours_flag: str) -> int | None:

@@ -2,7 +2,8 @@
 mesh, sharding level, schedule and strategy, `--emit megatron|torchtitan` either says "expressed
 exactly" - and then the output read back (--from-*) prices that very plan - or names what it
 cannot express and prints the nearest configuration's price, which reading the output back
-reproduces. Derandomized and bounded: the same 80 draws every run."""
+reproduces, whether it converts the plan or plans among the layouts the target states.
+Derandomized and bounded: the same 80 draws every run."""
 import functools
 import re
 
@@ -54,7 +55,9 @@ def test_emit_read_back_is_the_plan_or_its_stated_nearest(case, target):
     except ValueError as err:  # a fix the planner refuses (PlanningError): not this property
         event(f"refused: {str(err)[:60]}")
         assume(False)
-    text, table = emit_checked(target, plan, pricer, facts, csv_path="schedule.csv")
+    # as `fxpar plan --emit` runs it: where the target cannot state the plan, it plans among the
+    # layouts the target states (planner.interop.expressible)
+    text, table = emit_checked(target, plan, pricer, facts, csv_path="schedule.csv", fix=fix)
     assert "prices another plan" not in text, text
     if "expressed exactly: read back, it prices this very plan" in text:
         event(f"{target}: exact")
@@ -62,7 +65,10 @@ def test_emit_read_back_is_the_plan_or_its_stated_nearest(case, target):
     event(f"{target}: nearest")
     printed = float(NEAREST.search(text).group(1))
     assert "not expressible" in text
-    # the nearest configuration, read back, is what the header priced
-    assert read_back(target, text, plan, pricer, facts, table, "schedule.csv") != ""
+    # the nearest configuration, read back, is what the header priced; it is another plan but
+    # where what differs is only how torchtitan runs it (its recorded split backward through
+    # recomputed layers, which fxpar prices as the walk its plan has)
+    if "fxpar prices recording only without recomputation" not in text:
+        assert read_back(target, text, plan, pricer, facts, table, "schedule.csv") != ""
     back = pricer.price(read(target, text, pricer, facts, table, "schedule.csv").config)
     assert back.iteration_s == pytest.approx(printed, rel=2e-3)

@@ -45,13 +45,8 @@ def test_emit_is_exact_by_its_round_trip_or_says_what_differs(capsys, model, kin
     """Every plan kind × model family × trainer: the header says "expressed exactly" only where
     the output read back prices the same plan (the emitter reads it back itself), and otherwise
     names what the target cannot express with the nearest configuration's price."""
-    if model == "gpt2" and "tp" in kind:
-        # GPT-2's lookup reads a view of the ids: fxpar keeps its ends whole under tp, which
-        # neither target can state: refused in one line, naming why
-        text = _emit(capsys, MODELS[model], PLAN_KINDS[kind], target, status=2)
-        assert "cannot be split over the vocabulary at tp=2 (layer embed: not vocabulary-" \
-            "parallel" in text and "cannot price their configuration" in text
-        return
+    # (GPT-2's lookup reads a view of the ids: fxpar keeps its ends whole under tp, which
+    # neither target states; the emit plans at a tp whose ends split and says why)
     text = _emit(capsys, MODELS[model], PLAN_KINDS[kind], target)
     head = [line for line in text.splitlines() if line.startswith("#")]
     exact = any(ROUND_TRIP_EXACT in line for line in head)
@@ -146,11 +141,13 @@ def test_megatron_states_and_reads_the_model_definition(capsys):
                  "--norm-epsilon 1e-06", "--untie-embeddings-and-output-weights"):
         assert flag in text
     base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --micro-batch-size 1 "
-            "--disable-bias-linear --add-qkv-bias --rotary-base 1000000")
+            "--disable-bias-linear --add-qkv-bias --rotary-base 1000000 --swiglu --normalization "
+            "RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --group-query-attention "
+            "--num-query-groups 2 --untie-embeddings-and-output-weights")
     assert megatron_configuration(base, facts, 2).config.dp == 2
     with pytest.raises(ValueError, match="--rotary-base 10000 contradicts"):
         megatron_configuration(base.replace("1000000", "10000"), facts, 2)
-    with pytest.raises(ValueError, match="no q/k/v biases contradicts"):
+    with pytest.raises(ValueError, match="--disable-bias-linear contradicts the model"):
         megatron_configuration(base.replace(" --add-qkv-bias", ""), facts, 2)
 
 
@@ -319,8 +316,8 @@ def test_megatron_tensor_and_sequence_parallel_of_a_hf_model_is_priced(capsys):
     """The configurations refused before: tp=2 of a Hugging Face model (its vocabulary-parallel
     loss reads the logits through a float upcast) and tp=2 with --sequence-parallel."""
     _, path = _qwen2_facts()
-    flags = ("--tensor-model-parallel-size 2 --sequence-parallel --disable-bias-linear "
-             "--add-qkv-bias --micro-batch-size 1 --global-batch-size 8 --seq-length 32")
+    flags = ("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 "
+             "--global-batch-size 8 --seq-length 32")
     assert main(["plan", "--hf-config", path, "--gpus", "4", "--cluster", "cpu-gloo",
                  "--from-megatron", flags]) == 0
     out = capsys.readouterr().out
