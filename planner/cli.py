@@ -440,33 +440,8 @@ def _bench_memory(args, plans) -> int:
 
 
 def cmd_validate(args) -> int:
-    """Price every published measured run (planner.bench.published) under the runtime that ran
-    it and compare; --fit first fits the runtime profiles' terms on the rows, --cross-validate
-    also prices each source with terms fitted without it (planner.bench.published_fit)."""
-    from planner.bench.published import csv_files, read_rows, select, validate
-    from planner.bench.published_fit import cross_validate, fit_all, fit_text
-    from planner.bench.published_report import (cross_validation_report, folds_json, report,
-                                                to_json)
-    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    runtimes, fits = None, []
-    rows = select([r for path in (args.csv or csv_files()) for r in read_rows(path)],
-                  args.match)
-    if (args.fit or args.cross_validate) and args.cluster:
-        raise ValueError("--fit and --cross-validate price each row on the hardware its file "
-                         "names: drop --cluster")
-    if args.fit or args.cross_validate:
-        runtimes, fitted = fit_all(rows, progress=progress)
-        fits = [fit_text(f) for f in fitted]
-    result = validate(args.cluster, args.csv, args.match, progress=progress, runtimes=runtimes)
-    folds = cross_validate(rows, progress=progress, base=(runtimes, fitted)) \
-        if args.cross_validate else []
-    if args.json:
-        data = to_json(result) | ({"cross_validation": folds_json(folds)} if folds else {})
-        print(json.dumps(data | {"fits": fits}, indent=2))
-        return 0
-    text = [report(result)] + ([cross_validation_report(result, folds)] if folds else [])
-    print("\n\n".join(["\n".join(fits)] * bool(fits) + text))
-    return 0
+    from planner.bench.published_report import cmd_validate as run
+    return run(args)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -585,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "SUBSTRING (case-insensitive)")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
     v.set_defaults(func=cmd_validate)
-    _train_parsers(sub)
+    from planner.training.commands import train_parsers
+    train_parsers(sub, EXAMPLES["train"])
     sub.add_parser("calibrate", help="measure this machine and write a cluster profile "
                    "(fxpar calibrate --help)")
     return parser
@@ -599,52 +575,6 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(lambda args: calibrate_main(args, runtime=RuntimeProbe()), argv[1:])
     args = build_parser().parse_args(argv)
     return _guarded(args.func, args)
-
-
-def _train_parsers(sub) -> None:
-    """`fxpar train` and `fxpar data` (planner.training.launch, planner.training.prepare)."""
-    t = sub.add_parser("train", help="train on token files from a CONFIG.toml (the ranks "
-                       "started here by torchrun's engine; restarts re-plan)",
-                       epilog=EXAMPLES["train"],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("config", metavar="CONFIG.toml")
-    t.add_argument("overrides", nargs=argparse.REMAINDER, metavar="--SECTION.KEY VALUE",
-                   help="override any key of the config; also --nproc-per-node N, "
-                        "--max-restarts R, and --check (check config, data and plan only)")
-    t.set_defaults(func=_cmd_train)
-    d = sub.add_parser("data", help="tokenize text into the files fxpar train reads")
-    dsub = d.add_subparsers(dest="data_command", required=True)
-    prep = dsub.add_parser("prepare", help="text files or folders -> train.bin, val.bin, "
-                           "header.json (uint16 / uint32 token ids)")
-    prep.add_argument("inputs", nargs="+", metavar="TEXT", help="files, or folders searched "
-                      "recursively for --include")
-    prep.add_argument("--out", required=True, metavar="DIR")
-    prep.add_argument("--tokenizer", default="byte", help="byte (built in, vocabulary 256) or "
-                      "a Hugging Face tokenizer folder")
-    prep.add_argument("--val-fraction", type=float, default=0.01,
-                      help="share of the documents held out for validation")
-    prep.add_argument("--include", default="*.txt,*.md,*.rst,*.py",
-                      help="file name patterns to read in folders (comma-separated)")
-    prep.add_argument("--exclude", default="", help="path patterns below the folder to "
-                      "leave out (comma-separated, e.g. '*test*')")
-    prep.add_argument("--max-bytes", type=int, default=0, help="stop after this much text "
-                      "(0: all)")
-    info = dsub.add_parser("info", help="what a token folder holds; checks its files")
-    info.add_argument("folder", metavar="DIR")
-    d.set_defaults(func=_cmd_data)
-
-
-def _cmd_train(args) -> int:
-    from planner.training.config import load
-    from planner.training.launch import launch
-    overrides = [a for a in args.overrides if a != "--check"]
-    return launch(args.config, overrides, load(args.config, overrides),
-                  check=len(overrides) != len(args.overrides))
-
-
-def _cmd_data(args) -> int:
-    from planner.training.prepare import cmd_data
-    return cmd_data(args)
 
 
 def _cmd_export(args) -> int:

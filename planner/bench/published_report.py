@@ -171,3 +171,34 @@ def folds_json(folds) -> list[dict]:
              "fits": [{"family": x.family, "rows": x.rows, "compute_share": x.after[0],
                        "host_op_s": x.after[1]} for x in f.fits],
              "rows": [_result_json(r) for r in f.results]} for f in folds]
+
+
+def cmd_validate(args) -> int:
+    """Price every published measured run (planner.bench.published) under the runtime that ran
+    it and compare; --fit first fits the runtime profiles' terms on the rows, --cross-validate
+    also prices each source with terms fitted without it (planner.bench.published_fit)."""
+    import json
+    import sys
+
+    from planner.bench.published import csv_files, read_rows, select, validate
+    from planner.bench.published_fit import cross_validate, fit_all, fit_text
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    runtimes, fits = None, []
+    rows = select([r for path in (args.csv or csv_files()) for r in read_rows(path)],
+                  args.match)
+    if (args.fit or args.cross_validate) and args.cluster:
+        raise ValueError("--fit and --cross-validate price each row on the hardware its file "
+                         "names: drop --cluster")
+    if args.fit or args.cross_validate:
+        runtimes, fitted = fit_all(rows, progress=progress)
+        fits = [fit_text(f) for f in fitted]
+    result = validate(args.cluster, args.csv, args.match, progress=progress, runtimes=runtimes)
+    folds = cross_validate(rows, progress=progress, base=(runtimes, fitted)) \
+        if args.cross_validate else []
+    if args.json:
+        data = to_json(result) | ({"cross_validation": folds_json(folds)} if folds else {})
+        print(json.dumps(data | {"fits": fits}, indent=2))
+        return 0
+    text = [report(result)] + ([cross_validation_report(result, folds)] if folds else [])
+    print("\n\n".join(["\n".join(fits)] * bool(fits) + text))
+    return 0

@@ -277,10 +277,8 @@ class _Bucket:
             return
         _count("reduce_scatter", self.nbytes, self.n)
         if self.grad_full is None and collectives.backend(group) == "gloo":
-            # gloo's reduce_scatter_tensor all-reduces a clone of its input and copies this
-            # rank's chunk out: one more whole-sized buffer while in flight. The flat copy of
-            # levels 2-3 is this bucket's own, so it is all-reduced in place instead: the same
-            # sums and traffic, without the clone.
+            # gloo's reduce_scatter_tensor all-reduces a clone of its input; levels 2-3 own
+            # `flat`, so all-reduce it in place: the same sums and traffic, no clone.
             work = dist.all_reduce(flat, group=group, async_op=True)
             out = flat[self.lo:self.lo + self.shard_len]
         else:
