@@ -11,25 +11,44 @@ import sys
 import pulp
 
 
-def run(prob: pulp.LpProblem, solver: str, time_limit_s: float,
-         gap: float) -> tuple[str, float, float]:
-    """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a time limit stopped it).
+NODE_LIMIT = 1000   # branch-and-bound nodes per ILP (README's "Planning is deterministic")
+
+
+def run(prob: pulp.LpProblem, solver: str, time_limit_s: float, gap: float,
+        node_limit: int = NODE_LIMIT) -> tuple[str, float, float, str]:
+    """Solve; read pulp's sol_status (LpStatus says "Optimal" even when a limit stopped it).
     HiGHS (through highspy) is the default; CBC, which ships with pulp, is the fallback. `gap`
-    is the relative optimality gap at which the search may stop. Returns (status, gap, proven
-    lower bound on the objective — nan when the solver cannot say)."""
+    is the relative optimality gap at which the search may stop. The node limit stops a hard
+    ILP where it stops in every run (HiGHS's search is deterministic for a given model and
+    options); the time limit is a backstop, and a plan it stopped may differ from run to run.
+    Returns (status, gap, proven lower bound on the objective — nan when the solver cannot say,
+    "node limit" | "time limit" | "" : what stopped the search short of its gap)."""
     if solver == "highs" and pulp.HiGHS().available():
-        backend = _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
+        backend = _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, mip_max_nodes=node_limit)
     else:
-        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap)
+        backend = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap,
+                                    maxNodes=node_limit)
     with _quiet():
         prob.solve(backend)
+    stop = _stop(prob, backend)
     if prob.sol_status == pulp.LpSolutionOptimal:
-        return "optimal", 0.0, math.nan
+        return "optimal", 0.0, math.nan, ""
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "feasible", _info(prob, backend, "mip_gap"), _dual_bound(prob, backend)
-    if prob.status == pulp.LpStatusNotSolved:  # stopped (time limit) before any solution
-        return "unsolved", math.nan, _dual_bound(prob, backend)
-    return "infeasible", 0.0, math.inf
+        return "feasible", _info(prob, backend, "mip_gap"), _dual_bound(prob, backend), stop
+    if prob.status == pulp.LpStatusNotSolved:  # stopped before any solution
+        return "unsolved", math.nan, _dual_bound(prob, backend), stop
+    return "infeasible", 0.0, math.inf, ""
+
+
+def _stop(prob, backend) -> str:
+    try:
+        import highspy
+    except ImportError:   # CBC: pulp does not say which limit stopped it
+        return ""
+    model = getattr(backend, "solverModel", None) or getattr(prob, "solverModel", None)
+    status = model.getModelStatus() if isinstance(model, highspy.Highs) else None
+    return {highspy.HighsModelStatus.kSolutionLimit: "node limit",
+            highspy.HighsModelStatus.kTimeLimit: "time limit"}.get(status, "")
 
 
 class _HiGHS(pulp.HiGHS):
@@ -45,6 +64,20 @@ class _HiGHS(pulp.HiGHS):
         status, sol_status = self.findSolutionValues(lp)
         lp.assignStatus(status, sol_status)  # (pulp's resolve bookkeeping is not needed)
         return status
+
+    def findSolutionValues(self, lp):
+        """pulp's reading, and a stop at the node limit read as one at the time limit is."""
+        import highspy
+        model = lp.solverModel
+        if model.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
+            return super().findSolutionValues(lp)
+        values = model.getSolution().col_value
+        for var in lp.variables():
+            var.varValue = values[var.index]
+        feasible = int(highspy.SolutionStatus.kSolutionStatusFeasible)
+        if int(model.getInfo().primal_solution_status) == feasible:
+            return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+        return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
 
     def buildSolverModel(self, lp):
         import highspy

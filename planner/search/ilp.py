@@ -61,7 +61,7 @@ run, whole runs, then a prefix of another. With X[s,j] = Σ_{s' < s} Σ_{k ∈ K
 blocks before stage s, contiguity says: at each inner boundary s = 1..S−1 the blocks before it are
 the runs before some run j*, whole, and a part of run j*. The binaries y[s,j] = [j* = j] say so:
 
-  Σ_j y[s,j] = 1                                   ∀ 0 < s < S              `_add_order`
+  Σ_j y[s,j] = 1                                   ∀ 0 < s < S              `contiguity`
   X[s,j] ≤ N_j · Σ_{j' ≥ j} y[s,j']                 (no run-j block before the boundary if j > j*)
   X[s,j] ≥ N_j · Σ_{j' > j} y[s,j']                 (all of run j before it if j < j*)
 
@@ -77,6 +77,9 @@ fewer rows, so still a lower bound, and with y fractional they seldom raise it (
 some 0.1% lower), while their prefix sums X hold most of the nonzeros, O(S²·R), so the
 relaxation builds and solves in half the time. The times, memory and gradient terms are sums over
 options, whatever their run, so every other row is unchanged; min_k t_k in ρ* is over all kinds.
+Where a kind occurs in several runs (an alternating pattern), the runs of each kind are pooled
+and the boundaries placed by position instead (planner.search.contiguity): the same plans, without
+the equivalent choices of which of a stage's same-kind runs takes which strategy.
 
 (α, β) come from the schedule: 1F1B and GPipe (1, m − 1) — one micro-batch flows through every
 stage, the other m − 1 are paced by the slowest; interleaved 1F1B (0, m + (p − 1)/v); ZB-H1
@@ -124,7 +127,8 @@ from dataclasses import dataclass, replace
 
 import pulp
 
-from planner.search import highs
+from planner.search import contiguity, highs
+from planner.search.contiguity import BlockRun  # noqa: F401 - ilp.BlockRun is the interface
 from planner.search.linear import Lin as _Lin, add_row as _add_row, count as _count
 from planner.search.linear import lin_sum as _lin_sum, scaled as _scaled, var as _var
 from planner.search.rank_floor import busiest_rank_floor
@@ -157,19 +161,6 @@ class EndLayer:
     step_s: float = 0.0
     lazy_grad_bytes: float = 0.0  # BlockOption.lazy_grad_bytes
     record_bytes: float = 0.0     # BlockOption.record_bytes
-
-
-@dataclass(frozen=True)
-class BlockRun:
-    """N consecutive identical blocks of one kind and that kind's options (see the docstring)."""
-    kind: str
-    count: int
-    options: tuple[BlockOption, ...]
-
-    def __post_init__(self):
-        if self.count < 1 or not self.options:
-            raise ValueError(f"run of {self.kind!r} blocks needs count >= 1 and an option, got "
-                             f"count {self.count} and {len(self.options)} options")
 
 
 @dataclass(frozen=True)
@@ -214,6 +205,9 @@ class StageProblem:
     # per rank, the activation-set counts per local stage at its candidate peaks (`rank_moments`;
     # () : φ_r on every stage)
     moments: tuple = ()
+    # runs pooled by kind (contiguity.pooled): each block's run in model order; () : runs are
+    # in model order
+    order: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.runs:  # blocks and options follow from the runs; replace(runs=...) re-derives them
@@ -266,6 +260,7 @@ class Solution:
     gap: float
     seconds: float
     bound: float = math.nan               # proven lower bound on the optimum (nan: none known)
+    stop: str = ""                        # "node limit" | "time limit" | "" (highs.run)
 
 
 def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 30.0,
@@ -275,24 +270,28 @@ def solve(problem: StageProblem, objective: str = "time", time_limit_s: float = 
     finite cutoff (objective "time" only) just solutions below it count: status "cutoff" says
     there is none, whether or not the problem has a solution at all."""
     start = time.perf_counter()
+    pooled = contiguity.pooled(problem)
+    if pooled is not None:  # runs that repeat a kind: solved per kind, given back per run
+        solution = solve(pooled, objective, time_limit_s, solver, relax, gap, cutoff)
+        return _unpooled(problem, pooled, solution)
     if problem.blocks < max(0, problem.stages - 2):
         return Solution((), math.inf, "infeasible", 0.0, 0.0)
     cutoff = cutoff if objective == "time" and not relax else math.inf
     prob, n = _build(problem, objective, relax, cutoff)
     unit = _byte_unit(problem) if objective == "memory" else _time_unit(problem)
-    status, gap, bound = highs.run(prob, solver, time_limit_s, gap)
+    status, gap, bound, stop = highs.run(prob, solver, time_limit_s, gap)
     bound *= unit
     if status == "infeasible" and cutoff < math.inf:
         status, bound = "cutoff", cutoff
     if status not in ("optimal", "feasible"):
-        return Solution((), math.inf, status, 0.0, time.perf_counter() - start, bound)
+        return Solution((), math.inf, status, 0.0, time.perf_counter() - start, bound, stop)
     value = pulp.value(prob.objective) * unit
     if relax:
         return Solution((), value, "relaxed", 0.0, time.perf_counter() - start, value)
     counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
                    for s in range(problem.stages))
     bound = value if status == "optimal" else bound
-    return Solution(counts, value, status, gap, time.perf_counter() - start, bound)
+    return Solution(counts, value, status, gap, time.perf_counter() - start, bound, stop)
 
 
 def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0) -> Solution:
@@ -305,11 +304,15 @@ def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0)
     intended and wastes no compute. Returns `solution` itself if the second solve finds nothing."""
     if solution.status not in ("optimal", "feasible"):
         return solution
+    pooled = contiguity.pooled(problem)
+    if pooled is not None:
+        polished = polish(pooled, replace(solution, counts=()), time_limit_s)
+        return solution if not polished.counts else _unpooled(problem, pooled, polished)
     prob, n = _build(problem, "time", relax=False,
                      cutoff=solution.objective * (1 + 1e-9) + 1e-12)
     prob.setObjective(_lin_sum(_stage_time(problem, n, s)
                                for s in range(problem.stages)).affine())
-    status, _, _ = highs.run(prob, "highs", time_limit_s, 1e-6)
+    status, _, _, _ = highs.run(prob, "highs", time_limit_s, 1e-6)
     if status not in ("optimal", "feasible"):
         return solution
     counts = tuple(tuple(int(round(n[s, k].value() or 0)) for k in range(len(problem.options)))
@@ -320,9 +323,15 @@ def polish(problem: StageProblem, solution: Solution, time_limit_s: float = 1.0)
     return replace(solution, counts=counts, objective=value)
 
 
+def _unpooled(problem: StageProblem, pooled: StageProblem, solution: Solution) -> Solution:
+    if not solution.counts:
+        return solution
+    return replace(solution, counts=contiguity.unpooled(problem, pooled, solution.counts))
+
+
 def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = math.inf):
     """The pulp model of the module docstring, and its n[s,k] variables. The LP relaxation
-    (relax) leaves out the contiguity rows (`_add_order`): see the module docstring."""
+    (relax) leaves out the contiguity rows (`contiguity`): see the module docstring."""
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     cat = "Continuous" if relax else "Integer"
     n = {(s, k): _var(prob, f"n_{s}_{k}", problem.blocks, cat)
@@ -331,7 +340,7 @@ def _build(problem: StageProblem, objective: str, relax: bool, cutoff: float = m
     mems = [_rank_memory(problem, n, r) for r in range(problem.ranks)]
     _add_cover(prob, problem, n)
     if not relax:
-        _add_order(prob, problem, n, cat)
+        contiguity.add_order(prob, problem, n, cat)
     if objective == "time":
         rho = _add_bottleneck(prob, problem, times)
         sigma = _add_sync(prob, problem, n, times)
@@ -487,23 +496,6 @@ def _add_cover(prob, problem: StageProblem, n) -> None:
             break  # stages holding different kinds are not interchangeable
         if problem.stages == problem.ranks and problem.act_factor[s] == problem.act_factor[s + 1]:
             _add_row(prob, size[s], GE, size[s + 1], f"symmetry_{s}")
-
-
-def _add_order(prob, problem: StageProblem, n, cat: str = "Integer") -> None:
-    """Contiguity over runs (docstring: y[s,j] picks the run an inner boundary s falls in)."""
-    runs, ranges = problem.block_runs(), problem.run_options()
-    if len(runs) == 1:
-        return
-    before = [{} for _ in runs]  # X[s,j]: the run-j blocks of the stages before s, as {n: 1}
-    for s in range(1, problem.stages):
-        y = [_var(prob, f"y_{s}_{j}", 1, cat) for j in range(len(runs))]
-        _add_row(prob, _count(y), pulp.LpConstraintEQ, 1, f"boundary_{s}")
-        for j, (run, ks) in enumerate(zip(runs, ranges)):
-            before[j] = {**before[j], **dict.fromkeys((n[s - 1, k] for k in ks), 1)}
-            _add_row(prob, _Lin(before[j]), pulp.LpConstraintLE,
-                     run.count * _count(y[j:]), f"nothing_of_{j}_before_{s}")
-            _add_row(prob, _Lin(before[j]), pulp.LpConstraintGE,
-                     run.count * _count(y[j + 1:]), f"all_of_{j}_before_{s}")
 
 
 def rank_floor(problem: StageProblem) -> float:

@@ -28,7 +28,7 @@ from planner.search.costs import ModelCosts, PlanningError  # noqa: F401 - re-ex
 from planner.search.plan import Plan
 from planner.search.problem import (Candidate, Request, build_problem, comm_terms, least_sync,
                                     p2p_time, strategies, sync_parts, device_bytes)
-from planner.search.solved import make_plan
+from planner.search.solved import make_plan, solver_text
 from planner.search import zero as zero_axis
 from runtime.pipeline.generators import SCHEDULES as RUNTIME_SCHEDULES
 from runtime.pipeline.generators import schedule_error
@@ -468,7 +468,8 @@ def search(costs: ModelCosts, req: Request,
                          f"planner.api.plan); this path plans without expert parallelism")
     start = time.perf_counter()
     found: list[Plan] = []
-    open_bound = math.inf  # least proven bound among ILPs a time limit stopped
+    open_bound = math.inf  # least proven bound among ILPs a node or time limit stopped
+    timed_out = False      # one of them by the time limit: a rerun may differ
     ordered = candidates(costs, req) if ordered is None else ordered
     queue = [(c.lower_bound, i, c, None) for i, c in enumerate(ordered)]
     solve = _solver()
@@ -492,14 +493,15 @@ def search(costs: ModelCosts, req: Request,
         solution = solve(built[0], time_limit_s=req.time_limit_s, cutoff=cutoff)
         if solution.status in ("feasible", "unsolved"):
             open_bound = min(open_bound, max(bound, _finite(solution.bound, bound)))
+            timed_out = timed_out or solution.stop == "time limit"
         if solution.status in ("optimal", "feasible"):
             solution = ilp.polish(built[0], solution, req.time_limit_s)
             plan = make_plan(costs, req, cand, *built, solution)
             _keep_best_per_configuration(found, plan)
             del found[req.top_k:]
     seconds = round(time.perf_counter() - start, 4)
-    return [replace(_with_search_gap(p, open_bound), timing={**p.timing, "search_s": seconds})
-            for p in found]
+    return [replace(_with_search_gap(p, open_bound, timed_out),
+                    timing={**p.timing, "search_s": seconds}) for p in found]
 
 
 def _solver():
@@ -520,16 +522,19 @@ def _finite(x: float, default: float) -> float:
     return x if math.isfinite(x) else default
 
 
-def _with_search_gap(plan: Plan, open_bound: float) -> Plan:
-    """A plan is proven optimal only if no configuration a time limit stopped could beat it;
-    otherwise it reports the gap to the least bound left open (as HiGHS would for one ILP)."""
+def _with_search_gap(plan: Plan, open_bound: float, timed_out: bool = False) -> Plan:
+    """A plan is proven optimal only if no configuration a node or time limit stopped could beat
+    it; otherwise it reports the gap to the least bound left open (as HiGHS would for one ILP),
+    and which limit stopped the search (solved.solver_text)."""
     time_s = plan.predicted.iteration_s
     if open_bound >= time_s * (1 - 1e-9):
         return plan
-    status, gap = plan.solver.split(", ")
+    status, gap, *stop = plan.solver.split(", ")
     own = float(gap.removeprefix("gap ").rstrip("%")) / 100 if status == "feasible" else 0.0
     gap = max(own, (time_s - open_bound) / time_s)
-    return replace(plan, solver=f"feasible, gap {gap:.2%}")
+    limit = "time limit" if timed_out else stop[0].removeprefix("stopped by the ") if stop \
+        else "node limit"
+    return replace(plan, solver=solver_text("feasible", gap, limit.split(" (")[0]))
 
 
 def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:

@@ -35,7 +35,9 @@ class Request:
     model_name: str = "model"
     fix: dict = field(default_factory=dict)
     top_k: int = 5
-    time_limit_s: float = 1.0      # per ILP: a stopped search reports its plan with the gap
+    # per ILP, a backstop: highs.NODE_LIMIT stops a hard one alike in every run; either way
+    # the plan reports its gap and which limit stopped it
+    time_limit_s: float = 10.0
     schedules: tuple[tuple[str, int], ...] = SCHEDULES
     cutoff_s: float = math.inf     # plans no faster than this are not wanted (expert_search)
     sizes_from: str = ""           # where seq and global batch came from (the plan states it)

@@ -47,7 +47,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts, memory),
-                costs.notes(cand.tp), f"{solution.status}, gap {solution.gap:.2%}", cand.v, cand.cp,
+                costs.notes(cand.tp), solver_text(solution.status, solution.gap, solution.stop), cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None, params=costs.param_count(),
                 sizes_from=req.sizes_from, sequences=req.sequences, runtime=req.cluster.runtime,
@@ -140,3 +140,12 @@ def rank_memory(costs, problem, counts, sharding, r: int, temp: float) -> tuple:
     weights = both - grads
     grads += g * parts.lazy_grads    # the lazy ones absent at an activation peak
     return (weights, grads, optimizer, act, with_temp * temp + zero + recorded)
+
+
+def solver_text(status: str, gap: float, stop: str = "") -> str:
+    """The plan's solver line: "optimal, gap 0.00%", or a stopped search's status and gap, and
+    which limit stopped it: the node limit stops it alike in every run, the time limit not."""
+    text = f"{status}, gap {gap:.2%}"
+    if stop == "time limit":
+        return text + ", stopped by the time limit (a rerun may plan differently)"
+    return text + (f", stopped by the {stop}" if stop else "")

@@ -112,8 +112,8 @@ def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
     req = Request(1024, cluster, batch, seq, cluster.mem_bytes, name, fix, top_k=1,
                   time_limit_s=1.0)
     [stopped] = search(costs, req)
-    status, gap = stopped.solver.split(", ")
-    assert status == "feasible", stopped.solver
+    status, gap, stop = stopped.solver.split(", ")
+    assert status == "feasible" and stop.startswith("stopped by the "), stopped.solver
     assert 0 < float(gap.removeprefix("gap ").rstrip("%")) < 100
     assert (stopped.dp, stopped.tp, stopped.cp, stopped.pp) == (8, 2, 2, 32)
     assert sum(len(s.layers) for s in stopped.stages) == 96 + 2

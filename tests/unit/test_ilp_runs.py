@@ -1,10 +1,11 @@
 """The stage ILP over runs of different block kinds against brute force: every contiguous split of
 the ordered blocks into stages and every strategy of each block's own kind."""
 import random
+from dataclasses import replace
 
 import pytest
 
-from planner.search import ilp
+from planner.search import contiguity, ilp
 from test_ilp import assert_matches_brute_force, problem_with_random_costs, random_pipeline
 
 
@@ -72,3 +73,35 @@ def test_one_run_is_the_homogeneous_problem():
 def test_a_run_needs_blocks_and_options():
     with pytest.raises(ValueError, match="count >= 1"):
         ilp.BlockRun("dense", 0, (ilp.BlockOption("none", 1, 1, 1, 1),))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_pooled_runs_plan_as_runs_do(seed):
+    """Runs that repeat a kind are solved pooled by kind (planner.search.contiguity): beyond
+    brute force's reach (12-20 blocks in a repeating pattern), the same optimum as the by-run
+    form (the same runs under names of their own, which nothing pools), given back per run:
+    contiguous, every block one of its own kind's options."""
+    rng = random.Random(300 + seed)
+    kinds = {k: tuple(_option(rng, n) for n in ("none", "tp", "tp+sel")[:rng.randint(1, 3)])
+             for k in ("dense", "moe")}
+    pattern = rng.choice([("dense", "moe"), ("dense", "moe", "moe"), ("dense", "dense", "moe")])
+    kinds_in_order = [pattern[i % len(pattern)] for i in range(rng.randint(12, 20))]
+    runs = tuple(ilp.BlockRun(k, 1, kinds[k]) for k in kinds_in_order)
+    pipeline = (rng.choice([2, 3, 4]), 1, rng.choice(["1f1b", "gpipe"]), 8)
+    pooled = problem_with_random_costs(rng, pipeline, 0, (), ties=[0.0], runs=runs)
+    whole = sum(max(o.static_bytes + o.act_bytes * max(pooled.act_factor) for o in r.options)
+                for r in runs)   # a limit that binds on some plans and not on all
+    pooled = replace(pooled, memory_limit=whole * rng.uniform(0.4, 0.8))
+    by_run = replace(pooled, runs=tuple(replace(r, kind=f"{r.kind}{i}") for i, r in
+                                        enumerate(runs)))
+    assert contiguity.pooled(pooled) is not None and contiguity.pooled(by_run) is None
+    a, b = ilp.solve(pooled), ilp.solve(by_run)
+    assert a.status == b.status and a.status in ("optimal", "infeasible")
+    if a.status == "optimal":
+        assert a.objective == pytest.approx(b.objective, rel=1e-7)
+        assert ilp.breakdown(pooled, a.counts).iteration_s == pytest.approx(a.objective,
+                                                                            rel=1e-7)
+        _assert_contiguous(pooled, a.counts)
+        for row in a.counts:   # a run of one block holds it under exactly one option
+            for ks in pooled.run_options():
+                assert sum(row[k] for k in ks) <= 1

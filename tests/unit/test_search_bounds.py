@@ -37,9 +37,13 @@ def test_a_configuration_left_open_by_a_time_limit_turns_the_plan_into_a_gap():
     time_s = best.predicted.iteration_s
     assert _with_search_gap(best, time_s) == best
     assert _with_search_gap(best, float("inf")) == best
-    assert _with_search_gap(best, 0.9 * time_s).solver == "feasible, gap 10.00%"
-    own = with_(best, solver="feasible, gap 12.00%")
-    assert _with_search_gap(own, 0.9 * time_s).solver == "feasible, gap 12.00%"
+    assert _with_search_gap(best, 0.9 * time_s).solver == \
+        "feasible, gap 10.00%, stopped by the node limit"
+    own = with_(best, solver="feasible, gap 12.00%, stopped by the node limit")
+    assert _with_search_gap(own, 0.9 * time_s).solver == \
+        "feasible, gap 12.00%, stopped by the node limit"
+    assert _with_search_gap(own, 0.9 * time_s, timed_out=True).solver == \
+        "feasible, gap 12.00%, stopped by the time limit (a rerun may plan differently)"
 
 
 def _reference_candidates(costs, req):
