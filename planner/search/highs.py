@@ -11,7 +11,7 @@ import sys
 import pulp
 
 
-NODE_LIMIT = 1000   # branch-and-bound nodes per ILP (README's "Planning is deterministic")
+NODE_LIMIT = 1000   # branch-and-bound nodes per ILP: a hard one stops at the same node in every run
 
 
 def run(prob: pulp.LpProblem, solver: str, time_limit_s: float, gap: float,
