@@ -71,11 +71,15 @@ def _stage_plan(costs, problem, s, counts_all, names, strategies, dp, time_s,
                 other: float = 0.0, layer_costs=()) -> StagePlan:
     counts = counts_all[s]
     r = problem.rank_of(s)
-    phi = peak_form(problem, counts_all, r)[1][s // problem.ranks]
+    g, factors, _, _, _ = peak_form(problem, counts_all, r)
+    phi = factors[s // problem.ranks]
     ends = ilp._ends(problem, s)
     static = sum(c * o.static_bytes for c, o in zip(counts, problem.options))
     static += sum(e.static_bytes for e in ends)
     weights, opt = costs.split_static(static, dp)
+    # as rank_memory: the lazy gradients the rank's peak form leaves out (g = -1) are not there
+    weights += g * (sum(c * o.lazy_grad_bytes for c, o in zip(counts, problem.options))
+                    + sum(e.lazy_grad_bytes for e in ends))
     act = phi * (sum(c * o.act_bytes for c, o in zip(counts, problem.options))
                  + sum(e.act_bytes for e in ends))
     step = sum(c * o.step_s for c, o in zip(counts, problem.options))

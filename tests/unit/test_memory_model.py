@@ -162,3 +162,20 @@ def test_a_fused_loss_holds_the_logits_gradient_alone():
     assert head_fused.act_bytes == head.act_bytes
     block, block_fused = (costs.price_block(Strategy(), 4, c, 1) for c in (plain, fused))
     assert block_fused.temp_bytes == block.temp_bytes
+
+
+@pytest.mark.parametrize("model, gpus, cluster, fix", [
+    ("gpt-tiny", 2, "cpu-gloo", {"tp": 2}),
+    ("gpt2-xl", 8, "a100-80g-dgx", {"pp": 4, "schedule": "gpipe"}),
+    ("llama2-7b", 8, "h100-sxm-dgx", {"pp": 4, "schedule": "zb-h1"}),
+    ("llama2-7b", 8, "h100-sxm-dgx", {"pp": 2, "schedule": "interleaved-1f1b", "v": 2}),
+    ("llama2-7b", 8, "h100-sxm-dgx", {"dp": 8, "zero": 3}),
+])
+def test_the_stage_rows_of_a_rank_add_up_to_its_predicted_peak(model, gpus, cluster, fix):
+    """The plan table's "memory/device" of a rank's stages sums to the rank's predicted peak
+    (its lazy gradients left out where its peak form leaves them out): no stage row shows more
+    than the peak line."""
+    chosen = plan(model, gpus, cluster=cluster, fix=fix)[0]
+    for r, parts in enumerate(chosen.predicted.rank_memory):
+        rows = chosen.stages[r::chosen.pp]
+        assert sum(s.memory_bytes for s in rows) == pytest.approx(sum(parts), rel=1e-9)
