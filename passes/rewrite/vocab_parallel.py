@@ -38,6 +38,12 @@ _EMBEDDING = {F.embedding, aten.embedding.default}
 _VIEWS = {"flatten", "view", "reshape", "contiguous", torch.flatten, torch.reshape,
           aten.flatten.using_ints, aten.view.default, aten.reshape.default,
           aten._unsafe_view.default}
+# Ops between a model input and a lookup that only re-shape the token ids, keeping every id and
+# its value (GPT-2 and OPT look up `input_ids.view(-1, input_shape[-1])`); the ids' first
+# argument is the tensor re-shaped. `_reshaped_input` checks each one on the graph.
+_ID_RESHAPES = _VIEWS | {"unsqueeze", "squeeze", torch.unsqueeze, torch.squeeze,
+                         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                         aten.squeeze.default, aten.alias.default}
 
 
 def vocab_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: int, rank: int,
@@ -45,13 +51,16 @@ def vocab_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: 
                    ) -> fx.GraphModule:
     """Shard the token embeddings and the cross-entropy logits of `layers` over tp ranks; in place.
 
-    Token embeddings are the lookups whose indices are a graph input. `pad` allows a vocabulary
+    Token embeddings are the lookups whose indices are a graph input, as given or only re-shaped
+    (view, reshape, flatten, unsqueeze, squeeze: every id kept); a weight tied to another name is
+    cut under every name the graph does not read otherwise (`_retie`). `pad` allows a vocabulary
     that tp does not divide (see the module docstring); without it that is a ShardingError.
     `localize` as in tensor_parallel.
     """
     tag_layers(gm, layers)
     if tp == 1:
         return gm
+    before = dict(gm.named_parameters(remove_duplicate=False))
     for layer, nodes in nodes_by_layer(gm, set(layers)).items():
         cut = False
         for node in nodes:
@@ -66,6 +75,7 @@ def vocab_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: 
         if not cut:  # planned as split, it would run whole: prices and memory untrue
             raise ShardingError(f"layer {layer}: not vocabulary-parallel: {_why_not(nodes)}; "
                                 f"keep its strategy 'none'")
+    _retie(gm, before)
     gm.graph.lint()
     gm.recompile()
     if localize:
@@ -74,17 +84,46 @@ def vocab_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp: 
 
 
 def _why_not(nodes) -> str:
-    """Why a layer has nothing to split: a lookup whose ids are not a model input as given (GPT-2
-    reshapes its input_ids first), or neither a lookup nor a cross-entropy."""
+    """Why a layer has nothing to split: a lookup whose ids are computed from the inputs by an op
+    that is not a re-shape (named), or neither a lookup nor a cross-entropy."""
     for node in nodes:
-        if node.op == "call_function" and node.target in _EMBEDDING:
-            ids = node.args[0] if node.target is F.embedding else node.args[1]
-            if getattr(ids, "op", None) != "placeholder":
-                return (f"its embedding lookup ({node.name}) takes ids computed from the "
-                        f"inputs by {ids.name} ({getattr(ids.target, '__name__', ids.target)}), "
-                        f"and the rewrite splits only lookups of a model input as given")
+        ids = _lookup_ids(node)
+        if ids is None:
+            continue
+        source, why = _reshaped_input(ids)
+        if source is None:
+            what = getattr(why.target, "__name__", why.target)
+            return (f"its embedding lookup ({node.name}) takes ids computed from the "
+                    f"inputs by {why.name} ({what}), and the rewrite splits only lookups of "
+                    f"a model input as given or re-shaped (view, reshape, flatten, "
+                    f"unsqueeze, squeeze)")
     return ("it has neither a token embedding (an embedding lookup of a model input) nor a "
             "cross-entropy over a linear's logits")
+
+
+def _retie(gm: fx.GraphModule, before: Mapping[str, torch.Tensor]) -> None:
+    """Point the other names of a weight this rewrite cut at its shard. A tied head's weight is
+    one tensor under two names (GPT-2's transformer.wte.weight and lm_head.weight); torch.export
+    reads it through one of them and keeps the other as a get_attr nothing uses, which the
+    pipeline split still gives its stage: left whole, that name would hold the full vocabulary
+    beside the shard (runtime.training.tied refuses the two as cut differently, and the cost
+    model counts both). A name the graph reads is left as it is: its readers are not this
+    rewrite's to change (runtime.training.tied checks that the copies are cut alike)."""
+    now = dict(gm.named_parameters(remove_duplicate=False))
+    read = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            read.add(str(node.target))
+        elif node.op == "call_module":
+            read.update(f"{node.target}.{name}" for name, _ in
+                        gm.get_submodule(node.target).named_parameters(remove_duplicate=False))
+    for path, old in before.items():
+        new = now.get(path, old)
+        if new is old or getattr(new, "fxpar_shard", None) is None:
+            continue
+        for alias, param in now.items():
+            if param is old and alias not in read:
+                replace_param(gm, alias, new)
 
 
 def _slice(vocab: int, what: str, layer: str, tp: int, rank: int, pad: bool):
@@ -102,17 +141,65 @@ def _slice(vocab: int, what: str, layer: str, tp: int, rank: int, pad: bool):
 
 
 def _embedding(gm, node: fx.Node):
-    """(ids node, weight path) of a token-embedding lookup, else None."""
+    """(ids node, weight path) of a token-embedding lookup, else None: the ids are a model input,
+    or one only re-shaped (`_reshaped_input`); the lookup reads them as they reach it."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        if type(module) is nn.Embedding and node.args[0].op == "placeholder":
+        if type(module) is nn.Embedding and isinstance(node.args[0], fx.Node) \
+                and _reshaped_input(node.args[0])[0] is not None:
             return node.args[0], f"{node.target}.weight"
         return None
     if node.op == "call_function" and node.target in _EMBEDDING:
         ids, weight = node.args[:2] if node.target is F.embedding else node.args[1::-1]
-        if ids.op == "placeholder" and weight.op == "get_attr":
+        if isinstance(ids, fx.Node) and _reshaped_input(ids)[0] is not None \
+                and weight.op == "get_attr":
             return ids, weight.target
     return None
+
+
+def _lookup_ids(node: fx.Node):
+    """The ids node an embedding lookup (module or function) reads, else None."""
+    if node.op == "call_module" and node.graph.owning_module is not None:
+        module = node.graph.owning_module.get_submodule(node.target)
+        ids = node.args[0] if type(module) is nn.Embedding and node.args else None
+    elif node.op == "call_function" and node.target in _EMBEDDING:
+        ids = node.args[0] if node.target is F.embedding else node.args[1]
+    else:
+        return None
+    return ids if isinstance(ids, fx.Node) else None
+
+
+def _reshaped_input(ids: fx.Node) -> tuple[fx.Node | None, fx.Node]:
+    """(the model input, the ids node) when `ids` is a placeholder or one re-shaped by
+    _ID_RESHAPES only - each checked on the graph to keep every element (as many elements in as
+    out where the capture recorded both, its other arguments sizes, not tensors); else (None,
+    the first node on the way that is not such a re-shape), which the refusal names."""
+    node = ids
+    while node.op != "placeholder":
+        if node.op not in ("call_function", "call_method") or node.target not in _ID_RESHAPES \
+                or not node.args or not isinstance(node.args[0], fx.Node) \
+                or not _keeps_every_element(node):
+            return None, node
+        node = node.args[0]
+    return node, ids
+
+
+def _keeps_every_element(node: fx.Node) -> bool:
+    """A re-shape of node.args[0] that keeps every element: no other tensor argument (a
+    `view(dtype)` reinterprets the bits, a tensor of sizes is not a size), the same element
+    count and dtype in and out where the capture recorded both."""
+    source = node.args[0]
+    others = [*node.args[1:], *node.kwargs.values()]
+    flat = [a for o in others for a in (o if isinstance(o, (list, tuple)) else (o,))]
+    if any(isinstance(a, torch.dtype) for a in flat):
+        return False
+    if any(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+           for a in flat):
+        return False
+    out, given = node.meta.get("val"), source.meta.get("val")
+    if isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor):
+        return out.numel() == given.numel() and out.dtype == given.dtype
+    return True
 
 
 def _shard_embedding(gm, node, ids, weight, layer, tp, rank, group, pad) -> None:
@@ -120,10 +207,12 @@ def _shard_embedding(gm, node, ids, weight, layer, tp, rank, group, pad) -> None
     extra, width, start = _slice(full_size(full, 0), weight, layer, tp, rank, pad)
     shard = shard_of(full, ShardSpec(0, tp, rank, 1, extra), weight, layer)
     if node.op == "call_module":  # a new module: the traced one is the user's model's own
-        gm.add_submodule(node.target, _embedding_slice(gm.get_submodule(node.target), shard,
-                                                       start))
+        module = gm.get_submodule(node.target)
+        _no_max_norm(node, module.max_norm, layer)
+        gm.add_submodule(node.target, _embedding_slice(module, shard, start))
     else:
         replace_param(gm, weight, shard)
+        _localize_padding(node, full_size(full, 0), start, width, layer)
     graph = gm.graph
     with graph.inserting_before(node):
         shifted = graph.call_function(torch.sub, (ids, start))
@@ -137,6 +226,39 @@ def _shard_embedding(gm, node, ids, weight, layer, tp, rank, group, pad) -> None
     node.replace_input_with(ids, local)
     zeroed = call_after(gm, node, torch.masked_fill, (rows, 0.0), layer)
     call_after(gm, zeroed, collectives.tp_all_reduce, (group, layer), layer)
+
+
+def _no_max_norm(node: fx.Node, max_norm, layer: str) -> None:
+    """max_norm renormalises in place every row a lookup reads; a rank reads row 0 of its shard
+    for the ids outside it (masked out after the lookup), which would renormalise a row no token
+    read."""
+    if max_norm is not None:
+        raise ShardingError(f"layer {layer}: {node.name} looks up with max_norm={max_norm}, which "
+                            f"renormalises the rows it reads in place; a vocabulary-parallel "
+                            f"lookup reads rows for ids outside its shard too: keep the "
+                            f"layer's strategy 'none'")
+
+
+def _localize_padding(node: fx.Node, vocab: int, start: int, width: int, layer: str) -> None:
+    """The lookup's padding row, whose gradient the backward leaves at zero, in the shard's own
+    rows: the row it is on this rank, none elsewhere. Left global, a rank would leave the real
+    row at that local index without its gradient. F.embedding takes None for none and counts a
+    negative index from the end; aten.embedding takes -1 for none."""
+    functional = node.target is F.embedding
+    args, kwargs = list(node.args), dict(node.kwargs)
+    none = None if functional else -1
+    index = args[2] if len(args) > 2 else kwargs.get("padding_idx", none)
+    if functional:
+        _no_max_norm(node, args[3] if len(args) > 3 else kwargs.get("max_norm"), layer)
+    if index is None or index == none and not functional:
+        return
+    index = index + vocab if functional and index < 0 else index
+    local = index - start if 0 <= index - start < width else none
+    if len(args) > 2:
+        args[2] = local
+    else:
+        kwargs["padding_idx"] = local
+    node.args, node.kwargs = tuple(args), kwargs
 
 
 def _embedding_slice(full: nn.Embedding, shard: nn.Parameter, start: int) -> nn.Embedding:

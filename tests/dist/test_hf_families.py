@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import rank_pool  # noqa: E402
 from tests.harness.traffic import block_traffic  # noqa: E402
 from planner.api import plan  # noqa: E402
 from planner.cli import main  # noqa: E402
@@ -162,3 +163,32 @@ def test_dropout_trains_like_one_process_in_distribution(pool4, arch, overrides)
     gap = float((parallel - reference).abs().sum() / reference.sum())
     assert gap < 0.05, f"loss curves differ by {gap:.1%} of the one-process curve"
     assert float((without - reference).abs().sum() / reference.sum()) > 2 * gap
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("arch,mesh,vocab", [("gpt2", {"tp": 2, "pp": 1}, 255),
+                                             ("gpt2", {"tp": 2, "pp": 2}, 256),
+                                             ("opt", {"tp": 2, "pp": 2}, 256)],
+                         ids=["gpt2-tp2-padded", "gpt2-tp2-pp2", "opt-tp2-pp2"])
+def test_reshaped_token_ids_and_tied_heads_split_over_the_vocabulary(arch, mesh, vocab):
+    """GPT-2 and OPT look up embed(input_ids.view(-1, seq)) and tie the head to that embedding:
+    with the embedding and the head vocabulary-parallel (each rank a slice of the one tied
+    weight; the loss over the logits' slices) they train like one process - under tp=2 alone,
+    both ends on one stage with an odd vocabulary padded to the next multiple, and under
+    tp=2 x pp=2, the tied weight's two copies on the first and last stage, their gradients
+    summed."""
+    family = next(f for f in FAMILIES if f.arch == arch)
+    spec = HFSpec(arch, global_batch=8, seq=32,
+                  overrides=(*family.overrides, ("vocab_size", vocab)))
+    torch.manual_seed(0)
+    model, batch = build(spec)
+    gpus = mesh["tp"] * mesh["pp"]
+    chosen = plan(model, gpus, batch, cluster="cpu-gloo",
+                  fix={**FIXED, **mesh, "cp": 1, "strategy": "tp"})[0]
+    # cpu-gloo's prices keep ends this small whole (a larger vocabulary's split: tests/plan)
+    chosen = chosen.with_ends("vocab-tp")
+    ends = {layer: s for st in chosen.stages for layer, s in zip(st.layers, st.strategies)
+            if layer in ("embed", "head")}
+    assert ends == {"embed": "vocab-tp", "head": "vocab-tp"}
+    parallel = run_parallel(spec, chosen, 2, rank_pool(gpus))
+    assert_same_run(parallel, reference_run(spec, 2), what=f"{arch} vocab-tp {mesh}")

@@ -312,22 +312,20 @@ def test_torchtitan_compile_float8_and_async_tp_are_said(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- 7. GPT-2's ends
-def test_gpt2_emits_the_nearest_plan_its_ends_allow(capsys):
-    """GPT-2 looks its tokens up through a view of input_ids, which the vocabulary-parallel
-    rewrite does not split: fxpar keeps the ends whole at tp=2, which neither target states;
-    the emit plans among the tp sizes whose ends split (tp=1) and says why, truthfully."""
+def test_gpt2_ends_split_over_the_vocabulary_as_the_targets_split_them(capsys):
+    """GPT-2 looks its tokens up through a view of input_ids, a re-shape the vocabulary-parallel
+    rewrite follows (passes.rewrite.vocab_parallel): its ends split at tp=2 as Megatron-LM's and
+    torchtitan's do, so the emit prices the target's split ends at fxpar's tp instead of planning
+    around ends that cannot split; that fxpar keeps them whole at these sizes is its prices'
+    choice, said as such."""
     base = ["plan", "--hf", "gpt2", "--gpus", "8", "--cluster", "h100-sxm-dgx"]
-    for target in ("megatron", "torchtitan"):
+    for target, label in (("megatron", "Megatron-LM"), ("torchtitan", "torchtitan")):
         csv = ["--emit-csv", "/dev/null"] if target == "torchtitan" else []
         assert main(base + ["--emit", target] + csv) == 0
         text = capsys.readouterr().out
         assert "tp=2" in text.splitlines()[0]
-        assert "splits the embedding and head over the vocabulary at tp > 1, which fxpar keeps " \
-               "whole at tp=2: this model's cannot be split there (layer embed: not " \
-               "vocabulary-parallel: its embedding lookup (embedding) takes ids computed from " \
-               "the inputs by view (view.default)" in text
-        assert "can state (tp 1, where the model's embedding and head split over the " \
-               "vocabulary" in text
-        assert ("--tensor-model-parallel-size 1" if target == "megatron" else
-                "tensor_parallel_degree = 1") in text
+        assert "cannot be split there" not in text and "not vocabulary-parallel" not in text
+        assert f"fxpar keeps the embedding and head replicated at tp=2; {label} always splits " \
+               f"them over the vocabulary" in text
         assert "prices another plan" not in text
+    assert "tensor_parallel_degree = 2" in text  # torchtitan's: fxpar's tp, its ends split

@@ -73,6 +73,115 @@ def test_vocabulary_that_does_not_divide_needs_padding():
     assert shard_specs(gm)["lm_head.weight"] == ShardSpec(0, 4, 3, pad=2)
 
 
+class _Lookup(torch.nn.Module):
+    """An embedding whose ids are the token input after `ids` (traced inline)."""
+
+    def __init__(self, ids):
+        super().__init__()
+        self.wte, self.ids = torch.nn.Embedding(16, 4), ids
+
+    def forward(self, tokens):
+        return self.wte(self.ids(tokens))
+
+
+def _one_layer(gm: fx.GraphModule) -> dict[str, list[str]]:
+    return {"embed": [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]}
+
+
+@pytest.mark.parametrize("ids", [
+    lambda t: t.view(-1, 8), lambda t: t.reshape(16), lambda t: t.flatten(),
+    lambda t: torch.flatten(t, 0, 1), lambda t: t.unsqueeze(0).view(2, 8)],
+    ids=["view", "reshape", "flatten", "torch.flatten", "unsqueeze+view"])
+def test_a_lookup_of_reshaped_token_ids_is_split_over_the_vocabulary(ids):
+    """GPT-2 and OPT look up input_ids.view(-1, seq): a re-shape keeps every id, so the lookup
+    is a token embedding, split like one of the input as given - and exactly: the two ranks'
+    masked slices (before their all-reduce) sum to the whole lookup."""
+    tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _Lookup(ids)
+    whole = model(tokens)
+    parts = []
+    for rank in range(2):
+        gm = fx.symbolic_trace(model)
+        vocab_parallel(gm, _one_layer(gm), tp=2, rank=rank, localize=False)
+        assert gm.get_parameter("wte.weight").shape == (8, 4)
+        parts.append(gm(tokens))  # no tp group bound: the all-reduce leaves the rank's part
+    torch.testing.assert_close(parts[0] + parts[1], whole)
+
+
+@pytest.mark.parametrize("ids,node", [
+    (lambda t: t + 1, "add"), (lambda t: t % 16, "mod"), (lambda t: t.flip(-1), "flip"),
+    (lambda t: t.view(-1, 8).clamp(0, 7), "clamp")],
+    ids=["add", "mod", "flip", "clamp-after-view"])
+def test_a_lookup_of_ids_changed_in_value_is_refused_naming_the_node(ids, node):
+    """Anything but a re-shape between the token input and the lookup - an op that changes the
+    ids' values or order - is not a token embedding to this rewrite: refused, the node named."""
+    gm = fx.symbolic_trace(_Lookup(ids))
+    layers = _one_layer(gm)
+    with pytest.raises(ShardingError, match=rf"layer embed: not vocabulary-parallel: its "
+                                            rf"embedding lookup \(wte\) takes ids computed "
+                                            rf"from the inputs by {node} "):
+        vocab_parallel(gm, layers, tp=2, rank=0, localize=False)
+
+
+class _PaddedLookup(torch.nn.Module):
+    """F.embedding with a padding row and optionally max_norm (as captured models call it)."""
+
+    def __init__(self, padding_idx, max_norm=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 4))
+        self.padding_idx, self.max_norm = padding_idx, max_norm
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight, self.padding_idx, self.max_norm)
+
+
+@pytest.mark.parametrize("padding_idx", [0, 3, 8, 12, -1])
+def test_a_split_lookup_keeps_the_padding_row_where_it_is(padding_idx):
+    """The padding row gets no gradient; split over two ranks, it is a row of one shard only, at
+    its local index there. Left at its global index, the other rank would drop the gradient of a
+    real row (the one at that index in its shard): the ranks' gradients, side by side, are the
+    whole lookup's."""
+    tokens = torch.arange(16).repeat(2).view(2, 16)   # every id, so every row has a gradient
+    torch.manual_seed(0)
+    model = _PaddedLookup(padding_idx)
+    model(tokens).pow(2).sum().backward()
+    grads = []
+    for rank in range(2):
+        gm = fx.symbolic_trace(model)
+        vocab_parallel(gm, _one_layer(gm), tp=2, rank=rank, localize=False)
+        gm(tokens).pow(2).sum().backward()
+        grads.append(gm.get_parameter("weight").grad)
+    torch.testing.assert_close(torch.cat(grads), model.weight.grad)
+
+
+def test_a_lookup_with_max_norm_is_not_split():
+    """max_norm renormalises in place the rows a lookup reads, and a split lookup reads row 0
+    of its shard for every id outside it: refused, naming the lookup."""
+    gm = fx.symbolic_trace(_PaddedLookup(None, max_norm=1.0))
+    with pytest.raises(ShardingError, match="embedding looks up with max_norm=1.0"):
+        vocab_parallel(gm, _one_layer(gm), tp=2, rank=0, localize=False)
+
+
+def test_gpt2_tied_ends_split_as_one_weight():
+    """Hugging Face GPT-2 captured by torch.export: wte(input_ids.view(-1, seq)) and lm_head
+    tied to wte, read through one name (lm_head.weight) while wte.weight stays an unused
+    get_attr. Both ends vocabulary-parallel at tp=2: every name of the tied weight is this rank's
+    one shard, which the ranks' runtime keeps one parameter (runtime.training.tied)."""
+    pytest.importorskip("transformers")
+    from planner.api import _capture
+    from planner.models.loss import with_loss
+    from planner.training.local import HFSpec, build
+    model, batch = build(HFSpec("gpt2", global_batch=2, seq=32))
+    captured = _capture(with_loss(model, None), tuple(x[:1] for x in batch))
+    gm = rewrite(captured, _layout(captured, 2, "none", "tp"), tp_rank=1)
+    wte = gm.get_parameter("model.transformer.wte.weight")
+    assert wte is gm.get_parameter("model.lm_head.weight")
+    assert wte.shape == (128, 64) and wte.fxpar_shard == ShardSpec(0, 2, 1)
+    calls = _calls(gm)
+    assert "vocab_parallel_cross_entropy" in calls and calls.count("tp_all_reduce") == 1
+
+
 def test_shard_spec_padding_round_trip():
     full = torch.randn(250, 8)
     specs = [ShardSpec(0, 4, i, pad=2) for i in range(4)]
