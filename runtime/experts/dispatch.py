@@ -46,6 +46,7 @@ On fake or meta tensors (shape propagation, pricing) only shapes are computed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -172,8 +173,9 @@ KINDS = ("swiglu", "gpt_oss")   # the expert functions ExpertWeights computes
 
 @dataclass(frozen=True, eq=False)
 class ExpertWeights:
-    """This rank's stacked expert weights (its E/ep experts on dim 0 of each) and the function
-    every expert computes with them, on the rows x [n, h] routed to it:
+    """This rank's stacked expert weights (its E/ep experts on dim 0 of each; `unbound()`: a
+    tuple of the experts' own) and the function every expert computes with them, on the rows
+    x [n, h] routed to it:
 
     "swiglu"   down(silu(gate x) * up x): gate, up [E, f, h], down [E, h, f]; `up` None: `gate`
                is Hugging Face's fused gate_up [E, 2f, h], gate rows first, then up rows;
@@ -202,7 +204,18 @@ class ExpertWeights:
     @property
     def local(self) -> int:
         """The experts this rank holds."""
-        return self.gate.shape[0]
+        return len(self.gate)
+
+    def unbound(self) -> ExpertWeights:
+        """The same experts, each stacked weight unbound once into per-expert tensors. Indexing
+        a stacked weight per expert (`gate[e]`) makes the backward write a whole [E, ...]
+        gradient for every expert (select's backward) and sum the E of them: E weight-sized
+        temporaries; unbind's backward stacks the experts' gradients into one."""
+        def split(t):
+            return None if t is None else t.unbind(0)
+        return dataclasses.replace(self, gate=split(self.gate), up=split(self.up),
+                                   down=split(self.down), gate_bias=split(self.gate_bias),
+                                   down_bias=split(self.down_bias))
 
     def __call__(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e (local index) on its rows [n, h] -> [n, h]."""
@@ -262,6 +275,7 @@ def _balanced(sent, experts: int, experts_w: ExpertWeights, ep: int, tag: str) -
 
 def _experts(rows: torch.Tensor, counts: list[int], experts_w: ExpertWeights) -> torch.Tensor:
     """Each local expert on its contiguous run of rows."""
+    experts_w = experts_w.unbound()
     outs = [experts_w(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]]
     return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
 
