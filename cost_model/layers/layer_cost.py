@@ -302,8 +302,9 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         tensors=sum(1 for _ in sub.parameters()),
         collectives=_collectives(sub, layer.name), **ring,
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)),
-        largest_bytes=max((_bytes(n.meta.get("val")) for n in sub.graph.nodes
-                           if n.op.startswith("call")), default=0.0),
+        largest_bytes=max([_bytes(n.meta.get("val")) for n in sub.graph.nodes
+                           if n.op.startswith("call")]
+                          + [moe.routed_bytes(n) for n in moe_nodes(sub)], default=0.0),
         loss_bytes=max((_bytes(n.args[0].meta.get("val")) for n, c in costs.items()
                         if c.op_class == "loss" and n.args and isinstance(n.args[0], fx.Node)),
                        default=0.0),

@@ -183,6 +183,14 @@ def movement_bytes(node) -> tuple[float, float]:
     return (slots * (4 * f.hidden + 3 * f.ffn), slots * (4 * f.hidden + 5 * f.ffn))
 
 
+def routed_bytes(node) -> float:
+    """The largest tensor the routed experts make, which the op's own output [T, h] does not
+    show: the slots' rows in expert order or their gate/up outputs, T k max(h, f) d (what a
+    layer's temporary is sized by, cost_model.layers.layer_cost)."""
+    f = facts(node)
+    return f.tokens * f.top_k * max(f.hidden, f.ffn) * f.dtype_bytes
+
+
 def expected_max_load(tokens: int, experts: int, k: int, ep: int) -> float:
     """E[max over ep ranks of the slots a rank receives] / mean, for `tokens` tokens routed
     uniformly at random (k distinct experts each) over `experts` experts in ep equal groups."""
