@@ -205,8 +205,8 @@ class StageProblem:
     # per rank, the activation-set counts per local stage at its candidate peaks (`rank_moments`;
     # () : φ_r on every stage)
     moments: tuple = ()
-    # runs pooled by kind (contiguity.pooled): each block's run in model order; () : runs are
-    # in model order
+    # runs pooled by kind (contiguity.pooled): each block's kind, an index into runs, in model
+    # order; () : the runs are in model order
     order: tuple[int, ...] = ()
 
     def __post_init__(self):
