@@ -6,8 +6,9 @@ Configurations are visited best first by a lower bound on their iteration time: 
 then, once a configuration comes up, its LP relaxation, which also sees memory. The search stops
 once the least bound left cannot beat the k-th best plan found, and each ILP it does solve gets
 that plan's time as a cutoff, so HiGHS abandons a configuration as soon as it cannot win. All of
-it is exact: whatever is skipped is provably no faster than the k-th best. Only a time limit can
-leave a configuration open; the plans then report the gap to its proven bound. Strategies that
+it is exact: whatever is skipped is provably no faster than the k-th best. Only a node limit (the
+same in every run) or the time limit behind it can leave a configuration open; the plans then
+report the gap to its proven bound and which limit stopped it. Strategies that
 another strategy beats on time, memory and gradient bytes at once are pruned before the ILP sees
 them. A configuration's stage problem is planner.search.problem's.
 """
@@ -507,7 +508,7 @@ def search(costs: ModelCosts, req: Request,
 def _solver():
     """ilp.solve, remembering its answers: configurations the cost model prices alike (cp
     ranks instead of dp ranks with a larger micro-batch, say) pose the same stage problem, and
-    HiGHS answers a problem asked again as it did the first time (a time limit aside, and then
+    HiGHS answers a problem asked again as it did the first time (the time limit aside, and then
     the first answer is as good as a second)."""
     answers = {}
     def solve(problem: ilp.StageProblem, **options) -> ilp.Solution:
