@@ -73,7 +73,9 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+def _model_args(p: argparse.ArgumentParser, required: bool = True, hf: bool = True) -> None:
+    """The model and cluster flags; `hf` False (run, bench: presets only) keeps the Hugging Face
+    flags out of the help, and their use is refused with what to run instead (_preset_only)."""
     p.add_argument("--model", default=None,
                    help="preset (fxpar run and bench: default gpt-tiny): gpt-tiny, gpt2-small, "
                         "gpt2-xl, gpt3-175b, llama-tiny, llama2-7b, llama2-70b, mixtral-tiny, "
@@ -101,17 +103,20 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--moe-imbalance", type=_imbalance, default=None, metavar="FACTOR",
                    help="mixture of experts: the most loaded expert-parallel rank's tokens over "
                         "the mean (>= 1; default: the expected maximum of uniform routing)")
-    p.add_argument("--hf", metavar="ARCH", help="a Hugging Face architecture (any decoder-only "
-                   "model_type: gpt2, llama, gemma2, ...; encoder-decoder: t5, bart, ...) at small "
-                   "sizes, built from its config; needs the hf extra")
-    p.add_argument("--hf-config", metavar="FILE.json", help="a Hugging Face config.json")
-    p.add_argument("--parts", metavar="LIST[,LIST]", default=None,
-                   help="a Hugging Face model's lists of blocks to split into stages (module "
-                        "names, e.g. model.language_model.layers); default: every outermost "
-                        "list of blocks that runs after the others")
+    shown = (lambda text: text) if hf else (lambda text: argparse.SUPPRESS)
+    p.add_argument("--hf", metavar="ARCH", help=shown(
+        "a Hugging Face architecture (any decoder-only model_type: gpt2, llama, gemma2, ...; "
+        "encoder-decoder: t5, bart, ...) at small sizes, built from its config; needs the hf "
+        "extra"))
+    p.add_argument("--hf-config", metavar="FILE.json", help=shown("a Hugging Face config.json"))
+    p.add_argument("--parts", metavar="LIST[,LIST]", default=None, help=shown(
+        "a Hugging Face model's lists of blocks to split into stages (module names, e.g. "
+        "model.language_model.layers); default: every outermost list of blocks that runs after "
+        "the others"))
+    whose = "the preset's (or --hf's)" if hf else "the preset's"
     for size in ("layers", "hidden", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{size}", type=_positive_int, default=None,
-                       help=f"override the preset's (or --hf's) {size.replace('-', ' ')}")
+                       help=f"override {whose} {size.replace('-', ' ')}")
 
 
 def _config(args):
@@ -344,8 +349,10 @@ def cmd_simulate(args) -> int:
 
 def _preset_only(args, command: str) -> None:
     if args.hf or args.hf_config:
-        raise ValueError(f"fxpar {command} trains presets (--model with size overrides); plan a "
-                         f"Hugging Face model with fxpar plan, train it with autoparallelize")
+        weights = ", a checkpoint directory with --weights DIR" if command == "run" else ""
+        raise ValueError(f"fxpar {command} trains presets (--model with size overrides){weights}; "
+                         f"plan a Hugging Face model with fxpar plan, train it with "
+                         f"autoparallelize")
 
 
 def cmd_run(args) -> int:
@@ -496,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=cmd_simulate)
     r = sub.add_parser("run", help="plan, then train on local gloo CPU ranks beside one process",
                        epilog=EXAMPLES["run"], formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(r)
+    _model_args(r, hf=False)
     r.add_argument("--steps", type=_positive_int, default=3)
     r.add_argument("--torchrun", metavar="FOLDER",
                    help="for a cluster: write the plan to FOLDER and print the torchrun command "
@@ -514,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the top plans on the devices here, predicted vs "
                        "measured", epilog=EXAMPLES["bench"],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(b)
+    _model_args(b, hf=False)
     b.add_argument("--top-k", type=_positive_int, default=3)
     b.add_argument("--steps", type=_positive_int, default=10)
     b.add_argument("--warmup", type=_count, default=None, help="warm-up steps (default 2)")

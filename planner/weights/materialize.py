@@ -119,6 +119,15 @@ def buffer_value(model: nn.Module, name: str, device="cpu", _built: dict | None 
     if not value.is_meta:
         return value.to(device)
     cfg = getattr(owner, "cfg", None) or getattr(owner, "config", None)
+    hf_init = _hf_init(model)
+    if cfg is None and hf_init is not None:   # transformers' init sets buffers too (embed_scale)
+        clone = copy.deepcopy(owner)
+        clone.to_empty(device=device, recurse=False)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            hf_init(clone)
+        value = getattr(clone, leaf)
+        if not value.is_meta:
+            return value.detach()
     if cfg is None:
         raise MaterializeError(
             f"buffer {name} of the meta model ({type(owner).__name__}) cannot be recomputed: the "

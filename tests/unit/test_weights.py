@@ -85,6 +85,20 @@ def test_a_meta_buffer_without_config_is_named():
         buffer_value(model, "table")
 
 
+def test_a_meta_buffer_of_a_hugging_face_module_takes_transformers_init():
+    """Gemma 2's scaled embedding keeps its scale, sqrt(hidden), as a non-persistent buffer and
+    has no config of its own; transformers' _init_weights sets it, as it sets rotary tables."""
+    transformers = pytest.importorskip("transformers")
+    from planner.weights.materialize import buffer_value
+    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8)
+    with torch.device("meta"):
+        model = transformers.Gemma2ForCausalLM(cfg)
+    assert buffer_value(model, "model.embed_tokens.embed_scale").item() == \
+        pytest.approx(32 ** 0.5)
+
+
 def _hf_loss(hf, tokens, targets):
     """The loss of the transformers model's own logits, targets as given (as fxpar's take them)."""
     logits = hf.model(input_ids=tokens, use_cache=False).logits
