@@ -446,11 +446,6 @@ def _bench_memory(args, plans) -> int:
     return 0
 
 
-def cmd_validate(args) -> int:
-    from planner.bench.published_report import cmd_validate as run
-    return run(args)
-
-
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line too (with where to read more), exit status 2."""
 
@@ -548,25 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--main-weights", action="store_true", help="write the fp32 main weights a "
                    "bf16-main run keeps in its optimizer state, not the bf16 weights it trains")
     e.set_defaults(func=_cmd_export)
-    v = sub.add_parser("validate", help="price published measured training runs (GPU, BF16) "
-                       "and compare fxpar's predicted step times with them",
-                       epilog=EXAMPLES["validate"],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    v.add_argument("--cluster", help="price every row on this cluster preset or profile JSON "
-                   "(default: the profile each CSV names, h100-sxm-dgx where it names none)")
-    v.add_argument("--fit", action="store_true", help="first fit the runtime profiles' two "
-                   "fitted terms (compute_share, host_op_s per family) on the rows and print "
-                   "the fits")
-    v.add_argument("--cross-validate", action="store_true", help="also leave each source "
-                   "(CSV file) out in turn, fit on the others and price it: the error on runs "
-                   "the constants were not fitted to (takes minutes)")
-    v.add_argument("--csv", action="append", metavar="FILE", help="a CSV of runs in the "
-                   "columns of planner/bench/published/*.csv (may be repeated; default: every "
-                   "CSV of that folder)")
-    v.add_argument("--match", metavar="SUBSTRING", help="only the rows whose model contains "
-                   "SUBSTRING (case-insensitive)")
-    v.add_argument("--json", action="store_true", help="print the results as JSON")
-    v.set_defaults(func=cmd_validate)
+    from planner.bench.published_report import validate_parser
+    validate_parser(sub, EXAMPLES["validate"])
     from planner.training.commands import train_parsers
     train_parsers(sub, EXAMPLES["train"])
     sub.add_parser("calibrate", help="measure this machine and write a cluster profile "

@@ -2,6 +2,7 @@
 (planner.bench.published.validate): the table, the summary, each group's ranking, the notes."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -202,3 +203,26 @@ def cmd_validate(args) -> int:
     text = [report(result)] + ([cross_validation_report(result, folds)] if folds else [])
     print("\n\n".join(["\n".join(fits)] * bool(fits) + text))
     return 0
+
+
+def validate_parser(sub, epilog: str) -> None:
+    """`fxpar validate`'s arguments (planner.cli builds the other subcommands)."""
+    v = sub.add_parser("validate", help="price published measured training runs (GPU, BF16) "
+                       "and compare fxpar's predicted step times with them",
+                       epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("--cluster", help="price every row on this cluster preset or profile JSON "
+                   "(default: the profile each CSV names, h100-sxm-dgx where it names none)")
+    v.add_argument("--fit", action="store_true", help="first fit the runtime profiles' two "
+                   "fitted terms (compute_share, host_op_s per family) on the rows and print "
+                   "the fits")
+    v.add_argument("--cross-validate", action="store_true", help="also leave each source "
+                   "(CSV file) out in turn, fit on the others and price it: the error on runs "
+                   "the constants were not fitted to (takes minutes)")
+    v.add_argument("--csv", action="append", metavar="FILE", help="a CSV of runs in the "
+                   "columns of planner/bench/published/*.csv (may be repeated; default: every "
+                   "CSV of that folder)")
+    v.add_argument("--match", metavar="SUBSTRING", help="only the rows whose model contains "
+                   "SUBSTRING (case-insensitive)")
+    v.add_argument("--json", action="store_true", help="print the results as JSON")
+    v.set_defaults(func=cmd_validate)

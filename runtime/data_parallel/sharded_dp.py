@@ -40,10 +40,8 @@ groups' corresponding ranks (the replicate group).
 Why not torch's fully_shard (FSDP2): it hooks nn.Module forwards, while a stage program is an FX
 GraphModule whose rewritten layers read parameters through get_attr nodes (no module call to
 hook), and ZB-H1 splits one backward into I and W calls that FSDP2's post-backward hook pairs as
-one; flat buckets with explicit collectives run unchanged under every schedule and mesh.
-
-The stage-program edits of level 3 (which unit reads each parameter, the gather and free calls
-around its span) are runtime.data_parallel.zero3_graph's.
+one; flat buckets with explicit collectives run unchanged under every schedule and mesh. The
+level-3 edits of a stage program (gather and free calls) are runtime.data_parallel.zero3_graph's.
 """
 from __future__ import annotations
 
