@@ -317,14 +317,14 @@ class ParallelModel:
         from planner.weights.export import model_files
         from runtime.checkpoint import state as checkpoint
         info = {"step": self.step, "data_position": self.data_position, "extra": extra}
-        return checkpoint.save(self.shard(), path, info, model_files(self.model))
+        return checkpoint.save(self.shard(), path, info, model_files(self.model), self.model)
 
     def load(self, path: str) -> dict:
         """Load a checkpoint folder, or the latest complete one under a folder of step-N
         checkpoints, saved under any plan; restores step and data_position and returns the
         saved info (its `extra` too)."""
         from runtime.checkpoint import state as checkpoint
-        info = checkpoint.load(self.shard(), path)
+        info = checkpoint.load(self.shard(), path, self.model)
         self.step, self.data_position = info["step"], info["data_position"]
         return info
 

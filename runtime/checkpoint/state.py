@@ -6,7 +6,10 @@ What is saved, by key (every tensor keyed by the model's full parameter name, so
 
     model/<name>             the parameter, as this rank's pieces of the full tensor
                              (runtime.checkpoint.dcp_slices: tp shards, fused QKV chunks, vocabulary padding
-                             left out; replicas name the same piece and DCP writes it once)
+                             left out; replicas name the same piece and DCP writes it once);
+                             a parameter no stage program reads (a vision tower's unused final
+                             norm) whole, from the model, so that an export holds the whole
+                             model and a resume gives it back
     optim/<name>/<key>       an optimizer state shaped like its parameter (Adam's exp_avg, SGD's
                              momentum_buffer), described by the same pieces; other tensors (Adam's
                              step) whole; anything else pickled. Under sharded data parallel
@@ -186,11 +189,13 @@ def _trainer_state(trainer, info: dict) -> dict:
 
 
 # -- save ------------------------------------------------------------------------------------------
-def save(trainer, path: str, info: dict, files: dict[str, str] | None = None) -> str:
+def save(trainer, path: str, info: dict, files: dict[str, str] | None = None,
+         model: torch.nn.Module | None = None) -> str:
     """Save this rank's part of the trainer's state into the checkpoint folder `path` (collective:
     every rank calls it). `info` holds step, data_position and extra values (picklable); step and
     data position go to MARKER too. `files`: name -> text rank 0 writes into the folder (what
-    an export needs to know of the model). Returns the absolute path."""
+    an export needs to know of the model). `model`: the model the trainer was built from, whose
+    parameters no stage program reads rank 0 saves whole. Returns the absolute path."""
     path = os.path.abspath(path)
     partial, rank = path + ".partial", dist.get_rank()
     if rank == 0:
@@ -199,6 +204,9 @@ def save(trainer, path: str, info: dict, files: dict[str, str] | None = None) ->
     dist.barrier()
     params = local_parameters(trainer)
     state = _model_entries(params)
+    unread = _unread_entries(model, params)  # collective
+    if rank == 0:
+        state.update(unread)
     state.update(_optimizer_entries(trainer, params))
     state["optim/param_groups"] = _param_groups(trainer.optimizer)
     state["trainer"] = _trainer_state(trainer, info)
@@ -272,7 +280,7 @@ def read_marker(path: str) -> dict:
 
 
 # -- load ------------------------------------------------------------------------------------------
-def load(trainer, path: str) -> dict:
+def load(trainer, path: str, model: torch.nn.Module | None = None) -> dict:
     """Load a checkpoint saved under any mesh into this rank's trainer, in place (collective).
     Returns the saved info (step, data_position, extra). Under the same mesh every rank takes
     its own RNG states back (both dropout streams of runtime.training.rng); under another, see
@@ -280,8 +288,10 @@ def load(trainer, path: str) -> dict:
     path = resolve(path)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     params = local_parameters(trainer)
-    _check_parameters(params, metadata, path)
-    state = _model_entries(params)
+    unread = {key: value for key, value in _unread_entries(model, params).items()
+              if key in metadata}  # a checkpoint saved without them leaves the model's own
+    _check_parameters(params, metadata, path, unread)
+    state = {**_model_entries(params), **unread}
     optim = _optimizer_placeholders(params, metadata)
     state.update({key: entry for key, (_, entry) in optim.items()})
     marker = read_marker(path)
@@ -304,7 +314,19 @@ def _model_entries(params: dict[str, Held]) -> dict[str, object]:
     return {key: value for key, value in entries.items() if value is not None}
 
 
-def _check_parameters(params: dict, metadata: dict, path: str) -> None:
+def _unread_entries(model, params: dict[str, Held]) -> dict[str, torch.Tensor]:
+    """model/<name> -> the model's own tensor, for each parameter with values that no rank's
+    stage programs hold (collective: the names are gathered from every rank)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(params))
+    if model is None:
+        return {}
+    held = {name for names in everyone for name in names}
+    return {f"model/{name}": p.data for name, p in model.named_parameters()
+            if name not in held and not p.is_meta}
+
+
+def _check_parameters(params: dict, metadata: dict, path: str, unread: dict) -> None:
     """Every parameter of the model is in the checkpoint with its full shape, and the checkpoint
     holds no parameter the model lacks (compared over all ranks: each holds only its stages)."""
     for name, held in params.items():
@@ -320,8 +342,8 @@ def _check_parameters(params: dict, metadata: dict, path: str) -> None:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(params))
     held = {name for names in everyone for name in names}
-    extra = sorted(k[len("model/"):] for k in metadata
-                   if k.startswith("model/") and k[len("model/"):] not in held)
+    extra = sorted(k[len("model/"):] for k in metadata if k.startswith("model/")
+                   and k[len("model/"):] not in held and k not in unread)
     if extra:
         raise CheckpointError(f"checkpoint {path} holds parameters the model lacks: "
                               f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")

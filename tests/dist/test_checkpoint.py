@@ -178,3 +178,49 @@ def test_loading_into_another_model_names_the_parameter(saved_8):
                                           r"\(250, 64\), the model \(256, 64\)"):
         run_with_checkpoints(other, fixed(other, dp=2, tp=1, pp=2), STEPS, root, resume=True,
                              pool=rank_pool(4))
+
+
+class _WithUnusedModule(torch.nn.Module):
+    """Blocks between an embedding and a head, and a `pooler` forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+                                    for _ in range(2))
+        self.pooler = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _save_and_reload_unread(root: str) -> bool:
+    from planner.api import autoparallelize
+    torch.manual_seed(0)
+    model = _WithUnusedModule()
+    batch = (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    pm = autoparallelize(model, 2, batch, cluster="cpu-gloo", fix={"pp": 2, "mb": 1})
+    pm.train_step(*batch)
+    pm.save(root)
+    saved = model.pooler.weight.detach().clone()
+    with torch.no_grad():
+        model.pooler.weight.fill_(3.0)
+    pm.load(root)
+    return torch.equal(model.pooler.weight, saved)
+
+
+@pytest.mark.dist
+def test_a_parameter_no_stage_reads_is_saved_exported_and_restored(pool2, tmp_path):
+    """A module forward never uses is in no stage program; the checkpoint still holds it (from
+    the model), a resume gives it back and the export writes it: the user's whole model."""
+    from planner.cli import main
+    from safetensors.torch import load_file
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "out" / "model.safetensors")
+    assert pool2.run(_save_and_reload_unread, root) == [True, True]
+    assert main(["export", "--checkpoint", root, "--out", out]) == 0
+    assert set(load_file(out)) == set(_WithUnusedModule().state_dict())
