@@ -425,6 +425,14 @@ class ModelCosts:
         profiles += list(self.ends.values())
         return sum(sum(op.fwd_flops + op.bwd_flops for op in p.ops) / p.batch for p in profiles)
 
+    def _describe_blocks(self) -> str:
+        """The kinds and runs of blocks: the captured blocks', or the model's runs where one
+        block per kind was captured."""
+        nodes = {node.name: node for node in self.captured.gm.graph.nodes}
+        blocks = self.captured.blocks
+        whole = sum(n for _, n in self.runs) == len(blocks)
+        return describe(blocks, nodes, None if whole else self.runs)
+
     def notes(self, tp: int | None = None) -> tuple[str, ...]:
         """What a plan says of the model (tensor and sequence parallelism at the plan's `tp`,
         kinds of blocks, unpriced ops)."""
@@ -441,7 +449,8 @@ class ModelCosts:
         notes += self._sp_notes(tp)
         if len(self.kinds) > 1:
             notes.append(f"blocks of {len(self.kinds)} kinds, priced per kind and split into "
-                         f"contiguous stages: {describe(self.captured.blocks)}")
+                         f"contiguous stages: "
+                         f"{self._describe_blocks()}")
         if self.unpriced:
             notes.append(f"priced as memory-bound, without a cost rule (their time may be "
                          f"underestimated): {'; '.join(self.unpriced[:4])}"

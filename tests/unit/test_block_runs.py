@@ -145,5 +145,29 @@ def test_a_long_alternating_pattern_is_described_by_counts():
     from passes.capture.block_runs import describe
     blocks = [SimpleNamespace(signature=str(i % 2), nodes=(0,) * (2 + i % 2), name=f"blocks.{i}")
               for i in range(8)]
-    assert describe(blocks) == ("8 blocks in 8 runs: 4 of kind 0 (2 nodes, first block "
-                                "blocks.0), 4 of kind 1 (3 nodes, first block blocks.1)")
+    assert describe(blocks) == ("8 blocks in 8 runs: 4 of kind 0 (first block blocks.0, "
+                                "2 nodes), 4 of kind 1 (first block blocks.1, 3 nodes)")
+
+
+def test_a_kind_says_how_its_ops_differ_from_the_first_kind_of_its_part():
+    """The plan's note names what makes a kind other: the ops it has more or fewer of than the
+    first kind of its part, or that only shapes or constants differ."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from passes.capture.block_runs import describe
+    ops = {"a": torch.relu, "b": torch.nn.functional.linear, "c": torch.nn.functional.linear,
+           "d": torch.tanh}
+    graph = {name: NS(op="call_function", target=fn) for name, fn in ops.items()}
+    blocks = [NS(signature="x", nodes=("a",), name="blocks.0"),
+              NS(signature="y", nodes=("b", "c", "d"), name="blocks.1"),
+              NS(signature="z", nodes=("a",), name="blocks.2")]
+    assert describe(blocks, graph) == (
+        "block 0 (kind 0, 1 node), block 1 (kind 1, 3 nodes; beside kind 0: +linear x2, "
+        "+tanh, -relu), block 2 (kind 2, 1 node; the ops of kind 0 on other shapes or "
+        "constants)")
+    # a preset captures one block per kind and states its runs: spans count the model's blocks
+    assert describe(blocks[:2], graph, counts=((0, 3), (1, 5))) == (
+        "blocks 0-2 (kind 0, 1 node), blocks 3-7 (kind 1, 3 nodes; beside kind 0: +linear x2, "
+        "+tanh, -relu)")
