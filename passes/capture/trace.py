@@ -392,9 +392,12 @@ def _block_of(node: fx.Node, prefixes: tuple[str, ...]) -> str | None:
         candidates.append(str(node.target))
     for prefix in prefixes:
         pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)")
+        mangled = prefix.replace(".", "_")  # a path as some captures write it, "_" for "."
         for path in candidates:
-            path = path.replace("_", ".") if path.startswith(prefix.replace(".", "_")) else path
             match = pattern.match(path)
+            if not match and path.startswith(mangled):  # only its rest: the list's own name
+                # may hold "_" (joint_blocks, transformer_blocks)
+                match = pattern.match(prefix + path[len(mangled):].replace("_", "."))
             if match:
                 return f"{prefix}.{match.group(1)}"
     return None

@@ -40,6 +40,17 @@ from passes.rewrite.sharding import LAYER, ShardingError, is_attention, localize
 from runtime.comm import collectives as c
 
 _LINEAR = {F.linear, torch.ops.aten.linear.default}
+# Ops that work along one dimension they are given, and the position of that argument: along
+# the sequence, each would see only its rank's tokens (a softmax or cumsum over the sequence, a
+# concatenation or split of it); they are refused there (_along_sequence).
+_DIM_AT = {"cat": 1, "concat": 1, "concatenate": 1, "stack": 1, "split": 2, "chunk": 2,
+           "tensor_split": 2, "split_with_sizes": 2, "unbind": 1, "narrow": 1, "select": 1,
+           "index_select": 1, "gather": 1, "cumsum": 1, "cumprod": 1, "cummax": 1,
+           "logcumsumexp": 1, "softmax": 1, "log_softmax": 1, "_softmax": 1, "sort": 1,
+           "argsort": 1, "topk": 2, "flip": 1, "roll": 2, "sum": 1, "mean": 1, "amax": 1,
+           "amin": 1, "max": 1, "min": 1, "prod": 1, "var": 1, "std": 1, "logsumexp": 1,
+           "argmax": 1, "argmin": 1, "median": 1, "diff": 2, "movedim": 1, "transpose": 1,
+           "swapaxes": 1, "flatten": 1, "unflatten": 1, "repeat_interleave": 2}
 _MATMUL = {torch.matmul, torch.bmm, "matmul", "bmm", torch.ops.aten.matmul.default,
            torch.ops.aten.bmm.default}
 
@@ -147,7 +158,33 @@ class _Walk:
             raise ShardingError(f"layer {node.meta.get(LAYER)}: {node.name} mixes tokens of "
                                 f"sequence shards; sequence parallelism needs it inside a "
                                 f"tensor-parallel region")
-        return isinstance(node.meta.get("val"), torch.Tensor)
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            return False
+        self._per_token(node)
+        return True
+
+    def _per_token(self, node: fx.Node) -> None:
+        """Each rank runs `node` on its tokens only: exact only if it works token by token. It
+        must keep the sequence dimension, as long as in every sequence-sharded value it reads
+        (a concatenation, split or slice along the sequence, or a reduction over it, would
+        join or cut each rank's shards instead of the sequence), and take no dimension
+        argument that names the sequence (a softmax or cumsum along it keeps its length)."""
+        out, dim = node.meta["val"], self.dim
+        op = _op_name(node)
+        for arg in node.all_input_nodes:
+            val = arg.meta.get("val")
+            if arg not in self.sharded or not isinstance(val, torch.Tensor):
+                continue
+            changed = out.dim() <= dim or val.dim() <= dim or val.shape[dim] != out.shape[dim]
+            if changed or _along_sequence(node, op, val.dim(), dim):
+                what = (f"gives {tuple(out.shape)} from {arg.name} {tuple(val.shape)}, the "
+                        f"sequence (dim {dim}) changed" if changed else
+                        f"works along the sequence (dim {dim}) of {arg.name}")
+                raise ShardingError(
+                    f"layer {node.meta.get(LAYER)}: {node.name} ({op}) {what}; under sequence "
+                    f"parallelism each rank holds 1/{self.tp} of the tokens, so it would run on "
+                    f"a shard instead of the sequence: move it out of the block, or plan the "
+                    f"layer with strategy=tp")
 
     def _carries_sequence(self, value: fx.Node, layer: str) -> bool:
         """Whether a value entering `layer` from outside is the stream the layer continues (shaped
@@ -238,6 +275,32 @@ class _Walk:
         if value not in self.gathered:
             self.gathered[value] = self._insert(c.sp_gather, value, layer, self.dim, before=user)
         return self.gathered[value]
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    return str(getattr(target, "__name__", target)).split(".")[0]
+
+
+def _along_sequence(node: fx.Node, op: str, ndim: int, dim: int) -> bool:
+    """Whether `node`, an op of _DIM_AT, is given the sequence dimension `dim` (of an input of
+    `ndim` dimensions) as the dimension it works along."""
+    if op not in _DIM_AT or node.op == "call_module":
+        return False
+    given = node.kwargs.get("dim", node.kwargs.get("dims", node.kwargs.get("dim0")))
+    if given is None and len(node.args) > _DIM_AT[op]:
+        given = node.args[_DIM_AT[op]]
+    if op in ("transpose", "swapaxes", "movedim", "flatten", "unflatten"):
+        # moving or merging the sequence is as refused as working along it (the walk keeps
+        # the sequence at `dim`); flatten(0, 1) of [batch, seq] merges, then splits again
+        given = list(node.args[1:3]) if op != "unflatten" else node.args[1:2]
+        if op == "flatten":
+            return False
+    dims = given if isinstance(given, (list, tuple)) else [given]
+    return any(isinstance(d, int) and not isinstance(d, bool) and d % ndim == dim
+               for d in dims)
 
 
 def with_params(module: nn.Module, params: dict, *args, **kwargs):

@@ -167,3 +167,51 @@ def test_trying_context_parallel_on_an_exported_graph_warns_nothing_of_torch_pyt
         warnings.simplefilter("always")
         trial_error(captured.gm, {l.name: l.nodes for l in captured.layers})
     assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
+
+
+class _SequenceOpBlock(nn.Module):
+    """An MLP block whose output is then rolled, rotated by slices or summed along the sequence:
+    per-token work it is not, so its shards under sequence parallelism are not the sequence."""
+
+    def __init__(self, how: str, h: int = 16):
+        super().__init__()
+        self.how, self.norm = how, nn.LayerNorm(h)
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        y = x + self.down(F.gelu(self.up(self.norm(x))))
+        if self.how == "roll":
+            return torch.roll(y, 1, 1)
+        if self.how == "slices":
+            return torch.cat([y[:, 1:], y[:, :1]], 1)
+        return y.cumsum(1)
+
+
+class _SequenceOpModel(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(_SequenceOpBlock(how) for _ in range(2))
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("how, op, why", [
+    ("roll", "roll", "works along the sequence"),
+    ("slices", "getitem", r"gives \(1, 7, 16\) from add \(1, 8, 16\), the sequence \(dim 1\) "
+                          r"changed"),
+    ("cumsum", "cumsum", "works along the sequence")])
+def test_sequence_parallel_refuses_an_op_that_is_not_per_token(how, op, why):
+    """Sequence parallelism runs everything outside the tensor-parallel regions on each rank's
+    tokens: an op along the sequence (a roll, a cumsum, slices joined again) would run on a
+    shard and train to other numbers. Refused, naming the op; tp alone plans."""
+    tokens = torch.randint(0, 32, (4, 8))
+    with pytest.raises(PlanningError, match=rf"blocks\.0: {op} \({op}\) {why}.*strategy=tp\)"):
+        plan(_SequenceOpModel(how), 2, (tokens, tokens), cluster="cpu-gloo",
+             fix={"tp": 2, "strategy": "tp+sp"})
+    plan(_SequenceOpModel(how), 2, (tokens, tokens), cluster="cpu-gloo",
+         fix={"tp": 2, "strategy": "tp"})

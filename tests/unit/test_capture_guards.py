@@ -119,3 +119,24 @@ def test_a_weight_two_stages_read_is_read_by_each_not_sent():
     last = programs[1]
     assert "wte.weight" in dict(last.gm.named_parameters())
     assert all(spec.shape != (32, 16) for spec in last.input_specs)  # no weight on the wire
+
+
+class UnderscoredList(torch.nn.Module):
+    """Blocks in a list whose name holds "_" (diffusers' transformer_blocks, SD3's joint_blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+        self.transformer_blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for block in self.transformer_blocks:
+            x = x + block(x)
+        return _loss(self.head(x), targets)
+
+
+def test_a_list_of_blocks_whose_name_holds_an_underscore_is_found():
+    tokens = torch.randint(0, 32, (4, 8))
+    captured = capture(UnderscoredList(), (tokens[:1], tokens[:1]))
+    assert [b.name for b in captured.blocks] == [f"transformer_blocks.{i}" for i in range(3)]
