@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from planner.models import hf_attention, hf_sinks
+from planner.models import hf_attention, hf_rope, hf_sinks
 from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
@@ -49,12 +49,18 @@ _DERIVED = {
 
 class HFCausalLM(HFWrapper):
 
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        hf_rope.prepare(model)  # longrope's long frequencies as a buffer (see at_length below)
+
     def forward(self, tokens, targets):
         """The mean cross-entropy of every position against `targets`, the token that follows
         it (as fxpar's own models take them). transformers' `labels=` would shift the labels
         inside the graph, pairing each position with its neighbour, which under context
-        parallelism may live on another rank."""
-        with hf_attention.plain_positions():
+        parallelism may live on another rank. Rotary frequencies that transformers recomputes
+        from the positions (longrope, dynamic NTK) are those of this sequence length, fixed
+        (planner.models.hf_rope)."""
+        with hf_attention.plain_positions(), hf_rope.at_length(self.model, tokens.shape[-1]):
             logits = self.model(input_ids=tokens, use_cache=False).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
