@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from passes.rewrite.expert_parallel import sequence_refusal
 from passes.capture.trace import CONSTANT
+from passes.rewrite.grad_sums import module_params_summed, with_params  # noqa: F401
 from passes.rewrite.sharding import LAYER, ShardingError, is_attention, localize_shapes, tag_layers
 from runtime.comm import collectives as c
 
@@ -131,23 +132,7 @@ class _Walk:
                 node.replace_input_with(arg, summed)
         if node.op != "call_module":
             return node
-        module = self.gm.get_submodule(node.target)
-        params = [name for name, p in module.named_parameters() if p.requires_grad]
-        if not params:
-            return node
-        with graph.inserting_before(node):
-            held = graph.get_attr(node.target)
-            summed = {}
-            for name in params:
-                attr = graph.get_attr(f"{node.target}.{name}")
-                summed[name] = graph.call_function(c.tp_grad_sum, (attr, self.group, layer))
-                attr.meta[LAYER] = summed[name].meta[LAYER] = layer
-            call = graph.call_function(with_params, (held, summed, *node.args), node.kwargs)
-        held.meta[LAYER] = layer
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        return call
+        return module_params_summed(self.gm, node, layer, self.group)
 
     def _reads_sharded(self, node: fx.Node) -> bool:
         if not any(arg in self.sharded for arg in node.all_input_nodes):
@@ -301,11 +286,6 @@ def _along_sequence(node: fx.Node, op: str, ndim: int, dim: int) -> bool:
     dims = given if isinstance(given, (list, tuple)) else [given]
     return any(isinstance(d, int) and not isinstance(d, bool) and d % ndim == dim
                for d in dims)
-
-
-def with_params(module: nn.Module, params: dict, *args, **kwargs):
-    """module(*args, **kwargs) computed with `params` (name -> tensor) in place of its own."""
-    return torch.func.functional_call(module, dict(params), args, dict(kwargs))
 
 
 def _attr(gm: nn.Module, target: str):

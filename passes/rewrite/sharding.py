@@ -35,6 +35,8 @@ from runtime.programs.shards import ShardSpec, shard_specs  # noqa: F401 - re-ex
 
 aten = torch.ops.aten
 LAYER = "fxpar_layer"
+# node.meta key of a view of a fused projection as (parts, heads, ...): its heads are cut
+PARTS = "fxpar_parts"
 
 
 class ShardingError(ValueError):
@@ -351,6 +353,8 @@ class _Localize(FakeTensorProp):
         if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
             return
         new = _local_sizes(n, *shapes, list(sizes), n.target in _EXPANDS, literal, self.batch)
+        if not computed and n.target in _VIEWS:
+            given = self._width_read_whole(n, given, new, shapes)
         if new == list(sizes):
             return
         if computed:
@@ -359,6 +363,21 @@ class _Localize(FakeTensorProp):
         else:
             new = [new[i] if i in literal else s for i, s in enumerate(given)]
             n.args = (source, type(given)(new)) if len(rest) == 1 else (source, *new)
+
+    def _width_read_whole(self, n: fx.Node, given, sizes: list, shapes) -> list:
+        """A size read at run time from a value every rank holds whole - timm's
+        `reshape(B, N, C)` of the heads merged back, C from the block's input - is the full
+        width where the cut holds 1/tp of it: that size becomes the local one (the cut output's,
+        as a literal); the others stay as read."""
+        expected = _cut_output(*shapes, self.batch, n.meta.get(PARTS, 1))
+        _, _, full_out = shapes
+        if expected is None or len(given) != len(full_out):
+            return given
+        given = list(given)
+        for i, size in enumerate(given):
+            if isinstance(size, fx.Node) and sizes[i] == full_out[i] != expected[i]:
+                given[i] = sizes[i] = expected[i]
+        return given
 
     def _fix_unflatten(self, n: fx.Node) -> None:
         """unflatten(x, dim, sizes) of a cut dimension: its outermost literal size (the heads of
@@ -391,7 +410,7 @@ class _Localize(FakeTensorProp):
         shapes = self._cuts(n)
         if shapes is None or not isinstance(result, torch.Tensor):
             return
-        expected = _cut_output(*shapes, self.batch)
+        expected = _cut_output(*shapes, self.batch, n.meta.get(PARTS, 1))
         if expected is not None and tuple(result.shape) != expected:
             full_in, local_in, full_out = shapes
             asked = self._asked(n) if n.target in _VIEWS else None
@@ -405,7 +424,7 @@ class _Localize(FakeTensorProp):
         """Why a view or reshape of a cut value failed, with the size to change (None where the
         sizes or the cut cannot be read: torch's own message then)."""
         shapes, asked = self._cuts(n), self._asked(n)
-        expected = _cut_output(*shapes, self.batch) if shapes else None
+        expected = _cut_output(*shapes, self.batch, n.meta.get(PARTS, 1)) if shapes else None
         if expected is None or asked is None:
             return None
         full_in, local_in, full_out = shapes
@@ -462,14 +481,14 @@ def _in_module(node: fx.Node) -> str:
 _SP_OPS = {c.sp_all_gather, c.sp_reduce_scatter, c.sp_scatter, c.sp_gather, c.sp_gather_linear}
 
 
-def _cut_output(full_in, local_in, full_out, batch: int) -> tuple | None:
+def _cut_output(full_in, local_in, full_out, batch: int, parts: int = 1) -> tuple | None:
     """The local output of a reshape whose input dimensions are cut evenly: each cut dimension
     divides the output dimension holding it (None where a cut is uneven or not found)."""
     out = list(full_out)
     for d, (full, local) in enumerate(zip(full_in, local_in)):
         if full == local:
             continue
-        j = _output_dim(full_in, full_out, d, False, batch)
+        j = _output_dim(full_in, full_out, d, False, batch, parts)
         if local == 0 or full % local or j is None or out[j] % (full // local):
             return None
         out[j] //= full // local
@@ -492,7 +511,7 @@ def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: r
         if full_in[d] == local_in[d] or full_in[d] % local_in[d]:
             continue
         factor = full_in[d] // local_in[d]
-        j = _output_dim(full_in, full_out, d, expand, batch)
+        j = _output_dim(full_in, full_out, d, expand, batch, n.meta.get(PARTS, 1))
         if j is None or j not in literal or sizes[j] == -1:
             continue
         if sizes[j] % factor:
@@ -502,11 +521,13 @@ def _local_sizes(n, full_in, local_in, full_out, sizes, expand: bool, literal: r
     return sizes
 
 
-def _output_dim(full_in, full_out, d: int, expand: bool, batch: int = 1) -> int | None:
+def _output_dim(full_in, full_out, d: int, expand: bool, batch: int = 1,
+                parts: int = 1) -> int | None:
     """The output dimension holding input dimension d: the same one counted from the end for an
     expand, the one holding the first element of d for a view - but for the batch, which no
     pass cuts: a flattened [batch * seq] (GPT-2's Conv1D) viewed back as [batch, seq] is cut
-    in its sequence."""
+    in its sequence; and for a fused projection's features viewed as (parts, heads, ...)
+    (PARTS), which are cut in their heads."""
     if expand:
         return d + len(full_out) - len(full_in)
     before, prefix = math.prod(full_in[:d]), 1
@@ -514,6 +535,8 @@ def _output_dim(full_in, full_out, d: int, expand: bool, batch: int = 1) -> int 
         if size > 1 and prefix <= before < prefix * size:
             if i == 0 and batch > 1 and size == batch and full_in[d] > size:
                 return next((k for k in range(1, len(full_out)) if full_out[k] > 1), None)
+            if parts > 1 and size == parts and d == len(full_in) - 1 and i + 1 < len(full_out):
+                return i + 1
             return i
         prefix *= size
     return None

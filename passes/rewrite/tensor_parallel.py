@@ -49,11 +49,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture.trace import CONSTANT
-from passes.rewrite.sharding import (_RESHAPES, LAYER, LinearSite, ShardingError, ShardSpec, after_views,
-                             before_views, call_after, chunk_user, get_param, is_attention,
-                             is_sdpa, lift_params, linear_site, localize_shapes, nodes_by_layer,
-                             replace_param, shard_of, shard_outputs, shard_param, shard_specs,
-                             tag_layers)
+from passes.rewrite.grad_sums import module_params_summed
+from passes.rewrite.sharding import (_RESHAPES, LAYER, PARTS, LinearSite, ShardingError, ShardSpec,
+                             after_views, before_views, call_after, chunk_user, get_param,
+                             is_attention, is_sdpa, lift_params, linear_site, localize_shapes,
+                             nodes_by_layer, replace_param, shard_of, shard_outputs, shard_param,
+                             shard_specs, tag_layers)
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
@@ -119,6 +120,8 @@ def tensor_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], tp:
 def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group: str) -> None:
     replicated = _grouped_kv(gm, layer, nodes, tp, rank)
     found = check_layer(gm, layer, nodes, tp, set(replicated))
+    for view, parts in found.parted_views.items():  # localize_shapes cuts their heads
+        view.meta[PARTS] = parts
     for path, dim in found.cut_params.items():  # weights of norms over all heads' features
         replace_param(gm, path, shard_of(get_param(gm, path), ShardSpec(dim, tp, rank), path,
                                          layer))
@@ -151,7 +154,7 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
             elif node in found.gathered:  # needed whole (a DiT's modulation): tp_gather
                 gather_column(gm, site, layer, tp, rank, group)
             else:
-                make_column(gm, site, layer, tp, rank)
+                make_column(gm, site, layer, tp, rank, parts=found.parted.get(node))
                 sharded.add(node)
         elif node in found.reduced:  # partial over the sharded features: whole once summed
             _sum_over_group(gm, node, found.reduced[node], layer, tp, group)
@@ -160,7 +163,7 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
                 selected.add(node)
             else:
                 _check_heads(node, layer, tp)
-            _sum_replicated_grads(gm, node, layer, group, set(found.cut_params))
+            node = _sum_replicated_grads(gm, node, layer, group, set(found.cut_params))
             _own_dropout(gm, node)
             sharded.add(node)
 
@@ -226,11 +229,13 @@ def _sum_over_group(gm, node: fx.Node, op: str, layer: str, tp: int, group: str)
 
 
 def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str,
-                          cut: set[str] = frozenset()) -> None:
+                          cut: set[str] = frozenset()) -> fx.Node:
     """A whole parameter applied to a sharded value (a per-head q/k norm's weight, Gemma's
     `1 + weight`, a per-head scale) gets on each rank only its heads' part of the gradient: read
     it, or the value computed from parameters alone, through tp_grad_sum, which sums it over the
     group."""
+    if node.op == "call_module":  # a norm module of a symbolic trace: its own parameters
+        return module_params_summed(gm, node, layer, group)
     for arg in node.all_input_nodes:
         if arg.op == "get_attr" and arg.target in cut:  # sharded like the value: its own grad
             continue
@@ -239,6 +244,7 @@ def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str,
                 summed = gm.graph.call_function(collectives.tp_grad_sum, (arg, group, layer))
             summed.meta = {**arg.meta, LAYER: layer}
             node.replace_input_with(arg, summed)
+    return node
 
 
 def _from_params_only(gm, node: fx.Node) -> bool:
@@ -265,10 +271,12 @@ def _is_trained_param(gm, target: str) -> bool:
     return isinstance(value, nn.Parameter) and value.requires_grad
 
 
-def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int = 0) -> None:
-    """Split the output features of a linear over tp ranks (after `pad` zero rows, for vocab)."""
+def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int = 0,
+                parts: int | None = None) -> None:
+    """Split the output features of a linear over tp ranks (after `pad` zero rows, for vocab);
+    a fused projection (its chunk or split, or `parts` its view found) per part."""
     cut = chunk_user(site.node)
-    chunks = cut[1] if cut else 1
+    chunks = cut[1] if cut else parts or 1
     width = site.features(gm, site.out_dim)
     if (width + pad) % (chunks * tp):
         parts = f" in {chunks} parts" if chunks > 1 else ""

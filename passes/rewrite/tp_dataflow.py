@@ -40,7 +40,6 @@ summed over the group on the way back, whole again for what computed it.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -51,6 +50,7 @@ import torch.nn as nn
 from passes.capture.trace import CONSTANT
 from passes.rewrite.sharding import ShardingError, chunk_user, linear_site
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
+from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "truediv", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
@@ -86,32 +86,13 @@ class Findings:
     gathered: set[fx.Node] = field(default_factory=set)
     # those of `sliced` that carry a gradient: read through tp_copy before their part is taken
     copied: set[tuple[fx.Node, fx.Node]] = field(default_factory=set)
+    # a fused projection viewed as (parts, heads, head_dim) (timm's qkv.reshape(B, N, 3, H, d)):
+    # linear -> parts, cut per part like a fused QKV; and the view -> parts
+    parted: dict[fx.Node, int] = field(default_factory=dict)
+    parted_views: dict[fx.Node, int] = field(default_factory=dict)
 
 
-def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
-    """'add', 'softmax', 'Linear', ...: the op's bare name in any capture form."""
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__
-    if node.op == "call_method":
-        return str(node.target).removesuffix("_")
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target)).removesuffix("_")
-
-
-def _val(node) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-class _Flow:
+class _Flow(ViewRules):
     """The walk over one layer: sharded dimension of each value (full-shape index)."""
 
     def __init__(self, gm, layer: str, nodes: list[fx.Node], tp: int, whole_heads: set,
@@ -190,9 +171,9 @@ class _Flow:
         rules = {**dict.fromkeys(_VIEWS, self._view), **dict.fromkeys(_REDUCTIONS, self._reduce),
                  **dict.fromkeys(_NORMS, self._norm), **dict.fromkeys(_SLICES, self._slice),
                  "transpose": self._transpose, "swapaxes": self._transpose, "t": self._transpose,
-                 "permute": self._permute, "expand": self._expand,
+                 "permute": self._permute, "movedim": self._movedim, "expand": self._expand,
                  "repeat_interleave": self._keep, "chunk": self._split, "split": self._split,
-                 "split_with_sizes": self._split,
+                 "split_with_sizes": self._split, "unbind": self._unbind,
                  "cat": self._cat, "stack": self._stack,
                  "scaled_dot_product_attention": self._attention,
                  "sink_attention": self._sink_attention,
@@ -332,70 +313,6 @@ class _Flow:
             in_dim += 1
             out_dim += not isinstance(item, int)
         return out_dim + (d - in_dim)
-
-    def _view(self, node, src, d) -> None:
-        full_in, full_out = tuple(_val(src).shape), tuple(_val(node).shape)
-        # The sharded dimension may hold dimensions merged in front of it (outer): it is then
-        # read as (outer, size) with the second one sharded.
-        outer = self.outer.get(src, 1)
-        size_d = full_in[d] // outer
-        before = math.prod(full_in[:d]) * outer
-        prefix = 1
-        # Splitting the sharded dimension into (heads, head_dim) puts it on the heads, also when
-        # there is one: multi-query k/v (kept whole, one head selected) or a head tp cuts. Other
-        # unit dimensions at its place are inserted ones (unsqueeze) and skipped.
-        dim = _arg(node, 1, "dim")
-        heads_first = src in self.whole_heads or (
-            op_name(self.gm, node) == "unflatten" and isinstance(dim, int)
-            and dim % len(full_in) == d)
-        if src in self.whole_heads:
-            self.whole_heads.add(node)
-        for j, size in enumerate(full_out):
-            if prefix == before and (size > 1 or heads_first):
-                carved = size_d // size if size < size_d else 1
-                cuts = size < size_d and (size_d // self.tp) % max(carved, 1)
-                if cuts and src not in self.whole_heads:
-                    self.fail(node, f"splits the sharded dimension ({size_d} over "
-                                    f"tp={self.tp}) into pieces of {carved}, cutting one")
-                self.dim[node] = j
-                self.outer[node] = 1
-                if src in self.blocks and src not in self.whole_heads:
-                    self.blocks.add(node)
-                return
-            if (prefix < before < prefix * size and before % prefix == 0
-                    and prefix * size == before * size_d and src not in self.whole_heads):
-                # merged, innermost, with dimensions before it (BLOOM's batch x heads): each
-                # rank holds its part of the sharded dimension in every one of them
-                self.dim[node], self.outer[node] = j, before // prefix
-                if src in self.blocks:
-                    self.blocks.add(node)
-                return
-            prefix *= size
-        self.fail(node, "merges the sharded dimension with the dimensions before it")
-
-    def _int(self, node, x):
-        """An int argument of `node`, also one the graph computed (a traced `x.dim() - 1`: its
-        value as shape propagation recorded it); else the node is refused, named."""
-        if isinstance(x, fx.Node):
-            value = x.meta.get("val")
-            if not isinstance(value, int) or isinstance(value, bool):
-                self.fail(node, f"takes a dimension from {x.name}, which is not a constant the "
-                                f"capture recorded (write the dimension as a number)")
-            return value
-        return x
-
-    def _transpose(self, node, src, d) -> None:
-        ndim = _val(src).dim()
-        a, b = (node.args[1], node.args[2]) if len(node.args) > 2 else (0, 1)
-        a, b = self._int(node, a) % ndim, self._int(node, b) % ndim
-        self.dim[node] = b if d == a else a if d == b else d
-        if src in self.blocks:
-            self.blocks.add(node)
-
-    def _permute(self, node, src, d) -> None:
-        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        ndim = _val(src).dim()
-        self.dim[node] = [self._int(node, x) % ndim for x in dims].index(d)
 
     def _expand(self, node, src, d) -> None:
         self.dim[node] = d + _val(node).dim() - _val(src).dim()

@@ -70,9 +70,12 @@ def modulation_source(gm: fx.GraphModule, value: fx.Node, op_name: Callable,
         name = op_name(gm, node)
         inputs = node.all_input_nodes
         if node.target is operator.getitem:
-            if not isinstance(node.args[0], fx.Node) or op_name(gm, node.args[0]) not in _SPLITS:
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            inserts = all(i is None or i is Ellipsis or i == slice(None) for i in index)
+            if not isinstance(node.args[0], fx.Node) or (
+                    op_name(gm, node.args[0]) not in _SPLITS and not inserts):
                 return None  # indexing a tensor, not taking a part of a split
-            node = node.args[0]
+            node = node.args[0]  # a part of a split, or x[:, None, :] (a view)
         elif name in _SPLITS:
             split, node = True, node.args[0]
         elif len(inputs) == 1 and (name in _VIEWS or name in _WITH_CONSTANTS):

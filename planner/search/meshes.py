@@ -177,7 +177,10 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
     if (dp * cp) % costs.ep:  # expert parallel ranks are carved from dp x cp (expert_search)
         return Refusal(5, f"ep={costs.ep} does not divide dp x cp = {dp * cp}", ("ep", "dp"))
     if tp > 1 and not strategies(req, tp, costs, cp):
+        read = "dim 1 of the first example input" in req.sizes_from  # not said to be one
         split = (f"each rank's {req.seq // cp} positions do not split over tp={tp} ranks"
+                 + ("; the sequence is dim 1 of the first example input: if the inputs are "
+                    "not sequences (images), plan with sequence_dim=None" if read else "")
                  if (req.seq // cp) % tp else
                  f"the block's sequence-parallel rewrite stops: {costs.sp_error(tp)}")
         return Refusal(6, f"strategy={req.fix['strategy']}: sequence parallel does not apply "

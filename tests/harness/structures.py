@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-HEAD_SPLITS = ("unflatten-heads", "unflatten-width", "view-heads", "view-width", "view-shape")
+HEAD_SPLITS = ("unflatten-heads", "unflatten-width", "view-heads", "view-width", "view-shape",
+               "fused-parts")
 INPUTS = ("tokens", "features")
 LOSSES = ("cross-entropy", "mse", "pooled")
 # (gpus, fix): each mixes tensor, sequence and pipeline parallelism differently
@@ -74,11 +75,33 @@ class Structure:
 
 
 class Attention(nn.Module):
-    def __init__(self, st: Structure):
+    """Heads split as `head_split` says; "fused-parts" is timm's: one fused projection viewed as
+    (parts, heads, head_dim), permuted and unbound, with q/k RMSNorms over head_dim."""
+
+    def __init__(self, st: Structure, cross: bool = False):
         super().__init__()
         h = st.heads * st.head_dim
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
         self.heads, self.head_dim, self.split = st.heads, st.head_dim, st.head_split
+        self.o = nn.Linear(h, h)
+        if self.split != "fused-parts":
+            self.q, self.k, self.v = (nn.Linear(h, h) for _ in range(3))
+        elif cross:
+            self.q, self.kv = nn.Linear(h, h), nn.Linear(h, 2 * h)
+        else:
+            self.qkv = nn.Linear(h, 3 * h)
+        if self.split == "fused-parts":
+            self.q_norm, self.k_norm = nn.RMSNorm(st.head_dim), nn.RMSNorm(st.head_dim)
+
+    def parts(self, t, n: int):
+        b, s, _ = t.shape
+        return t.reshape(b, s, n, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def fused(self, x, context):
+        if context is None:
+            q, k, v = self.parts(self.qkv(x), 3)
+        else:
+            (q,), (k, v) = self.parts(self.q(x), 1), self.parts(self.kv(context), 2)
+        return self.q_norm(q), self.k_norm(k), v
 
     def to_heads(self, t):
         if self.split == "unflatten-heads":
@@ -95,9 +118,15 @@ class Attention(nn.Module):
 
     def forward(self, x, context=None):
         source = x if context is None else context
-        q, k, v = self.to_heads(self.q(x)), self.to_heads(self.k(source)), self.to_heads(
-            self.v(source))
+        if self.split == "fused-parts":
+            q, k, v = self.fused(x, context)
+        else:
+            q, k, v = self.to_heads(self.q(x)), self.to_heads(self.k(source)), self.to_heads(
+                self.v(source))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=context is None)
+        if self.split == "fused-parts":  # timm merges the heads to the width read from x
+            b, s, c = x.shape
+            return self.o(y.transpose(1, 2).reshape(b, s, c))
         return self.o(y.transpose(1, 2).flatten(2))
 
 
@@ -108,7 +137,7 @@ class Block(nn.Module):
         norm = (lambda: nn.LayerNorm(h)) if st.norm == "layer" else (lambda: nn.RMSNorm(h))
         self.n1, self.n3 = norm(), norm()
         self.attn = Attention(st)
-        self.n2, self.cross = (norm(), Attention(st)) if st.cross else (None, None)
+        self.n2, self.cross = (norm(), Attention(st, cross=True)) if st.cross else (None, None)
         self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
 
     def forward(self, x, cond=None, context=None):

@@ -1,0 +1,179 @@
+"""The tensor-parallel dataflow check's rules for views and dimension moves
+(passes.rewrite.tp_dataflow): where the sharded dimension goes through a view, transpose,
+permute, movedim or unbind, and when a view of a fused projection by parts (timm's
+`qkv.reshape(B, N, 3, heads, head_dim)`) is cut per part."""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from passes.rewrite.sharding import linear_site
+
+
+def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    """'add', 'softmax', 'Linear', ...: the op's bare name in any capture form."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return str(node.target).removesuffix("_")
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target)).removesuffix("_")
+
+
+def _val(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+class ViewRules:
+    """Rules of tp_dataflow._Flow for views: each sets self.dim[node] or fails."""
+
+    def _view(self, node, src, d) -> None:
+        full_in, full_out = tuple(_val(src).shape), tuple(_val(node).shape)
+        # The sharded dimension may hold dimensions merged in front of it (outer): it is then
+        # read as (outer, size) with the second one sharded.
+        outer = self.outer.get(src, 1)
+        size_d = full_in[d] // outer
+        before = math.prod(full_in[:d]) * outer
+        prefix = 1
+        # Splitting the sharded dimension into (heads, head_dim) puts it on the heads, also when
+        # there is one: multi-query k/v (kept whole, one head selected) or a head tp cuts. Other
+        # unit dimensions at its place are inserted ones (unsqueeze) and skipped.
+        dim = _arg(node, 1, "dim")
+        heads_first = src in self.whole_heads or (
+            op_name(self.gm, node) == "unflatten" and isinstance(dim, int)
+            and dim % len(full_in) == d)
+        if src in self.whole_heads:
+            self.whole_heads.add(node)
+        for j, size in enumerate(full_out):
+            if prefix == before and (size > 1 or heads_first):
+                carved = size_d // size if size < size_d else 1
+                cuts = size < size_d and (size_d // self.tp) % max(carved, 1)
+                if (cuts or self._selects(node, j)) and src not in self.whole_heads:
+                    if self._parted_view(node, src, j, size, size_d, full_out):
+                        return
+                if cuts and src not in self.whole_heads:
+                    self.fail(node, f"splits the sharded dimension ({size_d} over "
+                                    f"tp={self.tp}) into pieces of {carved}, cutting one")
+                self.dim[node] = j
+                self.outer[node] = 1
+                if src in self.blocks and src not in self.whole_heads:
+                    self.blocks.add(node)
+                return
+            if (prefix < before < prefix * size and before % prefix == 0
+                    and prefix * size == before * size_d and src not in self.whole_heads):
+                # merged, innermost, with dimensions before it (BLOOM's batch x heads): each
+                # rank holds its part of the sharded dimension in every one of them
+                self.dim[node], self.outer[node] = j, before // prefix
+                if src in self.blocks:
+                    self.blocks.add(node)
+                return
+            prefix *= size
+        self.fail(node, "merges the sharded dimension with the dimensions before it")
+
+    def _parted_view(self, node, src, j: int, parts: int, size_d: int, full_out) -> bool:
+        """A column-parallel output viewed, right after its linear, as (parts, heads, ...) -
+        timm's fused `qkv.reshape(B, N, 3, heads, head_dim)`, PixArt's kv as (2, heads, d): cut
+        per part, as a fused QKV is (each rank holds its heads of every part), the sharded
+        dimension is the heads. Where the view is not of that form, False (refused)."""
+        linear = src
+        if linear not in self.blocks or linear_site(self.gm, linear) is None or \
+                len(linear.users) != 1 or j + 1 >= len(full_out):
+            return False
+        heads = full_out[j + 1]
+        if parts * heads > size_d or size_d % (parts * heads) or heads % self.tp:
+            return False
+        self.found.parted[linear], self.found.parted_views[node] = parts, parts
+        self.blocks.discard(linear)  # each rank's part is a block of every part, not one block
+        self.blocks.add(node)
+        self.dim[node], self.outer[node] = j + 1, 1
+        return True
+
+    def _selects(self, node: fx.Node, j: int) -> bool:
+        """Whether dimension j of `node` is taken apart later (unbind, select, an int index),
+        through permutes and transposes: q, k, v of a fused projection viewed by parts."""
+        for user in node.users:
+            name, k = op_name(self.gm, user), j
+            if name == "permute":
+                dims = user.args[1] if isinstance(user.args[1], (tuple, list)) else user.args[1:]
+                ndim = len(dims)
+                k = [d % ndim if isinstance(d, int) else d for d in dims].index(j) \
+                    if j in [d % ndim for d in dims if isinstance(d, int)] else None
+            elif name in ("transpose", "swapaxes") and len(user.args) > 2:
+                ndim = _val(node).dim() if _val(node) is not None else 0
+                a, b = (x % ndim if isinstance(x, int) and ndim else x for x in user.args[1:3])
+                k = b if j == a else a if j == b else j
+            elif name in ("unbind", "select"):
+                if _arg(user, 1, "dim", 0) % max(_val(node).dim(), 1) == j:
+                    return True
+                continue
+            elif user.target is operator.getitem and isinstance(user.args[1], int):
+                if j == 0:  # qkv[0]
+                    return True
+                continue
+            elif user.target is operator.getitem and isinstance(user.args[1], tuple):
+                index = user.args[1]
+                if Ellipsis not in index and j < len(index) and isinstance(index[j], int):
+                    return True
+                continue
+            else:
+                continue
+            if k is not None and self._selects(user, k):
+                return True
+        return False
+
+    def _int(self, node, x):
+        """An int argument of `node`, also one the graph computed (a traced `x.dim() - 1`: its
+        value as shape propagation recorded it); else the node is refused, named."""
+        if isinstance(x, fx.Node):
+            value = x.meta.get("val")
+            if not isinstance(value, int) or isinstance(value, bool):
+                self.fail(node, f"takes a dimension from {x.name}, which is not a constant the "
+                                f"capture recorded (write the dimension as a number)")
+            return value
+        return x
+
+    def _transpose(self, node, src, d) -> None:
+        ndim = _val(src).dim()
+        a, b = (node.args[1], node.args[2]) if len(node.args) > 2 else (0, 1)
+        a, b = self._int(node, a) % ndim, self._int(node, b) % ndim
+        self.dim[node] = b if d == a else a if d == b else d
+        if src in self.blocks:
+            self.blocks.add(node)
+
+    def _permute(self, node, src, d) -> None:
+        dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        ndim = _val(src).dim()
+        self.dim[node] = [self._int(node, x) % ndim for x in dims].index(d)
+
+    def _movedim(self, node, src, d) -> None:
+        ndim = _val(src).dim()
+        source, dest = _arg(node, 1, "source"), _arg(node, 2, "destination")
+        source = source if isinstance(source, (tuple, list)) else (source,)
+        dest = dest if isinstance(dest, (tuple, list)) else (dest,)
+        source = [self._int(node, x) % ndim for x in source]
+        dest = [self._int(node, x) % ndim for x in dest]
+        rest = iter(i for i in range(ndim) if i not in source)
+        order = [None] * ndim  # output dim -> input dim, as torch.movedim places them
+        for s, t in zip(source, dest):
+            order[t] = s
+        order = [o if o is not None else next(rest) for o in order]
+        self.dim[node] = order.index(d)
+
+    def _unbind(self, node, src, d) -> None:
+        """The parts along another dimension (q, k, v of a fused projection viewed by parts)."""
+        dim = self._int(node, _arg(node, 1, "dim", 0)) % _val(src).dim()
+        if dim == d:
+            self.fail(node, "unbinds the sharded dimension")
+        self.dim[node] = d - (dim < d)
