@@ -244,9 +244,11 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {_clean(str(err))}"
 
 
-# Where torch's own messages turn to its debugging tools: cut there
+# Where torch's own messages turn to its debugging tools or its docs: cut there (torch.fx's
+# TraceError explains, after its first sentence, where proxies get iterated in general)
 _TORCH_NOISE = ("Original traceback:", "Use tlparse", "For more information",
-                "(https://", "Set TORCH_LOGS", "from user code:")
+                "(https://", "Set TORCH_LOGS", "from user code:", "See the torch.fx docs",
+                "This can be attempted when the Proxy")
 
 
 def _clean(message: str) -> str:
@@ -286,10 +288,11 @@ def _export(model, example_inputs, trace_error) -> fx.GraphModule:
         with contextlib.redirect_stderr(io.StringIO()):
             exported = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as err:  # noqa: BLE001
+        # torch.export's failure first (the capture this model needs), each cause cut short
         raise CaptureError(
-            f"cannot capture {type(model).__name__}: torch.fx.symbolic_trace failed "
-            f"({_where(trace_error, model)}) and torch.export failed ({_where(err, model)}); "
-            f"{_hint(err)}") from err
+            f"cannot capture {type(model).__name__}: torch.export failed "
+            f"({_where(err, model, 140)}); {_hint(err)} (torch.fx.symbolic_trace failed too: "
+            f"{_where(trace_error, model, 100)})") from err
     # No guards on the example's shapes: the rewrites run the graph at other shapes (a
     # context-parallel rank sees seq/cp tokens), which the shape checks of each pass cover.
     try:
@@ -298,7 +301,7 @@ def _export(model, example_inputs, trace_error) -> fx.GraphModule:
         return exported.module()
 
 
-def _where(err: BaseException, root: torch.nn.Module) -> str:
+def _where(err: BaseException, root: torch.nn.Module, limit: int = 0) -> str:
     """'in module X, at operation `line`, Error: msg' for the innermost frame inside one of root's modules."""
     names = {id(m): name or type(root).__name__ for name, m in root.named_modules()}
     module, line = None, None
@@ -308,6 +311,8 @@ def _where(err: BaseException, root: torch.nn.Module) -> str:
             module = names[id(owner)]
             line = linecache.getline(frame.f_code.co_filename, lineno).strip() or None
     message = _clean(str(err)) if str(err) else ""
+    if limit and len(message) > limit:
+        message = message[:limit].rstrip() + "…"
     parts = [f"in module '{module}'" if module else None,
              f"at operation `{line}`" if line else None, f"{type(err).__name__}: {message}"]
     return ", ".join(p for p in parts if p)

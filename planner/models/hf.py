@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.models import hf_attention, hf_rope, hf_sinks
+from planner.models.hf_seq2seq import HFSeq2SeqLM, sequence_length as seq2seq_length
 from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # Small sizes that train on CPU ranks, by transformers' standard config names (each config's
@@ -324,6 +325,8 @@ def _text_config(model):
 
 
 def sequence_length(model: HFCausalLM) -> int:
+    if isinstance(model, HFSeq2SeqLM):  # less the positions its family reserves
+        return seq2seq_length(model)
     config = _text_config(model)
     # the encoder's positions where a model has two tables (LED: 16K encoder, 1K decoder)
     length = next((getattr(config, key) for key in ("n_positions", "max_position_embeddings",

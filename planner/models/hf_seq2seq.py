@@ -151,6 +151,7 @@ class HFSeq2SeqLM(HFWrapper):
         the encoder unless `decoder_seq` says. On the meta device, zeros of those shapes."""
         source, target = vocab_sizes(self)
         dec = decoder_seq or seq
+        _check_length(self, seq, dec)
         if str(device) == "meta":
             return tuple(torch.zeros(batch, n, dtype=torch.long, device="meta")
                          for n in (seq, dec, dec))
@@ -252,15 +253,42 @@ def vocab_sizes(model: HFSeq2SeqLM) -> tuple[int, int]:
 
 
 def sequence_length(model: HFSeq2SeqLM) -> int:
-    """The encoder's maximum tokens as the config states them (a relative-position model like T5
-    has no table of positions; its published configs say n_positions)."""
+    """The most tokens the model reads on each side: the config's maximum positions (a
+    relative-position model like T5 has no table of positions; its published configs say
+    n_positions), less the positions its family reserves (_RESERVED_POSITIONS)."""
     config = model.model.config
     for name in _POSITIONS:
         length = getattr(config, name, None)
         if isinstance(length, int) and length > 0:
-            return length
+            return length - _reserved(config)
     raise ValueError(f"the {config.model_type} config states no maximum positions "
                      f"({', '.join(_POSITIONS)}): give the sequence length (--seq)")
+
+
+# Positions of a family's table that no token of a sequence starting at 0 reads. ProphetNet
+# numbers its tokens from pad_token_id + 1 and its decoder's predicting stream reads one position
+# further, unclamped: pad_token_id + 2 rows are spare. BART's (and mBART's, ...) learned table
+# has its offset of 2 built in (max_position_embeddings + 2 rows), M2M-100's and NLLB's
+# sinusoidal table grows with the sequence: they read max_position_embeddings tokens.
+_RESERVED_POSITIONS = {"prophetnet": lambda config: (config.pad_token_id or 0) + 2}
+
+
+def _reserved(config) -> int:
+    rule = _RESERVED_POSITIONS.get(config.model_type)
+    return rule(config) if rule else 0
+
+
+def _check_length(model: HFSeq2SeqLM, *lengths: int) -> None:
+    """A family that reserves positions fails past its length inside transformers' own code
+    (an index or a view out of range): refused here, naming the length to give."""
+    config = model.model.config
+    most = sequence_length(model) if config.model_type in _RESERVED_POSITIONS else None
+    if most is not None and max(lengths) > most:
+        raise ValueError(f"{config.model_type} reads at most {most} tokens per side with "
+                         f"max_position_embeddings={config.max_position_embeddings} (its "
+                         f"positions start after pad_token_id={config.pad_token_id}, and its "
+                         f"decoder's predicting stream reads one further): give --seq {most} "
+                         f"or less, or a config with more positions")
 
 
 @dataclass(frozen=True)

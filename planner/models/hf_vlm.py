@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import torch
 import torch.nn.functional as F
 
@@ -90,12 +91,22 @@ def _placeholder_mask(self, input_ids, inputs_embeds=None, image_features=None, 
         raise ValueError("fxpar trains vision-language models from token ids (input_ids), "
                          "not from inputs_embeds")
     mask = input_ids == self.config.image_token_id
-    if image_features is not None:
-        per_sample = image_features.numel() // (inputs_embeds.shape[-1] * input_ids.shape[0])
+    per_sample = _image_tokens(self.config, inputs_embeds, image_features, input_ids.shape[0])
+    if per_sample is not None:
         torch._assert_async((mask.sum(-1) == per_sample).all(),
                             f"every sample must hold {per_sample} image tokens (the features "
                             f"of its own images, one after another), as the example batch did")
     return mask.unsqueeze(-1).expand_as(inputs_embeds)
+
+
+def _image_tokens(config, inputs_embeds, image_features, samples: int) -> int | None:
+    """Image tokens per sample: the features' rows shared among the samples, or, where the family
+    does not hand its features to get_placeholder_mask (BLIP-2), its Q-Former's query tokens -
+    it makes num_query_tokens of every image. None where neither says."""
+    if image_features is not None:
+        return image_features.numel() // (inputs_embeds.shape[-1] * samples)
+    queries = getattr(config, "num_query_tokens", None)
+    return queries if isinstance(queries, int) else None
 
 
 class HFVisionLM(HFWrapper):
@@ -153,7 +164,7 @@ class HFVisionLM(HFWrapper):
                              f"vision-language models of fixed-size images "
                              f"({', '.join(FAMILIES)})")
         height, width = (size, size) if isinstance(size, int) else tuple(size)
-        return (batch, vision.num_channels, height, width)
+        return (batch, getattr(vision, "num_channels", 3), height, width)
 
     def example_inputs(self, batch: int, seq: int, device="cpu",
                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
@@ -177,31 +188,66 @@ class HFVisionLM(HFWrapper):
 
 
 def _check_fixed_images(model: torch.nn.Module) -> None:
-    """Families whose images make a number of tokens that values decide are refused: fxpar
-    captures shapes. The sign is what their image encoder needs beside the pixels: image_sizes
-    (tiles of any resolution: LLaVA-NeXT, Pixtral), a patch grid per image (image_grid_thw:
-    GLM-4V's images of any size; Qwen2-VL's train at one size: planner.models.hf_qwen_vl), a mask
-    of which images are padding (Idefics 3)."""
-    import inspect
+    """Refuses, before any tracing, the families fxpar cannot feed or place: image encoders
+    that need inputs beside pixel_values - values that decide how many tokens an image makes
+    (image_sizes: LLaVA-NeXT's tiles; image_grid_thw: GLM-4V's images of any size, Qwen2-VL's
+    train at one size in planner.models.hf_qwen_vl; pixel_attention_mask: Idefics 3), or data
+    fxpar's batch does not hold (InstructBLIP's Q-Former instruction tokens) - and images that
+    do not reach the decoder as features merged at image tokens (_check_merged)."""
     encode = getattr(model.base_model, "get_image_features", None)
-    if encode is None:
-        raise ValueError(f"{type(model).__name__} has no get_image_features: fxpar does not "
-                         f"know where it encodes its images")
-    taken = inspect.signature(encode).parameters
+    taken = inspect.signature(encode).parameters if encode is not None else {}
     needed = [name for name, p in taken.items() if name not in ("pixel_values", "kwargs")
               and (p.default is inspect.Parameter.empty or name in _ALWAYS_READ)]
+    shaping = [name for name in needed if name in _VALUE_SHAPED]
+    if shaping:
+        raise ValueError(f"{type(model).__name__} encodes its images with {shaping[0]}: "
+                         f"{_VALUE_SHAPED[shaping[0]]} decide how many tokens each image "
+                         f"makes, a data-dependent shape fxpar cannot capture; it trains "
+                         f"vision-language models whose images make a fixed number of tokens "
+                         f"({', '.join(FAMILIES)})")
     if needed:
-        raise ValueError(f"{type(model).__name__} encodes its images with {', '.join(needed)}: "
-                         f"{_VALUE_SHAPED.get(needed[0], 'values beside the pixels')} decide "
-                         f"how many tokens each image makes, a data-dependent shape fxpar "
-                         f"cannot capture; it trains vision-language models whose images make "
-                         f"a fixed number of tokens ({', '.join(FAMILIES)})")
+        what = _OTHER_INPUTS.get(needed[0], "an input")
+        raise ValueError(f"{type(model).__name__} needs {needed[0]} ({what}) beside "
+                         f"pixel_values to encode its images, which fxpar's batch (tokens, "
+                         f"pixel_values, targets) does not provide; it trains vision-language "
+                         f"models whose images need only their pixels ({', '.join(FAMILIES)})")
+    _check_merged(model, encode)
+
+
+def _check_merged(model: torch.nn.Module, encode) -> None:
+    """Refuses a family that does not merge its image features (from get_image_features, which
+    `encode` is or None) at image tokens through get_placeholder_mask - the step
+    fixed_image_merge rewrites - naming how it feeds its images instead."""
+    merges = any(hasattr(type(m), "get_placeholder_mask") for m in model.modules())
+    if encode is not None and merges:
+        return
+    if hasattr(model.base_model, "get_video_features") and encode is None:
+        how = "it encodes videos through get_video_features, not images"
+    elif getattr(getattr(model.config, "text_config", None), "cross_attention_layers", None):
+        how = "its decoder cross-attends to them in its cross_attention_layers"
+    elif encode is not None:
+        placed = [p for p in _forward_inputs(model) if "image" in p and "mask" in p]
+        how = (f"it places them by the input mask {placed[0]}, which fxpar's batch does not "
+               f"provide" if placed else "it places them without get_placeholder_mask")
+    else:
+        how = "transformers gives it no get_image_features to encode them"
+    raise ValueError(f"{type(model).__name__} does not merge image features into the token "
+                     f"embeddings at image tokens: {how}; fxpar trains only families that do "
+                     f"({', '.join(FAMILIES)})")
+
+
+def _forward_inputs(model: torch.nn.Module) -> list[str]:
+    return list(inspect.signature(type(model).forward).parameters)
 
 
 _VALUE_SHAPED = {"image_sizes": "the images' sizes (their tiles)",
                  "image_grid_thw": "each image's grid of patches",
                  "pixel_attention_mask": "which images are padding"}
 _ALWAYS_READ = ("image_grid_thw", "pixel_attention_mask")  # read when given, made when not
+# Inputs beside the pixels that set no count but that fxpar's batch does not make
+_OTHER_INPUTS = {"qformer_input_ids": "the Q-Former's instruction tokens",
+                 "high_res_pixel_values": "each image again at the high-resolution encoder's "
+                                          "size"}
 # the families tests train exactly against one process (tests/dist/test_hf_vlm.py)
 FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava")
 
@@ -209,8 +255,9 @@ FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava"
 def _counting(model, counted: list[int]):
     """get_placeholder_mask records the image features' tokens per image, checks nothing."""
     def record(self, input_ids, inputs_embeds=None, image_features=None, **_):
-        if image_features is not None:
-            counted.append(image_features.numel() // inputs_embeds.shape[-1])
+        count = _image_tokens(self.config, inputs_embeds, image_features, input_ids.shape[0])
+        if count is not None:
+            counted.append(count)
         return torch.zeros_like(input_ids, dtype=torch.bool).unsqueeze(-1).expand_as(
             inputs_embeds)
     return _masks_by(model, record)
@@ -236,19 +283,54 @@ def small_config(arch: str, small_text, **overrides):
     vision = {k.removeprefix("vision_"): v for k, v in overrides.items()
               if k.startswith("vision_")}
     text_config = small_text(defaults.text_config.model_type, **text)
-    sizes = {**VISION_SMALL, **vision}
-    if isinstance(defaults.vision_config.image_size, (tuple, list)):  # (height, width) forms
-        sizes = {k: (v, v) if k in ("image_size", "patch_size") and isinstance(v, int) else v
-                 for k, v in sizes.items()}
-    if hasattr(defaults.vision_config, "projection_dim"):
-        sizes.setdefault("projection_dim", text_config.hidden_size)
-    vision_config = type(defaults.vision_config)(**sizes)
+    vision_config = _built(arch, type(defaults.vision_config),
+                           **_vision_sizes(defaults.vision_config, text_config, vision))
     fields = dict(text_config=text_config.to_dict(), vision_config=vision_config.to_dict(),
                   image_token_id=text_config.vocab_size - 1)
     fields.update({k: v(vision_config, text_config) for k, v in _SMALL_FIELDS.items()
                    if hasattr(defaults, k)})
     fields.update({k: v for k, v in overrides.items() if k in _SMALL_FIELDS})
-    return tf.AutoConfig.for_model(arch, **fields)
+    fields.update({k: {**getattr(defaults, k).to_dict(), **v} for k, v in _SMALL_PARTS.items()
+                   if getattr(defaults, k, None) is not None})
+    return _built(arch, tf.AutoConfig.for_model, arch, **fields)
+
+
+def _vision_sizes(defaults, text_config, given: dict) -> dict:
+    """The small vision tower's fields: VISION_SMALL and `given`, in the (height, width) form
+    where the family's config has it, and the fields that must equal the text model's width
+    (the projector's output) at the small text model's."""
+    sizes = {**VISION_SMALL, **given}
+    if isinstance(defaults.image_size, (tuple, list)):  # (height, width) forms
+        sizes = {k: (v, v) if k in ("image_size", "patch_size") and isinstance(v, int) else v
+                 for k, v in sizes.items()}
+    for name in _TEXT_WIDTH:
+        if hasattr(defaults, name):
+            sizes.setdefault(name, text_config.hidden_size)
+    return sizes
+
+
+def _built(arch: str, make, *args, **fields):
+    """`make(*args, **fields)`, a transformers config; its rejection (a validator of the family
+    tying two fields fxpar does not shrink together) one line naming the family and the field."""
+    try:
+        return make(*args, **fields)
+    except Exception as err:  # noqa: BLE001 - transformers' validators raise assorted types
+        cause = err.__cause__ or err
+        first = " ".join(str(cause).split())[:240].rstrip(".") or type(cause).__name__
+        raise ValueError(f"{arch}: transformers rejects the family's config at fxpar's small "
+                         f"sizes ({first}); plan a config.json of {arch} with --hf-config"
+                         ) from None
+
+
+# Vision config fields that must equal the text model's width: CLIP-like projections, the
+# projector's output of Qwen-style towers (Granite Docling validates it against the decoder)
+_TEXT_WIDTH = ("projection_dim", "out_hidden_size", "text_hidden_size")
+# Further sub-configs at small sizes, dropout off as in the other parts: BLIP-2's Q-Former (its
+# width follows the vision tower's; transformers sets encoder_hidden_size to it)
+_SMALL_PARTS = {"qformer_config": dict(hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)}
 
 
 def _patches(vision) -> int:
@@ -259,10 +341,12 @@ def _patches(vision) -> int:
 
 
 # Fields of the families' configs that follow the small vision tower: its patches per image (Llava
-# counts them), tokens per image after pooling (Gemma 3: 4 of 16 patches), the projector's
-# width, the layers whose outputs are merged (VipLlava: the last two of two)
+# counts them; BLIP-2's Q-Former makes as many query tokens), tokens per image after pooling
+# (Gemma 3: 4 of 16 patches), the projector's width, the layers whose outputs are merged
+# (VipLlava: the last two of two)
 _SMALL_FIELDS = {
     "image_seq_length": lambda vision, text: _patches(vision),
+    "num_query_tokens": lambda vision, text: _patches(vision),
     "mm_tokens_per_image": lambda vision, text: _patches(vision) // 4,
     "projection_dim": lambda vision, text: text.hidden_size,
     "vision_feature_layers": lambda vision, text: (-2, -1),

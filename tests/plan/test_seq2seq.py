@@ -194,3 +194,25 @@ def test_small_configs_set_both_sides():
             bart.decoder_ffn_dim, bart.dropout) == (2, 1, 8, 128, 0.0)
     marian = small_seq2seq_config("marian")
     assert marian.pad_token_id < marian.vocab_size and marian.decoder_vocab_size == 256
+
+
+def test_prophetnet_defaults_to_the_tokens_its_positions_hold():
+    """Its positions start after the padding id and its decoder's predicting stream reads one
+    further: of 32 positions 30 tokens run; more are refused naming the length to give."""
+    from planner.models.hf_seq2seq import sequence_length
+    torch.manual_seed(0)
+    model = build_hf("prophetnet")
+    assert sequence_length(model) == 30
+    assert sequence_length(build_hf("bart")) == 32  # its offset of 2 is built into the table
+    model(*model.example_inputs(2, 30))
+    with pytest.raises(ValueError, match="prophetnet reads at most 30 tokens .* --seq 30") as err:
+        model.example_inputs(2, 32)
+    assert "\n" not in str(err.value)
+
+
+def test_a_capture_failure_keeps_torch_fx_s_cause_not_its_docs_pointer():
+    from passes.capture.trace import _clean
+    fx_error = ("Proxy object cannot be iterated. This can be attempted when the Proxy is used "
+                "in a loop or as a *args or **kwargs function argument. See the torch.fx docs "
+                "on pytorch.org for a more detailed explanation")
+    assert _clean(fx_error) == "Proxy object cannot be iterated"
