@@ -212,6 +212,12 @@ def _check_fixed_images(model: torch.nn.Module) -> None:
                          f"pixel_values, targets) does not provide; it trains vision-language "
                          f"models whose images need only their pixels ({', '.join(FAMILIES)})")
     _check_merged(model, encode)
+    if getattr(model.base_model, "qformer", None) is not None:  # BLIP-2 and its kin
+        raise ValueError(f"{type(model).__name__} passes its images through a Q-Former, which "
+                         f"fxpar does not train exactly yet (its cross-attention's gradients "
+                         f"differ from one process's from the second step under pipeline "
+                         f"parallelism); it trains vision-language models whose image features "
+                         f"are merged at image tokens ({', '.join(FAMILIES)})")
 
 
 def _check_merged(model: torch.nn.Module, encode) -> None:

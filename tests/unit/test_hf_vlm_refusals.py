@@ -59,16 +59,10 @@ def _text(model_type, **fields):
     return small_config(model_type, text_part=True, **fields)
 
 
-def test_blip2_images_make_its_query_tokens_and_the_loss_is_transformers_own():
-    torch.manual_seed(0)
-    model = build_hf("blip-2")
-    assert model.image_shape(2) == (2, 3, 16, 16)  # Blip2VisionConfig states no num_channels
-    assert model.image_tokens() == model.model.config.num_query_tokens == 16
-    tokens, pixels, targets = model.example_inputs(2, 32,
-                                                   generator=torch.Generator().manual_seed(0))
-    logits = model.model(input_ids=tokens, pixel_values=pixels, use_cache=False).logits
-    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-    assert torch.equal(model(tokens, pixels, targets), ref)
-    tokens[0, 1] = 3  # one image token fewer in the first sample
-    with pytest.raises(RuntimeError, match="every sample must hold 16 image tokens"):
-        model(tokens, pixels, targets)
+def test_a_q_former_family_is_refused_until_it_trains_exactly():
+    """BLIP-2 plans, but its Q-Former's gradients differ from one process's from the second
+    step under pipeline parallelism: refused in one line rather than trained wrong."""
+    with pytest.raises(ValueError, match=r"Blip2ForConditionalGeneration passes its images "
+                                         r"through a Q-Former, which fxpar does not train "
+                                         r"exactly yet"):
+        build_hf("blip-2")
