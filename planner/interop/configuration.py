@@ -288,9 +288,9 @@ def even_stages(blocks: int, stages: int, strategy: str) -> tuple[tuple[str, ...
 
 def compare(ours: Plan, theirs: Priced, label: str) -> str:
     """"fxpar plan: X s/iteration; <label>: Y s/iteration (+d%); memory per device ..."."""
+    from planner.report.explain import percent
     a, b = ours.predicted, theirs.plan.predicted
-    change = (b.iteration_s / a.iteration_s - 1) * 100
     fits = "" if theirs.fits else f" ({theirs.note})"
     return (f"fxpar plan: {a.iteration_s:.4g} s/iteration; {label}: {b.iteration_s:.4g} "
-            f"s/iteration ({change:+.1f}%); memory per device {gib(a.peak_memory_bytes)} GiB "
+            f"s/iteration ({percent(a.iteration_s, b.iteration_s)}); memory per device {gib(a.peak_memory_bytes)} GiB "
             f"vs {gib(b.peak_memory_bytes)} GiB{fits}")

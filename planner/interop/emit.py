@@ -152,6 +152,7 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
         config, split_notes = _torchtitan_split(config)
         notes += split_notes
         config, unpriced = _torchtitan_split_backward(config)
+        unpriced += torchtitan_cp_sharding(config.cp)
         notes += unpriced
     stages, tp = config.stages, plan.tp > 1
     lengths = [len(st) for st in stages]
@@ -209,6 +210,16 @@ def _torchtitan_split_backward(config: Configuration) -> tuple[Configuration, li
         return replace(config, split_backward="record"), [
             f"{TORCHTITAN_SPLIT}; nearest: split_backward=record"]
     return config, [recorded_with_recompute()]
+
+
+def torchtitan_cp_sharding(cp: int) -> list[str]:
+    """torchtitan's FSDP mesh takes the context-parallel ranks in (dp_shard x cp), whatever the
+    data-parallel sharding: weights fxpar prices replicated over cp. Said by --emit torchtitan
+    and --from-torchtitan alike, and never "expressed exactly"."""
+    if cp == 1:
+        return []
+    return [f"torchtitan shards the weights (FSDP) over the {cp} context-parallel ranks too; "
+            f"fxpar prices them replicated there"]
 
 
 def torchtitan_records(config: Configuration) -> bool:
@@ -416,10 +427,7 @@ def torchtitan(plan: Plan, expressed: Expressed,
         replicate = config.dp // shard
     else:
         shard, replicate = 1, config.dp
-        if config.cp > 1:
-            lines.append(f"# note: with context_parallel_degree > 1 torchtitan shards the weights "
-                         f"(FSDP) over the {config.cp} cp ranks; fxpar priced them replicated")
-        elif config.dp > 1 and (config.tp > 1 or config.pp > 1):
+        if config.cp == 1 and config.dp > 1 and (config.tp > 1 or config.pp > 1):
             lines.append("# note: torchtitan releases whose DDP does not compose with tp/pp "
                          "(\"DDP has not supported > 1D parallelism\") need "
                          "data_parallel_shard_degree (FSDP) instead")

@@ -7,6 +7,7 @@ import re
 import shlex
 
 from cost_model.layers.strategy import Strategy
+from planner.interop import megatron_moe as moe
 from planner.interop.megatron_model import check as model_check
 from planner.interop.model_facts import ModelFacts
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
@@ -44,6 +45,9 @@ MEGATRON_FLAGS = {
     "--num-layers-in-last-pipeline-stage": INT,
     # numerics that leave the model and its price as they are (NUMERICS says why)
     "--apply-query-key-layer-scaling": SWITCH, "--rotary-interleaved": SWITCH,
+    # experts and latent attention (planner.interop.megatron_moe checks them)
+    **{flag: INT for flag in moe.INT_FLAGS}, **{flag: STR for flag in moe.STR_FLAGS},
+    **{flag: SWITCH for flag in moe.SWITCHES},
 }
 # Names of one setting: Megatron-LM's older or newer flag -> the one read here
 ALIASES = {"--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank",
@@ -79,6 +83,18 @@ MEGATRON_IGNORED = frozenset("""
 --end-weight-decay --loss-scale --initial-loss-scale --hysteresis --min-loss-scale
 --ddp-bucket-size --ddp-num-buckets --align-grad-reduce --overlap-p2p-communication
 --no-overlap-p2p-communication --ddp-average-in-collective --grad-reduce-in-bf16
+--exit-duration-in-mins --eod-mask-loss --exit-signal-handler --wandb-save-dir --wandb-entity
+--log-validation-ppl-to-tensorboard --log-memory-to-tensorboard --log-world-size-to-tensorboard
+--log-loss-scale-to-tensorboard --log-batch-size-to-tensorboard
+--log-learning-rate-to-tensorboard --tensorboard-queue-size --no-log-learning-rate-to-tensorboard
+--no-log-loss-scale-to-tensorboard --log-progress --log-straggler --full-validation
+--multiple-validation-sets --valid-data-path --train-data-path --test-data-path
+--skip-train --test-mode --profile --profile-step-start --profile-step-end --profile-ranks
+--use-pytorch-profiler --async-save --non-persistent-save-interval --use-dist-ckpt
+--dist-ckpt-format --auto-detect-ckpt-format --pretrained-checkpoint --no-initialization
+--moe-grouped-gemm --moe-token-dispatcher-type --moe-aux-loss-coeff
+--moe-router-load-balancing-type --moe-z-loss-coeff --moe-permute-fusion --moe-router-dtype
+--moe-router-fusion --moe-input-jitter-eps
 """.split())
 
 
@@ -98,21 +114,18 @@ def _megatron_tokens(text: str) -> list[str]:
 
 def read_megatron_flags(text: str) -> tuple[dict, list[str]]:
     """{flag: value} (True for a switch, a list for --recompute-modules) and the ignored flags;
-    an unknown flag, a missing value or a flag given twice is an error naming it."""
+    every unknown flag is named in one error; a missing value or a flag given twice is an
+    error naming it."""
     tokens = _megatron_tokens(text)
-    values, ignored, i = {}, [], 0
+    values, ignored, unknown, i = {}, [], [], 0
     while i < len(tokens):
         token = tokens[i]
         if not token.startswith("--"):
             raise ValueError(f"--from-megatron: {token!r} follows no flag that takes it")
         name, eq, inline = token.partition("=")
         kind = MEGATRON_FLAGS.get(name)
-        if kind is None:
-            if name not in MEGATRON_IGNORED:
-                raise ValueError(f"unknown Megatron-LM flag {name} (fxpar reads the parallel, "
-                                 f"batch, recompute and model-size flags and ignores optimizer, "
-                                 f"data and logging ones)")
-            ignored.append(name)
+        if kind is None:  # skipped with its values; an unknown one said with the others
+            (ignored if name in MEGATRON_IGNORED else unknown).append(name)
             i += 1
             while i < len(tokens) and not tokens[i].startswith("--"):
                 i += 1
@@ -139,6 +152,11 @@ def read_megatron_flags(text: str) -> tuple[dict, list[str]]:
         if name in values and values[name] != value:
             raise ValueError(f"{name} is given twice ({values[name]!r} and {value!r})")
         values[name] = value
+    if unknown:
+        raise ValueError(f"unknown Megatron-LM flag{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(dict.fromkeys(unknown))} (fxpar reads the parallel, batch, "
+                         f"recompute and model flags and ignores optimizer, data and logging "
+                         f"ones): remove {'them' if len(unknown) > 1 else 'it'}")
     return _one_name(values), ignored
 
 
@@ -215,9 +233,10 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
                            ours_batch=None, ours_zero1=False) -> Imported:
     f, ignored = read_megatron_flags(text)
     notes: list[str] = [f"{flag} {NUMERICS[flag]}" for flag in NUMERICS if flag in f]
-    if f.get("--expert-model-parallel-size", 1) > 1 or "--num-experts" in f:
-        flag = "--num-experts" if "--num-experts" in f else "--expert-model-parallel-size"
-        raise ValueError(f"{flag}: fxpar plans dense models (no experts)")
+    if f.get("--expert-model-parallel-size", 1) > 1:  # a Configuration has no ep to price
+        raise ValueError(f"--expert-model-parallel-size {f['--expert-model-parallel-size']}: "
+                         f"fxpar prices an imported configuration without expert parallelism; "
+                         f"give --expert-model-parallel-size 1 (fxpar plan itself searches ep)")
     tp = f.get("--tensor-model-parallel-size", 1)
     pp = f.get("--pipeline-model-parallel-size", 1)
     cp = f.get("--context-parallel-size", 1)

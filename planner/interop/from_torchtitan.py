@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from cost_model.layers.strategy import Strategy
 from planner.interop.emit import (ModelFacts, recorded_with_recompute, schedule_csv,
-                                  torchtitan_records)
+                                  torchtitan_cp_sharding, torchtitan_records)
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
 from planner.interop.readers import Imported, sized
 from planner.interop.configuration import Configuration, even_stages
@@ -75,6 +75,27 @@ def _load_toml(path: str) -> dict:
         raise ValueError(f"{path} is not TOML: {err}") from None
 
 
+def _sections(data: dict, path: str) -> list[str]:
+    """The sections listed as ignored; every unknown section and field named in one error."""
+    ignored, unknown = [], []
+    for section, body in data.items():
+        if section in TORCHTITAN_IGNORED:
+            if section not in ("model", "compile") + LOW_PRECISION:  # those: _beside_layout
+                ignored.append(f"[{section}]")
+            continue
+        if section not in TORCHTITAN_FIELDS:
+            unknown.append(f"section [{section}]")
+            continue
+        if not isinstance(body, dict):
+            raise ValueError(f"[{section}] in {path} must be a table")
+        unknown += [f"field [{section}] {name}" for name in body
+                    if name not in TORCHTITAN_FIELDS[section]]
+    if unknown:
+        raise ValueError(f"unknown torchtitan {', '.join(unknown)} in {path}: remove or correct "
+                         f"{'them' if len(unknown) > 1 else 'it'}")
+    return ignored
+
+
 def _field(data: dict, section: str, name: str, kind, default=None):
     value = data.get(section, {}).get(name, default)
     where = f"[{section}] {name}"
@@ -95,19 +116,7 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
                              ours_batch=None, ours_zero1=False) -> Imported:
     data = _load_toml(path)
     notes: list[str] = []
-    ignored = []
-    for section, body in data.items():
-        if section in TORCHTITAN_IGNORED:
-            if section not in ("model", "compile") + LOW_PRECISION:  # those: _beside_layout
-                ignored.append(f"[{section}]")
-            continue
-        if section not in TORCHTITAN_FIELDS:
-            raise ValueError(f"unknown torchtitan section [{section}] in {path}")
-        if not isinstance(body, dict):
-            raise ValueError(f"[{section}] in {path} must be a table")
-        for name in body:
-            if name not in TORCHTITAN_FIELDS[section]:
-                raise ValueError(f"unknown torchtitan field [{section}] {name} in {path}")
+    ignored = _sections(data, path)
     get = lambda name, kind, default=None: _field(data, "parallelism", name, kind,  # noqa: E731
                                                   default)
     replicate = get("data_parallel_replicate_degree", int, 1)
@@ -142,9 +151,7 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     # FSDP (fully_shard per block): weights, gradients and optimizer states sharded over the
     # shard degree, replicated across `replicate` groups (HSDP): fxpar's zero=3
     zero, dp_shard = (3, shard if replicate > 1 else None) if shard > 1 else (0, None)
-    if cp > 1:
-        notes.append(f"torchtitan shards the weights (FSDP) over the {cp} context-parallel "
-                     f"ranks; fxpar prices them replicated")
+    notes += torchtitan_cp_sharding(cp)
     seq = sized("[training] seq_len", _field(data, "training", "seq_len", int), ours_seq,
                  "--seq")
     local = _field(data, "training", "local_batch_size", int)
@@ -246,12 +253,14 @@ def _low_precision(data: dict, notes: list[str], ignored: list[str]) -> None:
     if not isinstance(model, dict):
         raise ValueError("[model] must be a table")
     converters = _field(data, "model", "converters", list, [])
-    low = [c for c in converters if str(c).startswith(("float8", "mx"))]
+    low = [c for c in converters if str(c).startswith(LOW_PRECISION)]
     said = [f"[{s}]" for s in LOW_PRECISION if s in data]
-    if low or said:
-        given = ", ".join(([f"[model] converters = {json.dumps(low)}"] if low else []) + said)
-        notes.append(f"{given}: low-precision (float8/MX) matmuls are not priced: fxpar prices "
-                     f"them in bf16")
+    if low:  # a section configures its converter; without one in converters it does nothing
+        notes.append(f"[model] converters = {json.dumps(low)}{' with ' if said else ''}"
+                     f"{', '.join(said)}: low-precision (float8/MX) matmuls are not priced: fxpar "
+                     f"prices them in bf16")
+    else:
+        ignored += [f"{s} (no [model] converters enable it)" for s in said]
     if set(converters) - set(low):
         notes.append(f"[model] converters {json.dumps(sorted(set(converters) - set(low)))}: "
                      f"not priced")
@@ -294,7 +303,8 @@ def _torchtitan_pipeline(data, path, layers, pp, local, batch, dp, notes):
     single = key in SINGLE_STAGE
     if lengths is None:
         lps = get("pipeline_parallel_layers_per_stage", int)
-        stages = pp * (1 if single else 2) if lps is None else -(-(layers + 2) // lps)
+        stages = pp * (1 if single else 2) if lps is None else _stages_of(lps, layers, pp,
+                                                                          single)
         lengths = [len(s) for s in even_stages(layers, stages, "none")]
         notes.append(f"no split points: priced with the {layers} layers spread evenly over "
                      f"{stages} stages (torchtitan's own default split depends on its version)")
@@ -315,6 +325,28 @@ def _torchtitan_pipeline(data, path, layers, pp, local, batch, dp, notes):
         mb = get("pipeline_parallel_microbatch_size", int, 1)
         return _csv_schedule(csv_path, path, pp, (batch // dp) // mb, v), v, lengths
     return TORCHTITAN_SCHEDULES[key], v, lengths
+
+
+def _stages_of(per_stage: int, layers: int, pp: int, single: bool) -> int:
+    """torchtitan's stage count for pipeline_parallel_layers_per_stage: the layers with the
+    embedding and the output counted as one layer each, ceil((layers + 2) / per_stage); a
+    count that is no multiple of the pipeline degree says which values would be."""
+    def count(n: int) -> int:
+        return -(-(layers + 2) // n)
+
+    stages = count(per_stage)
+    if stages % pp == 0 and (not single or stages == pp):
+        return stages
+    # the values whose count this schedule runs: pp stages, or at least two per rank
+    fits = [n for n in range(1, layers + 3) if count(n) % pp == 0 and
+            (count(n) == pp if single else count(n) >= 2 * pp)]
+    near = sorted(fits, key=lambda n: (abs(n - per_stage), n))[:2]
+    hint = (f"; try {' or '.join(map(str, sorted(near)))}" if near else
+            "; give pipeline_parallel_split_points instead")
+    raise ValueError(f"[parallelism] pipeline_parallel_layers_per_stage {per_stage} makes "
+                     f"ceil(({layers} layers + 2) / {per_stage}) = {stages} stages, not "
+                     f"{'the' if single else 'a multiple of the'} pipeline_parallel_degree {pp}"
+                     f"{' (the schedule runs one stage per rank)' if single else ''}{hint}")
 
 
 def _split_points(points: list, layers: int) -> list[int]:

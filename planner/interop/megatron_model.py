@@ -6,13 +6,16 @@ positions, biases on every linear, rotary base 10000, norm epsilon 1e-5, head wi
 
 Both directions go through one set of properties (`ITEMS`): the model's value of each
 (`statement`), the value flags state (`Item.of_flags`) and the flags that state a value
-(`_flags_for`), so what is emitted reads back as the model and a contradiction names its flag."""
+(`_flags_for`), so what is emitted reads back as the model and a contradiction names its flag.
+A mixture of experts and multi-latent attention are properties the same way
+(planner.interop.megatron_moe)."""
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
 
+from planner.interop import megatron_moe as moe
 from planner.interop.model_facts import ModelFacts
 
 SILU = frozenset({"silu", "swish"})
@@ -48,8 +51,9 @@ def _close(a, b) -> bool:
 
 
 def _number(x: float) -> str:
-    """An integral value as an integer (Megatron-LM's --rotary-base is an int flag)."""
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+    """An integral value as an integer (Megatron-LM's --rotary-base is an int flag), any other
+    in the shortest form that reads back equal (repr: 0.6666666666666666, not :g's 0.666667)."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,6 +112,20 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
 
+# what --emit megatron says of yarn, which --position-embedding-type yarn (newer Megatron-LM) states
+YARN_NOTE = "a scaled rotary embedding (yarn)"
+
+
+def _rotary_base(facts: ModelFacts, notes: list[str]) -> float | None:
+    """Megatron-LM's --rotary-base is an integer flag: a fractional base is not stated."""
+    theta = facts.rope_theta
+    if theta is None or float(theta).is_integer():
+        return theta
+    notes.append(f"the rotary base {theta!r}: Megatron-LM's --rotary-base takes an integer; "
+                 f"nearest: {round(theta)}")
+    return float(round(theta))
+
+
 def _rope_scaling(facts: ModelFacts, notes: list[str]) -> float | str:
     if not facts.rope_scaling:
         return NONE
@@ -161,17 +179,19 @@ def statement(facts: ModelFacts, seq: int) -> Statement:
     position = _position(facts, notes)
     rope = position == "rope"
     values = {
-        "groups": facts.kv_heads, "kv_channels": facts.kv_channels,
+        # latent attention's widths are its own flags; its head_dim is only the rotary part
+        "groups": facts.kv_heads, "kv_channels": None if facts.mla else facts.kv_channels,
         "positions": (facts.max_positions or seq) if position == "learned_absolute" else None,
         "mlp": _mlp(facts, notes), "norm": _norm(facts, notes),
         "norm_1p": facts.norm_one_plus, "qk_norm": _qk_norm(facts, notes), "position": position,
-        "rotary_base": facts.rope_theta if rope else None,
+        "rotary_base": _rotary_base(facts, notes) if rope else None,
         "rotary_percent": facts.rotary_fraction if rope else None,
         "rope_scaling": _rope_scaling(facts, notes) if rope else None,
         # Hugging Face's window counts the query itself; Megatron-LM's left side does not
         "window": (facts.window - 1, 0) if facts.window else NONE,
         "window_skip": _window_skip(facts.window_layers) if facts.window else NONE,
         "biases": _biases(facts, notes), "norm_eps": facts.norm_eps, "tie": facts.tie,
+        **moe.values(facts),
     }
     if facts.rope_scaling and not rope:
         notes.append(f"a scaled rotary embedding ({facts.rope_scaling}) of a model without "
@@ -202,9 +222,15 @@ def _mlp_of_flags(f: dict, facts) -> str:
 
 def _position_of_flags(f: dict, facts) -> str:
     position = f.get("--position-embedding-type")
-    if position is not None and position not in POSITIONS:
+    if position is not None and position not in POSITIONS + ("yarn",):
         raise ValueError(f"--position-embedding-type {position!r}: Megatron-LM knows "
-                         f"{', '.join(POSITIONS)}")
+                         f"{', '.join(POSITIONS)} and yarn")
+    if position == "yarn":  # newer Megatron-LM: rotary positions, yarn-scaled
+        if facts.rope_scaling != "yarn":
+            raise ValueError(f"--position-embedding-type yarn contradicts the model {facts.name}, "
+                             f"whose rotary embedding is {facts.rope_scaling or 'not'} scaled, not "
+                             f"yarn's: give --position-embedding-type rope")
+        return "rope"
     if f.get("--use-rotary-position-embeddings"):
         position = position or "rope"
     if f.get("--no-position-embedding"):
@@ -301,6 +327,8 @@ def _flags_for(key: str, value, facts: ModelFacts | None = None) -> list[str]:
     """The flags that state `value` of property `key` (none for Megatron-LM's default)."""
     if value is None or value == NONE:
         return []
+    if key in moe.FLAGS:
+        return moe.flags_for(key, value)
     if key == "groups":
         return [] if facts and value == facts.heads else [
             "--group-query-attention", f"--num-query-groups {value}"]
@@ -317,9 +345,9 @@ def _flags_for(key: str, value, facts: ModelFacts | None = None) -> list[str]:
     if key == "rotary_base":
         return [] if _close(value, 10000.0) else [f"--rotary-base {_number(value)}"]
     if key == "rotary_percent":
-        return [] if _close(value, 1.0) else [f"--rotary-percent {value:g}"]
+        return [] if _close(value, 1.0) else [f"--rotary-percent {_number(value)}"]
     if key == "rope_scaling":
-        return ["--use-rope-scaling", f"--rope-scaling-factor {value:g}"]
+        return ["--use-rope-scaling", f"--rope-scaling-factor {_number(value)}"]
     if key == "window":
         return [f"--window-size {value[0]},{value[1]}"]
     if key == "window_skip":
@@ -329,7 +357,7 @@ def _flags_for(key: str, value, facts: ModelFacts | None = None) -> list[str]:
         return {"all": [], "none": ["--disable-bias-linear"],
                 "qkv": ["--disable-bias-linear", "--add-qkv-bias"]}[value]
     if key == "norm_eps":
-        return [] if _close(value, 1e-5) else [f"--norm-epsilon {value:g}"]
+        return [] if _close(value, 1e-5) else [f"--norm-epsilon {_number(value)}"]
     if key == "tie":
         return [] if value else ["--untie-embeddings-and-output-weights"]
     flag = {"norm_1p": "--apply-layernorm-1p", "qk_norm": "--qk-layernorm"}[key]
@@ -359,11 +387,11 @@ ITEMS = (
                                             "--use-rotary-position-embeddings",
                                             "--no-position-embedding"), _position_of_flags),
     Item("rotary_base", "rotary base", ("--rotary-base",), _rotary("--rotary-base", 10000.0),
-         lambda v: f"{v:g}", applies=_roped),
+         _number, applies=_roped),
     Item("rotary_percent", "share of each head the rotary turns", ("--rotary-percent",),
-         _rotary("--rotary-percent", 1.0), lambda v: f"{v:g}", applies=_roped),
+         _rotary("--rotary-percent", 1.0), _number, applies=_roped),
     Item("rope_scaling", "rotary scaling", ("--use-rope-scaling", "--rope-scaling-factor"),
-         _rope_scaling_of_flags, lambda v: v if v == NONE else f"llama3's, factor {v:g}",
+         _rope_scaling_of_flags, lambda v: v if v == NONE else f"llama3's, factor {_number(v)}",
          applies=_roped),
     Item("window", "sliding attention window (left, right)", ("--window-size",),
          _window_of_flags, lambda v: v if v == NONE else f"{v[0]},{v[1]}"),
@@ -373,11 +401,11 @@ ITEMS = (
     Item("biases", "linear biases", ("--disable-bias-linear", "--add-qkv-bias"),
          _biases_of_flags, _BIASES.get, verb="are"),
     Item("norm_eps", "norm epsilon", ("--norm-epsilon",),
-         lambda f, facts: _float(f, "--norm-epsilon", 1e-5), lambda v: f"{v:g}"),
+         lambda f, facts: _float(f, "--norm-epsilon", 1e-5), _number),
     Item("tie", "output layer", ("--untie-embeddings-and-output-weights",),
          lambda f, facts: not f.get("--untie-embeddings-and-output-weights"),
          lambda v: "tied to the embedding" if v else "untied"),
-)
+) + tuple(Item(*spec) for spec in moe.SPECS)
 # The flags that define the model: given any, the flags state it, and what they leave out means
 # Megatron-LM's default
 MODEL_FLAGS = frozenset(SIZES) | {flag for item in ITEMS for flag in item.flags
@@ -392,13 +420,16 @@ def emitted_flags(facts: ModelFacts, seq: int) -> tuple[list[str], list[str]]:
              f"--ffn-hidden-size {facts.ffn}", f"--num-attention-heads {facts.heads}"]
     flags += _flags_for("groups", v["groups"], facts)
     flags += _flags_for("kv_channels", v["kv_channels"], facts)
+    for key in ("mla", "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_dim", "v_head_dim"):
+        flags += _flags_for(key, v[key], facts)
     # a learned table's rows; rotary positions have none: any bound on the sequence will do
     positions = v["positions"] or max(facts.max_positions or seq, seq)
     flags += [f"--seq-length {seq}", f"--max-position-embeddings {positions}",
               f"--vocab-size {facts.vocab}"]
     for key in ("mlp", "norm", "norm_1p", "qk_norm", "position", "rotary_base",
                 "rotary_percent", "rope_scaling", "window", "window_skip", "biases", "norm_eps",
-                "tie"):
+                "tie", "experts", "top_k", "moe_ffn", "shared_ffn", "moe_layers", "score",
+                "pre_softmax", "scale", "router_groups", "group_topk", "expert_bias"):
         flags += _flags_for(key, v[key], facts)
     return flags, told.notes
 
@@ -428,8 +459,13 @@ def check(f: dict, facts: ModelFacts, seq: int | None, notes: list[str]) -> None
                 raise ValueError(_contradiction(item, f, written, theirs, ours, facts))
             if not (explicit or written) and item.applies(stated):
                 raise ValueError(_absent(item, theirs, ours, facts))
+    yarn = f.get("--position-embedding-type") == "yarn"  # the yarn scaling stated, not its
+    #                                                         parameters
     notes += [f"not in the flags (priced as the model {facts.name}): {note}"
-              for note in told.notes]
+              for note in told.notes if not (yarn and note.startswith(YARN_NOTE))]
+    if yarn:
+        notes.append("--position-embedding-type yarn: the model's yarn-scaled rotary embedding "
+                     "(its scaling parameters are not checked)")
 
 
 def _contradiction(item: Item, f: dict, written, theirs, ours, facts: ModelFacts) -> str:

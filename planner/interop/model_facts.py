@@ -15,6 +15,32 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture of experts: what Megatron-LM's --num-experts and --moe-* flags state."""
+    count: int
+    top_k: int
+    ffn: int                        # one expert's width
+    shared_ffn: int | None = None   # the shared experts' width, all of them together
+    layers: tuple[bool, ...] | None = None  # which layers have experts (None: every layer)
+    score: str = "softmax"          # the router's score function ("softmax" or "sigmoid")
+    pre_softmax: bool = False       # softmax over all experts, top-k not renormalised
+    scale: float = 1.0              # the routed weights' scaling factor
+    groups: int = 1                 # group-limited routing: groups, and groups per token
+    group_topk: int = 1
+    expert_bias: bool = False       # a score correction bias chooses the top-k (aux-loss free)
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-latent attention's widths (Megatron-LM's --multi-latent-attention flags)."""
+    kv_lora_rank: int
+    q_lora_rank: int | None         # None: queries projected directly
+    qk_head_dim: int                # the part of each head without positions (qk_nope_head_dim)
+    qk_pos_dim: int                 # the rotary part (qk_rope_head_dim)
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     name: str
     arch: str            # "gpt" (LayerNorm, GELU, learned positions) or "llama"
@@ -48,6 +74,8 @@ class ModelFacts:
     window: int | None = None        # sliding-window attention: keys a query sees, itself too
     window_layers: tuple[bool, ...] | None = None  # which layers slide (None: all)
     extra: tuple[str, ...] = ()      # what no field above says (soft-capping, scalings, ...)
+    experts: Experts | None = None   # a mixture of experts in place of (some) MLPs
+    mla: MLA | None = None           # multi-latent attention (DeepSeek-V2/V3)
 
     @property
     def linear_bias(self) -> bool | None:
@@ -69,7 +97,20 @@ def facts_of_config(config) -> ModelFacts:
                       config.global_batch, qkv_bias=gpt, out_bias=gpt, mlp_bias=gpt,
                       activation="gelu" if gpt else "silu", gated=not gpt,
                       position="learned" if gpt else "rope",
-                      norm="LayerNorm" if gpt else "RMSNorm")
+                      norm="LayerNorm" if gpt else "RMSNorm", experts=_preset_experts(config))
+
+
+def _preset_experts(config) -> Experts | None:
+    """planner.models.moe's mixture: its first dense_layers blocks keep a dense MLP."""
+    if not getattr(config, "experts", 0):
+        return None
+    ffn = config.expert_ffn or config.ffn_hidden
+    dense = config.dense_layers
+    return Experts(config.experts, config.top_k, ffn,
+                   config.shared_experts * ffn if config.shared_experts else None,
+                   (False,) * dense + (True,) * (config.layers - dense) if dense else None,
+                   config.router, False, float(config.route_scale), config.expert_groups,
+                   config.topk_groups)
 
 
 def facts_of_hf(model, seq: int, global_batch: int = 16) -> ModelFacts:
@@ -105,18 +146,24 @@ def facts_of_hf(model, seq: int, global_batch: int = 16) -> ModelFacts:
         head_dim if head_dim != hidden // heads else None,
         get("n_positions", "max_position_embeddings"), position,
         _rotary_fraction(c, rope, head_dim), norm, one_plus, _qk_norm(block, head_dim),
-        window, window_layers, _extra(model, c, head_dim, norms))
+        window, window_layers, _extra(model, c, head_dim, norms),
+        _experts(model, c, layers, get), _mla(c))
 
 
 _QKV = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "query",
         "key", "value", "W_pack")
 
 
-def _first_block(model, layers: int):
-    """The first of the model's list of `layers` blocks."""
+def _blocks(model, layers: int):
+    """The model's list of `layers` blocks (empty if it has none)."""
     import torch.nn as nn
-    return next((m[0] for _, m in model.named_modules()
-                 if isinstance(m, nn.ModuleList) and len(m) == layers), None)
+    return next((m for _, m in model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) == layers), [])
+
+
+def _first_block(model, layers: int):
+    blocks = _blocks(model, layers)
+    return blocks[0] if len(blocks) else None
 
 
 def _linears(block):
@@ -143,11 +190,47 @@ def _biases(block) -> tuple:
 
 
 def _gated(block) -> bool | None:
-    """A gated MLP has a gate projection (gate_proj, a fused gate_up_proj) or three linears."""
+    """A gated MLP has a gate projection (gate_proj, a fused gate_up_proj: a linear, or the
+    experts' own parameter, as transformers 5's fused experts hold it) or three linears. A
+    mixture's router is its "gate" too, but gates no MLP: not counted."""
     if block is None:
         return None
-    mlp = [n for n, _ in _linears(block) if not _in_attention(n)]
-    return any("gate" in n for n in mlp) or len(mlp) >= 3
+    mlp = [n for n, _ in _linears(block) if not _in_attention(n) and n.rsplit(".", 1)[-1] != "gate"]
+    fused = [n for n, _ in block.named_parameters() if not _in_attention(n)
+             and re.search(r"gate_(up_)?proj", n)]
+    return bool(fused) or any("gate" in n for n in mlp) or len(mlp) >= 3
+
+
+def _experts(model, c, layers: int, get) -> Experts | None:
+    """The mixture a config states (Mixtral's, Qwen-MoE's and DeepSeek's names), its MoE
+    layers read off the blocks that hold an `experts` module (first_k_dense_replace,
+    mlp_only_layers and decoder_sparse_step all say it there)."""
+    count = get("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+    if not count:
+        return None
+    blocks = _blocks(model, layers)
+    moe = tuple(any(n.rsplit(".", 1)[-1] == "experts" for n, _ in b.named_modules())
+                for b in blocks)
+    ffn = get("moe_intermediate_size", "intermediate_size")
+    shared = get("shared_expert_intermediate_size")
+    if shared is None and get("n_shared_experts"):
+        shared = get("n_shared_experts") * ffn
+    score = get("scoring_func", default="softmax")
+    norm_topk = get("norm_topk_prob", default=True)  # Mixtral always renormalises
+    return Experts(count, get("num_experts_per_tok", "moe_topk", default=2), ffn, shared or None,
+                   None if all(moe) or not any(moe) else moe, score,
+                   score == "softmax" and not norm_topk,
+                   float(get("routed_scaling_factor", default=1.0)), get("n_group", default=1),
+                   get("topk_group", default=1), get("topk_method") == "noaux_tc")
+
+
+def _mla(c) -> MLA | None:
+    """DeepSeek-V2/V3's latent attention: keys and values from a rank-kv_lora_rank latent."""
+    rank = getattr(c, "kv_lora_rank", None)
+    if not rank:
+        return None
+    return MLA(rank, getattr(c, "q_lora_rank", None), c.qk_nope_head_dim, c.qk_rope_head_dim,
+               c.v_head_dim)
 
 
 def _is_norm(module) -> bool:
@@ -265,6 +348,8 @@ def _extra(model, c, head_dim: int, norms: tuple[str, ...]) -> tuple[str, ...]:
     if len(norms) > 2 or any("post_feedforward" in n for n in norms):
         out.append(f"{len(norms)} norms per layer ({', '.join(norms)}): norms on the attention's "
                    f"and the MLP's outputs too")
+    if any(n.endswith("shared_expert_gate") for n, _ in model.named_modules()):
+        out.append("the shared expert's output scaled by a sigmoid gate (shared_expert_gate)")
     if getattr(c, "use_parallel_residual", False) or getattr(c, "parallel_attn", False) or \
             getattr(c, "model_type", "") in ("gptj", "phi", "cohere", "cohere2"):
         out.append("attention and MLP in parallel from one norm (a parallel block)")

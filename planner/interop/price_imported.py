@@ -18,7 +18,7 @@ compile prices both plans under the torchtitan-compile profile. Flags that size 
 (--seq-length, --global-batch-size; torchtitan's seq_len and batch sizes) set it, unless fxpar's
 own --seq or --global-batch says otherwise (an error). Flags that do not change the price
 (learning rate, data paths, logging, ...) are listed as ignored; any other flag is an error
-naming it. Every error is one line, exit status 2.
+naming it (all of them in one). Every error is one line, exit status 2.
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def cmd_import(args) -> int:
     if imp.ignored:
         print(f"ignored (no effect on fxpar's price): {', '.join(imp.ignored)}")
     print()
-    table = diff(theirs.plan, ours, (imp.source, "fxpar"))
+    # fxpar's plan the baseline, in the table's changes as in the line below it
+    table = diff(ours, theirs.plan, ("fxpar", imp.source))
     print("fxpar's plan is this configuration" if table == "the plans are identical" else table)
     print()
     print(compare(ours, theirs, f"{imp.source} configuration"))

@@ -21,7 +21,7 @@ def _mesh(p: Plan) -> str:
 def alternatives_table(plans: list[Plan]) -> str:
     best = plans[0].predicted.iteration_s
     rows = [[i + 1, _mesh(p), f"{p.predicted.iteration_s:.4g}",
-             f"{(p.predicted.iteration_s / best - 1) * 100:+.1f}%",
+             percent(best, p.predicted.iteration_s),
              gib(p.predicted.peak_memory_bytes), f"{p.predicted.bubble_fraction:.3f}",
              f"{p.predicted.tflops_per_gpu:.1f}"] for i, p in enumerate(plans)]
     return tabulate(rows, headers=["#", "configuration", "iteration s", "vs best",
@@ -75,7 +75,7 @@ def explain(plans: list[Plan]) -> str:
 
 
 def diff(a: Plan, b: Plan, names: tuple[str, str] = ("a", "b")) -> str:
-    """Side-by-side of what differs between two plans."""
+    """Side-by-side of what differs between two plans; each change is b's against a."""
     fields = [("model", a.model, b.model), ("gpus", a.gpus, b.gpus),
               ("cluster", a.cluster, b.cluster), ("configuration", _mesh(a), _mesh(b))]
     for key in ("iteration_s", "compute_s", "comm_s", "bubble_s", "bubble_fraction",
@@ -111,9 +111,16 @@ def _fmt(x, key: str = "") -> str:
 _NEGLIGIBLE = 1e-12  # seconds or fractions below this are rounding left by a subtraction
 
 
+def percent(x: float, y: float) -> str:
+    """y against the baseline x, '+3.9%': rounded first, so a change that rounds to nothing is
+    '0.0%' (never '-0.0%', nor '+0.0%' beside a '-0.0%' of the same two numbers)."""
+    change = round((y / x - 1) * 100, 1)
+    return "0.0%" if change == 0 else f"{change:+.1f}%"
+
+
 def _change(x, y) -> str:
     if not (isinstance(x, (int, float)) and isinstance(y, (int, float))):
         return ""
     if abs(x) < _NEGLIGIBLE:
         return "from 0" if abs(y) >= _NEGLIGIBLE else ""
-    return f"{(y / x - 1) * 100:+.1f}%"
+    return percent(x, y)

@@ -149,7 +149,7 @@ def test_olmo_and_gpt2_definitions(tmp_path):
      "layer is tied to the embedding, not untied (Megatron-LM states it by leaving out "
      "--untie-embeddings-and-output-weights)"),
     (lambda t: t.replace("--rotary-base 1000000", "--rotary-base 10000"),
-     "--rotary-base 10000 contradicts the model Qwen2ForCausalLM, whose rotary base is 1e+06, "
+     "--rotary-base 10000 contradicts the model Qwen2ForCausalLM, whose rotary base is 1000000, "
      "not 10000 (Megatron-LM states it with --rotary-base 1000000)"),
     (lambda t: t.replace("--norm-epsilon 1e-06", "--norm-epsilon 1e-5"),
      "--norm-epsilon 1e-5 contradicts the model Qwen2ForCausalLM, whose norm epsilon is 1e-06, "
