@@ -316,7 +316,10 @@ class _Localize(FakeTensorProp):
             raise
         except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
             why = (self._asks_full(n) if n.target in _VIEWS else None) or \
-                str(err).splitlines()[0]
+                str(err).splitlines()[0] + (
+                    "; under sequence parallelism a size read from a value split along the "
+                    "sequence is the rank's share: read it from a value every rank holds "
+                    "whole, or plan the layer with strategy=tp" if self.sp else "")
             raise ShardingError(f"layer {n.meta.get(LAYER)}: node {n.name} ({_target_name(n)})"
                                 f"{_in_module(n)} does not run on the sharded shapes: "
                                 f"{why}") from err
