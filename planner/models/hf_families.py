@@ -47,7 +47,7 @@ FAMILIES = (
     Family("opt", "learned positions with an offset of 2 (counted by a cumulative sum over the "
            "sequence; under cp read at each rank's tokens), post-norm, ReLU, biases",
            (("do_layer_norm_before", False),),
-           (("sp", "does not run on the sharded shapes"),)),  # [batch x seq, hidden] MLP input
+           (("sp", r"the sequence \(dim 1\) changed"),)),  # [batch x seq, hidden] MLP input
     Family("falcon", "parallel attention + MLP, fused QKV, LayerNorm",
            (("multi_query", False),), (("sp", "whose dim 0 is not the sequence"),)),
     Family("phi", "parallel attention + MLP, partial rotary, biases, GELU"),
