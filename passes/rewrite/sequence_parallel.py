@@ -51,7 +51,7 @@ _DIM_AT = {"cat": 1, "concat": 1, "concatenate": 1, "stack": 1, "split": 2, "chu
            "argsort": 1, "topk": 2, "flip": 1, "roll": 2, "sum": 1, "mean": 1, "amax": 1,
            "amin": 1, "max": 1, "min": 1, "prod": 1, "var": 1, "std": 1, "logsumexp": 1,
            "argmax": 1, "argmin": 1, "median": 1, "diff": 2, "movedim": 1, "transpose": 1,
-           "swapaxes": 1, "flatten": 1, "unflatten": 1, "repeat_interleave": 2}
+           "swapaxes": 1, "unflatten": 1, "repeat_interleave": 2}
 _MATMUL = {torch.matmul, torch.bmm, "matmul", "bmm", torch.ops.aten.matmul.default,
            torch.ops.aten.bmm.default}
 
@@ -277,12 +277,10 @@ def _along_sequence(node: fx.Node, op: str, ndim: int, dim: int) -> bool:
     given = node.kwargs.get("dim", node.kwargs.get("dims", node.kwargs.get("dim0")))
     if given is None and len(node.args) > _DIM_AT[op]:
         given = node.args[_DIM_AT[op]]
-    if op in ("transpose", "swapaxes", "movedim", "flatten", "unflatten"):
-        # moving or merging the sequence is as refused as working along it (the walk keeps
-        # the sequence at `dim`); flatten(0, 1) of [batch, seq] merges, then splits again
-        given = list(node.args[1:3]) if op != "unflatten" else node.args[1:2]
-        if op == "flatten":
-            return False
+    if op in ("transpose", "swapaxes", "movedim"):
+        # moving the sequence is as refused as working along it (the walk keeps it at `dim`);
+        # a merge with it (flatten) changes its length, which _per_token refuses
+        given = list(node.args[1:3])
     dims = given if isinstance(given, (list, tuple)) else [given]
     return any(isinstance(d, int) and not isinstance(d, bool) and d % ndim == dim
                for d in dims)
