@@ -7,18 +7,17 @@
 compile, float8 and async tensor parallelism. The small configs below keep each family's
 distinguishing fields (Mistral-NeMo's head width, Qwen3's q/k norms, Gemma-2's soft-capping and
 windows, OLMo's norms and biases, GPT-2's positions and GELU) at sizes that plan in seconds."""
-import json
 import re
 
 import pytest
-import torch
 
 from planner.cli import main
 from planner.interop.from_megatron import megatron_configuration
 from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.interop.megatron_model import emitted_flags
-from planner.interop.model_facts import facts_of_config, facts_of_hf
+from planner.interop.model_facts import facts_of_config
 from planner.models.presets import get_config
+from tests.harness.hf_configs import config_file, hf_facts
 
 pytest.importorskip("transformers")
 
@@ -46,18 +45,11 @@ QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 8,
 
 
 def _config(tmp_path, data: dict) -> str:
-    path = tmp_path / f"{data['model_type']}.json"
-    small = {k: v for k, v in SMALL.items()  # GPT-2 names its positions n_positions
-             if not (k == "max_position_embeddings" and "n_positions" in data)}
-    path.write_text(json.dumps({**small, **data}))
-    return str(path)
+    return config_file(tmp_path, SMALL, data)
 
 
 def _facts(tmp_path, data: dict, seq: int = 64):
-    from planner.models.hf import build_hf_from_file
-    with torch.device("meta"):
-        model = build_hf_from_file(_config(tmp_path, data))
-    return facts_of_hf(model, seq)
+    return hf_facts(tmp_path, SMALL, data, seq)
 
 
 def _emit(capsys, tmp_path, data: dict, target: str = "megatron", gpus: int = 2) -> str:

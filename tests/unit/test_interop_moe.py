@@ -4,11 +4,9 @@ and the import; what the importers name and ignore; percentages on one baseline.
 
 The configs keep each family's distinguishing fields (Mixtral's fused SwiGLU experts, DeepSeek-V2's
 latent attention, shared experts and dense first layer) at sizes that plan in seconds."""
-import json
 from dataclasses import replace
 
 import pytest
-import torch
 
 from planner.cli import main
 from planner.interop.configuration import Pricer
@@ -16,9 +14,10 @@ from planner.interop.emit import facts_of_config, nearest
 from planner.interop.from_megatron import megatron_configuration
 from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.interop.megatron_model import check, emitted_flags
-from planner.interop.model_facts import ModelFacts, facts_of_hf
+from planner.interop.model_facts import ModelFacts
 from planner.models.presets import get_config
 from planner.report.explain import diff
+from tests.harness.hf_configs import config_file, hf_facts
 
 pytest.importorskip("transformers")
 
@@ -36,16 +35,11 @@ DSV2 = {"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 4
 
 
 def _config(tmp_path, data: dict) -> str:
-    path = tmp_path / f"{data['model_type']}.json"
-    path.write_text(json.dumps({**SMALL, **data}))
-    return str(path)
+    return config_file(tmp_path, SMALL, data)
 
 
 def _facts(tmp_path, data: dict, seq: int = 64):
-    from planner.models.hf import build_hf_from_file
-    with torch.device("meta"):
-        model = build_hf_from_file(_config(tmp_path, data))
-    return facts_of_hf(model, seq)
+    return hf_facts(tmp_path, SMALL, data, seq)
 
 
 def _text(facts, extra: str = "") -> str:
