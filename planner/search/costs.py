@@ -457,3 +457,20 @@ class ModelCosts:
                          + (f" and {len(self.unpriced) - 4} more" if len(self.unpriced) > 4
                             else ""))
         return tuple(notes) + self.structure_notes
+
+    def selective_notes(self, tp: int, strategies) -> tuple[str, ...]:
+        """Where a plan's selective recomputation drops nothing: a kind whose attention is one
+        fused kernel (scaled_dot_product_attention) keeps no [s, s] scores to drop, so "sel"
+        prices as no recomputation - true of that kernel, and said so that the tie is not taken
+        for a fault of the cost model."""
+        if not any(Strategy.parse(s).recompute == "selective" for s in strategies):
+            return ()
+        fused = [k for k in range(len(self.kinds)) if (p := self.block_profile(tp, k)) and
+                 not any(op.core for op in p.ops)]
+        if not fused:
+            return ()
+        which = ("the blocks" if len(self.kinds) == 1 else
+                 "blocks of kind " + "/".join(map(str, fused)))
+        return (f"selective recomputation drops nothing in {which}: their attention is one "
+                f"fused kernel (scaled_dot_product_attention), which keeps no scores to drop, "
+                f"so sel is priced as none",)

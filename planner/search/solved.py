@@ -47,7 +47,9 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts, memory),
-                costs.notes(cand.tp), solver_text(solution.status, solution.gap, solution.stop), cand.v, cand.cp,
+                costs.notes(cand.tp) + costs.selective_notes(
+                    cand.tp, [s for st in stages for s in st.strategies]),
+                solver_text(solution.status, solution.gap, solution.stop), cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
                 dp_shard=cand.dp_shard or None, params=costs.param_count(),
                 sizes_from=req.sizes_from, sequences=req.sequences, runtime=req.cluster.runtime,

@@ -141,3 +141,18 @@ def test_pruned_top_three_equal_exhaustive_search_under_memory_pressure():
             time_s = ilp.evaluate(problem, solution.counts)[0]
             best_of_kind[kind] = min(best_of_kind.get(kind, math.inf), time_s)
     assert found == pytest.approx(sorted(best_of_kind.values())[:3], rel=1e-9)
+
+
+@pytest.mark.parametrize("attention, noted", [("sdpa", True), ("math", False)])
+def test_selective_recompute_over_a_fused_attention_says_it_drops_nothing(attention, noted):
+    """A fused attention kernel keeps no [s, s] scores, so selective recomputation prices as
+    none there: the plan says why the two tie. Over the math attention it drops the scores."""
+    cfg = get_config("llama-tiny").with_(attention=attention)
+    fixed, none = (plan(cfg, 1, fix={"recompute": r}, cluster="a100-80g-dgx")[0]
+                   for r in ("selective", "none"))
+    said = any("selective recomputation drops nothing" in n for n in fixed.notes)
+    assert said == noted, fixed.notes
+    assert "sel" in str(fixed.stages[0].strategies)
+    same = (fixed.predicted.peak_memory_bytes, fixed.predicted.iteration_s) == \
+        (none.predicted.peak_memory_bytes, none.predicted.iteration_s)
+    assert same == noted
