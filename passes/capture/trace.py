@@ -478,6 +478,9 @@ def _constants(value):
     if isinstance(value, dict):
         return tuple((k, _constants(v)) for k, v in sorted(value.items())
                      if not isinstance(v, fx.Node))
+    if isinstance(value, slice):  # x[:, :t]: its bounds, a node's name never (it is numbered)
+        return ("slice", *(v if not isinstance(v, fx.Node) else "node"
+                           for v in (value.start, value.stop, value.step)))
     return value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
 
 

@@ -96,7 +96,7 @@ class _Walk:
         self.scattered: dict[fx.Node, fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.summed: dict[fx.Node, fx.Node] = {}
-        self.out_shape: dict[str, tuple | None] = {}  # each SP layer's output (its stream)
+        self.out_shape: dict[str, set[tuple]] = {}  # each SP layer's outputs (its streams)
 
     def visit(self, node: fx.Node) -> None:
         if node.op in ("placeholder", "get_attr"):
@@ -172,19 +172,21 @@ class _Walk:
                     f"layer with strategy=tp")
 
     def _carries_sequence(self, value: fx.Node, layer: str) -> bool:
-        """Whether a value entering `layer` from outside is the stream the layer continues (shaped
-        as its output: the hidden state), to be split along the sequence as it enters. Any other
-        - a conditioning vector every block reads, rotary tables, a cross-attention context -
-        enters whole and meets the sequence shards only where _align takes it."""
+        """Whether a value entering `layer` from outside is a stream the layer continues (shaped
+        as one of its outputs: the hidden state, or each stream of a block with two, as Flux's
+        image and text), to be split along the sequence as it enters - as it arrives from the
+        block before, whose outputs leave sequence-sharded. Any other - a conditioning vector
+        every block reads, rotary tables, a cross-attention context - enters whole and meets
+        the sequence shards only where _align takes it."""
         if layer not in self.out_shape:
             def leaves(n):  # a node of the layer read outside it
                 return any(u.op == "output" or u.meta.get(LAYER) != layer for u in n.users)
             outs = (n.meta.get("val") for n in self.gm.graph.nodes if n.meta.get(LAYER) == layer
                     and n.op not in ("placeholder", "get_attr") and leaves(n))
-            self.out_shape[layer] = next((tuple(v.shape) for v in outs if isinstance(
-                v, torch.Tensor) and v.is_floating_point() and v.dim() > self.dim), None)
-        shape = self.out_shape[layer]
-        return shape is None or tuple(value.meta["val"].shape) == shape
+            self.out_shape[layer] = {tuple(v.shape) for v in outs if isinstance(
+                v, torch.Tensor) and v.is_floating_point() and v.dim() > self.dim}
+        shapes = self.out_shape[layer]
+        return not shapes or tuple(value.meta["val"].shape) in shapes
 
     def _align(self, node: fx.Node, layer: str) -> None:
         """Scatter replicated operands that carry the sequence dimension of the output; those

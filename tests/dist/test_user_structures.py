@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, Phase, assume, event, given, seed, settings
 from planner.api import plan
 from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
+from tests.harness.two_streams import TwoStreamSpec
 
 STEPS = 2
 
@@ -62,3 +63,14 @@ def test_a_head_count_held_by_the_module_trains_exactly_under_tp(split):
     st = Structure(inputs="features", loss="mse", head_split=split, condition=True, cross=True)
     for gpus, fix in ((2, {"tp": 2}), (4, {"tp": 4}), (4, {"tp": 2, "dp": 2})):
         assert check_structure(st, gpus, {"dp": 1, "pp": 1, "mb": 2, "strategy": "tp", **fix})
+
+
+@pytest.mark.dist
+def test_two_streams_joined_for_attention_train_exactly_under_sequence_parallel():
+    """Flux-like blocks (tests.harness.two_streams): both streams enter and leave each block
+    split along the sequence, the joint attention sees them whole."""
+    spec = TwoStreamSpec()
+    model, batch = spec.build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 1, "mb": 2, "strategy": "tp+sp"})[0]
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))

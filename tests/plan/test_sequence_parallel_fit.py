@@ -8,6 +8,7 @@ from passes.rewrite.sharding import ShardingError
 from planner.api import plan
 from planner.search.costs import PlanningError
 from planner.models.presets import ModelConfig, build_model, example_batch
+from tests.harness.two_streams import TwoStreamSpec
 
 GPT = ModelConfig("gpt", 1, 16, 4, 64, 12, global_batch=2)
 
@@ -37,3 +38,18 @@ def test_the_rewrite_names_the_per_rank_sequence_under_context_parallel():
                     (len(captured.layers),), cp=2)
     with pytest.raises(ShardingError, match="6 per rank of cp=2"):
         rewrite(captured, layout, 0, 0)
+
+
+def test_a_sequence_length_read_from_a_sharded_stream_is_refused_at_planning():
+    """Two streams joined for attention and cut at the text length read from the text stream's
+    shape: under sequence parallelism that read is the rank's share of the text, so the cut is
+    wrong - refused when planning (not when the ranks are built), naming why. Both blocks are
+    one kind: the slice's bound is a node, not a constant of the block."""
+    model, batch = TwoStreamSpec(text_len=None).build()
+    with pytest.raises(ValueError, match=r"sequence parallel does not apply .* a size read "
+                                            r"from a value split along the sequence"):
+        plan(model, 2, batch, cluster="cpu-gloo",
+             fix={"dp": 1, "tp": 2, "pp": 1, "mb": 2, "strategy": "tp+sp"})
+    chosen = plan(model, 2, batch, cluster="cpu-gloo", fix={"tp": 2, "pp": 1})[0]
+    assert not any("kinds" in note for note in chosen.notes), chosen.notes
+    assert "sp" not in " ".join(s for st in chosen.stages for s in st.strategies)
