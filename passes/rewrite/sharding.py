@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture.trace import module_path
+from passes.rewrite.size_reads import sp_size_read
 from runtime.attention import sinks  # noqa: F401 - registers torch.ops.fxpar.sink_attention
 from runtime.comm import collectives as c
 from runtime.training import rng
@@ -316,7 +317,7 @@ class _Localize(FakeTensorProp):
             raise
         except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
             why = (self._asks_full(n) if n.target in _VIEWS else None) or \
-                str(err).splitlines()[0] + (
+                (sp_size_read(n, self.env, self.full, LAYER) if self.sp else None) or str(err).splitlines()[0] + (
                     "; under sequence parallelism a size read from a value split along the "
                     "sequence is the rank's share: read it from a value every rank holds "
                     "whole, or plan the layer with strategy=tp" if self.sp else "")
