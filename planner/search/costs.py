@@ -463,7 +463,7 @@ class ModelCosts:
         fused kernel (scaled_dot_product_attention) keeps no [s, s] scores to drop, so "sel"
         prices as no recomputation - true of that kernel, and said so that the tie is not taken
         for a fault of the cost model."""
-        if not any(Strategy.parse(s).recompute == "selective" for s in strategies):
+        if not any("sel" in s.split("+") for s in strategies):  # the ends' are no Strategy
             return ()
         fused = [k for k in range(len(self.kinds)) if (p := self.block_profile(tp, k)) and
                  not any(op.core for op in p.ops)]

@@ -29,7 +29,7 @@ from planner.search.costs import ModelCosts, PlanningError  # noqa: F401 - re-ex
 from planner.search.plan import Plan
 from planner.search.problem import (Candidate, Request, build_problem, comm_terms, least_sync,
                                     p2p_time, strategies, sync_parts, device_bytes)
-from planner.search.solved import make_plan, solver_text
+from planner.search.solved import make_plan, read_solver_text, solver_text
 from planner.search import zero as zero_axis
 from runtime.pipeline.generators import SCHEDULES as RUNTIME_SCHEDULES
 from runtime.pipeline.generators import schedule_error
@@ -533,12 +533,10 @@ def _with_search_gap(plan: Plan, open_bound: float, timed_out: bool = False) -> 
     time_s = plan.predicted.iteration_s
     if open_bound >= time_s * (1 - 1e-9):
         return plan
-    status, gap, *stop = plan.solver.split(", ")
-    own = float(gap.removeprefix("gap ").rstrip("%")) / 100 if status == "feasible" else 0.0
-    gap = max(own, (time_s - open_bound) / time_s)
-    limit = "time limit" if timed_out else stop[0].removeprefix("stopped by the ") if stop \
-        else "node limit"
-    return replace(plan, solver=solver_text("feasible", gap, limit.split(" (")[0]))
+    status, own, stop = read_solver_text(plan.solver)
+    gap = max(own if status == "feasible" else 0.0, (time_s - open_bound) / time_s)
+    limit = "time limit" if timed_out else stop or "node limit"
+    return replace(plan, solver=solver_text("feasible", gap, limit))
 
 
 def _keep_best_per_configuration(found: list[Plan], plan: Plan) -> None:

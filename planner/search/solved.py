@@ -155,3 +155,10 @@ def solver_text(status: str, gap: float, stop: str = "") -> str:
     if stop == "time limit":
         return text + ", stopped by the time limit (a rerun may plan differently)"
     return text + (f", stopped by the {stop}" if stop else "")
+
+
+def read_solver_text(text: str) -> tuple[str, float, str]:
+    """(status, gap, stop) of a solver line that solver_text wrote."""
+    status, gap, *stop = text.split(", ")
+    stop = stop[0].removeprefix("stopped by the ").split(" (")[0] if stop else ""
+    return status, float(gap.removeprefix("gap ").rstrip("%")) / 100, stop
