@@ -301,8 +301,6 @@ def _check_plan_outputs(args) -> None:
     for mode in _given(args, ("--emit", "--from-megatron", "--from-torchtitan"))[:1]:
         _refuse(args, ("--check", "--check-every-rank"), mode,
                 "it dry-runs fxpar's own plan; run {flags} without " + mode)
-        _refuse(args, ("--moe-imbalance",), mode,
-                mode + " prices configurations without expert parallelism; drop {flags}")
         if args.emit:
             _refuse(args, ("--explain",), mode, "--emit prints one configuration; --explain "
                     "goes with fxpar's plan or --from-*")

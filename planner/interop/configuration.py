@@ -10,12 +10,16 @@ stage split left to fxpar. `Pricer.price` prices it:
   plan's own layout prices to the plan's own prediction;
 * without, as `--fix` would: the search with those settings fixed places the blocks.
 
+Expert parallelism (`ep`, carved from the dp x cp ranks) prices every MoE block at that size as
+the search does (planner.search.experts), both ways.
+
 A configuration that does not fit the memory limit is still priced (at no limit) and says so:
 `fits` is False and `Priced.note` gives the peak against the limit.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from cost_model.hardware.cluster import get_cluster
@@ -23,6 +27,7 @@ from cost_model.layers.strategy import Strategy
 from planner.search import ilp
 from planner.search.plan import Plan, gib
 from planner.search import zero as zero_axis
+from planner.search.experts import ep_pricing, ep_sizes, search_experts, set_ep
 from planner.search.refusals import why_nothing_plans
 from planner.search.meshes import (Request, check_fix, configurations, make_plan, search,
                                    tp_sizes)
@@ -33,10 +38,11 @@ ENDS = ("auto", "vocab-tp", "none")
 
 @dataclass(frozen=True)
 class Configuration:
-    """dp × tp × pp × cp ranks, micro-batches of `micro_batch`, a pipeline schedule with `v`
-    stages per rank; `stages`: the block strategies of each of the pp·v stages in order (None:
-    fxpar splits the blocks, every block `strategy`); `ends`: embedding and head "vocab-tp"
-    (split over the vocabulary), "none" (replicated) or "auto" (fxpar's choice)."""
+    """dp × tp × pp × cp ranks, `ep` of the dp × cp ranks sharing each MoE layer's experts,
+    micro-batches of `micro_batch`, a pipeline schedule with `v` stages per rank; `stages`: the
+    block strategies of each of the pp·v stages in order (None: fxpar splits the blocks, every
+    block `strategy`); `ends`: embedding and head "vocab-tp" (split over the vocabulary),
+    "none" (replicated) or "auto" (fxpar's choice)."""
 
     dp: int
     tp: int
@@ -51,8 +57,11 @@ class Configuration:
     zero: int = 0                  # sharded data parallel level (planner.search.zero)
     dp_shard: int | None = None    # ranks per shard group (hybrid sharding); None: all of dp
     split_backward: str = ""       # Plan.split_backward: "record", or "" for W walking again
+    ep: int = 1                    # expert-parallel ranks (Plan.ep)
 
     def __post_init__(self):
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer, got {self.ep!r}")
         if self.ends not in ENDS:
             raise ValueError(f"ends must be one of {', '.join(ENDS)}, got {self.ends!r}")
         if self.stages is not None:
@@ -73,6 +82,8 @@ class Configuration:
             fix["dp_shard"] = self.dp_shard
         if self.split_backward:
             fix["split_backward"] = self.split_backward
+        if self.ep > 1:  # (ep=1 left out, as a dense model's configuration reads)
+            fix["ep"] = self.ep
         strategy = self.uniform_strategy()
         if strategy is not None:
             fix["strategy"] = strategy
@@ -95,7 +106,8 @@ class Configuration:
         return Configuration(plan.dp, plan.tp, plan.pp, plan.cp, plan.micro_batch, plan.schedule,
                              plan.virtual_stages, block_strategies(plan),
                              ends=ends.pop() if len(ends) == 1 else "auto", zero=plan.zero,
-                             dp_shard=plan.dp_shard, split_backward=plan.split_backward)
+                             dp_shard=plan.dp_shard, split_backward=plan.split_backward,
+                             ep=plan.ep)
 
 
 def block_strategies(plan: Plan) -> tuple[tuple[str, ...], ...]:
@@ -122,7 +134,7 @@ class Pricer:
     def __init__(self, model, gpus: int, example_inputs=None, *, cluster=None,
                  global_batch: int | None = None, seq: int | None = None,
                  memory_limit: float | None = None, zero1: bool = False,
-                 runtime: str | None = None):
+                 runtime: str | None = None, moe_imbalance: float | None = None):
         from planner.api import (_check_gpus, _memory_limit_bytes, _model_costs, default_cluster,
                                  with_runtime)
         self.gpus = _check_gpus(gpus)
@@ -133,6 +145,9 @@ class Pricer:
         # --zero1 fixes ZeRO-1 as `fxpar plan --zero1` does; otherwise the search picks the
         # level (a configuration states its own: Configuration.zero)
         self.zero = {"zero": 1} if zero1 else {}
+        self.imbalance = moe_imbalance  # --moe-imbalance, for plans and priced configurations
+        # ep -> its EPPricing, kept: ModelCosts caches block prices per pricing instance
+        self._pricings: dict = {}
 
     def request(self, fix: dict | None = None, top_k: int = 1,
                 memory_limit: float | None = None, schedules: tuple | None = None) -> Request:
@@ -148,7 +163,7 @@ class Pricer:
         from planner.api import _infeasible
         check_fix(dict(fix or {}))
         req = self.request(fix, top_k=top_k, schedules=schedules)
-        plans = search(self.costs, req)
+        plans = self._search(req)
         if not plans:
             raise _infeasible(self.costs, req)
         return plans
@@ -157,8 +172,28 @@ class Pricer:
         fix = config.fix()
         check_fix(fix)
         if config.stages is None and config.ends == "auto":
-            return self._searched(fix)
-        return self._given(config, fix)
+            return self._searched({**fix, "ep": config.ep})
+        with self._experts(config.ep):
+            priced = self._given(config, fix)
+        return replace(priced, plan=replace(priced.plan, ep=config.ep))
+
+    def _search(self, req: Request) -> list[Plan]:
+        """fxpar's search over every EP size the request leaves open (a dense model: ep=1), as
+        `fxpar plan` runs it (planner.api.plan_costs)."""
+        return search_experts(self.costs, req, search, self.imbalance)
+
+    @contextmanager
+    def _experts(self, ep: int):
+        """The model's MoE blocks priced at `ep` inside the block, as the search prices that
+        size; an ep the experts do not divide is refused naming the legal ones."""
+        ep_sizes(self.costs, self.gpus, ep)
+        if ep not in self._pricings:
+            self._pricings[ep] = ep_pricing(self.costs, ep, self.imbalance)
+        set_ep(self.costs, ep, self._pricings[ep], self.cluster)
+        try:
+            yield
+        finally:
+            set_ep(self.costs, 1, None)
 
     def tp_sizes(self) -> list[int]:
         """The tensor-parallel sizes the search considers for this model and cluster."""
@@ -172,15 +207,19 @@ class Pricer:
         return self.costs.vocab_errors.get(tp, "see the vocabulary-parallel rewrite")
 
     def _refusal(self, fix: dict) -> ValueError:
+        """Why nothing plans for `fix`, at its ep (else the ep `costs` is priced at)."""
         from planner.api import _infeasible
-        return _infeasible(self.costs, self.request(fix, memory_limit=math.inf))
+        loose = {k: v for k, v in fix.items() if k != "ep"}
+        with self._experts(fix.get("ep", self.costs.ep)):
+            return _infeasible(self.costs, self.request(loose, memory_limit=math.inf))
 
     def _searched(self, fix: dict) -> Priced:
-        plans = search(self.costs, self.request(fix))
+        plans = self._search(self.request(fix))
         if plans:
             return Priced(plans[0], True, "fxpar placed the blocks (as --fix " +
-                          ",".join(f"{k}={v}" for k, v in fix.items()) + ")")
-        plans = search(self.costs, self.request(fix, memory_limit=math.inf))
+                          ",".join(f"{k}={v}" for k, v in fix.items()
+                                   if k != "ep" or v > 1) + ")")
+        plans = self._search(self.request(fix, memory_limit=math.inf))
         if not plans:
             raise self._refusal(fix)
         plan = replace(plans[0], memory_limit_bytes=self.limit)
@@ -191,8 +230,10 @@ class Pricer:
                 f"device, the limit is {gib(self.limit)} GiB")
 
     def _given(self, config: Configuration, fix: dict) -> Priced:
+        """The stated layout at the EP size `costs` is priced at (Pricer._experts)."""
         costs = self.costs
-        loose = {k: v for k, v in fix.items() if k != "strategy"}
+        # (ep is not a filter of the configurations: costs.ep is, as the search sets it)
+        loose = {k: v for k, v in fix.items() if k not in ("strategy", "ep")}
         req = self.request(loose)
         found = next(configurations(costs, req), None)
         if found is None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from cost_model.layers.strategy import Strategy
 from planner.search.plan import Plan
 from planner.interop.configuration import Configuration, Priced, Pricer, compare
+from planner.interop.expert_layout import megatron_flags, nearest_ep, torchtitan_shard
 from planner.interop.megatron_model import emitted_flags
 from planner.interop.model_facts import ModelFacts, facts_of_config, facts_of_hf
 from planner.interop.recompute_patterns import pattern_recompute, recompute_of, with_flags
@@ -67,7 +68,8 @@ def pricer_of_args(args, seq: int | None = None, global_batch: int | None = None
     pricer = Pricer(model, args.gpus, inputs, cluster=args.cluster,
                     global_batch=global_batch or args.global_batch, memory_limit=args.memory_limit,
                     zero1=args.zero1 if zero1 is None else zero1,
-                    runtime=runtime_of_args(args, runtime))
+                    runtime=runtime_of_args(args, runtime),
+                    moe_imbalance=getattr(args, "moe_imbalance", None))
     return pricer, facts
 
 
@@ -122,12 +124,10 @@ class Expressed:
 
 def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
     """The configuration of `plan` that `target` can express; `pricer_factory()` gives the
-    Pricer when something has to be priced."""
+    Pricer when something has to be priced. Expert parallelism the target cannot state at all
+    is refused (planner.interop.expert_layout.Unstated): a nearest priced without it would
+    mislead."""
     label = TARGETS[target]
-    if plan.ep > 1:  # the nearest configuration would be priced without it: refuse, not mislead
-        raise ValueError(f"--emit {target} does not express expert parallelism yet (the plan has "
-                         f"ep={plan.ep}); plan with --fix ep=1 to emit, or set {label}'s expert "
-                         f"parallel size to {plan.ep} by hand")
     own = Configuration.of(plan)
     config, notes = own, []
     if plan.pp > 1 or plan.virtual_stages > 1:
@@ -147,6 +147,8 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
                      f"always splits them over the vocabulary")
     config, zero_notes = _sharding(target, config)
     notes += zero_notes
+    config, ep_notes = nearest_ep(target, config)
+    notes += ep_notes
     unpriced = []  # what the target runs that fxpar prices otherwise: never "exact"
     if target == "torchtitan":
         config, split_notes = _torchtitan_split(config)
@@ -293,6 +295,7 @@ def _torchtitan_split(config: Configuration) -> tuple[Configuration, list[str]]:
 def layout_text(plan: Plan) -> str:
     """'dp=8 tp=4 pp=16 cp=2 zero=1, 1f1b, 192 micro-batches of 1'."""
     return (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp}"
+            + (f" ep={plan.ep}" if plan.ep > 1 else "")
             + (f" zero={plan.zero}" if plan.zero else "")
             + (f" dp_shard={plan.dp_shard}" if plan.dp_shard and plan.dp_shard != plan.dp
                else "") + f", {plan.schedule}"
@@ -346,13 +349,16 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None) -> str:
     config = expressed.config
     lines = _head(plan, "Megatron-LM", expressed)
     lines.append(f"# data parallel: {config.dp} (Megatron-LM derives it from the world size "
-                 f"{plan.gpus} / (tp x pp x cp))")
+                 f"{plan.gpus} / (tp x pp x cp))"
+                 + (f"; expert parallel: {config.ep} of the dp x cp = {config.dp * config.cp} "
+                    f"ranks" if config.ep > 1 else ""))
     flags: list[str] = []
     if facts is not None:
         flags += emitted_flags(facts, plan.seq)[0]
     flags += [f"--tensor-model-parallel-size {config.tp}",
               f"--pipeline-model-parallel-size {config.pp}",
               f"--context-parallel-size {config.cp}"]
+    flags += megatron_flags(config, facts is not None and facts.experts is not None)
     lengths = [len(st) for st in config.stages]
     stages = config.pp * config.v
     even = len(set(lengths)) == 1
@@ -422,11 +428,9 @@ def torchtitan(plan: Plan, expressed: Expressed,
     config = expressed.config
     m = (expressed.planned or plan).num_microbatches  # the configuration's own micro-batches
     lines = _head(plan, "torchtitan", expressed)
-    if config.zero == 3:  # FSDP over the shard groups, replicated across them (HSDP)
-        shard = config.dp_shard or config.dp
-        replicate = config.dp // shard
-    else:
-        shard, replicate = 1, config.dp
+    shard = torchtitan_shard(config)  # FSDP's shard groups, replicated across them (HSDP)
+    replicate = config.dp // shard
+    if config.zero != 3:
         if config.cp == 1 and config.dp > 1 and (config.tp > 1 or config.pp > 1):
             lines.append("# note: torchtitan releases whose DDP does not compose with tp/pp "
                          "(\"DDP has not supported > 1D parallelism\") need "
@@ -437,6 +441,9 @@ def torchtitan(plan: Plan, expressed: Expressed,
             f"tensor_parallel_degree = {config.tp}",
             f"pipeline_parallel_degree = {config.pp}",
             f"context_parallel_degree = {config.cp}"]
+    if config.ep > 1:  # (at tp = 1 only: expert_tensor_parallel_degree's default 1 is tp)
+        body.append(f"expert_parallel_degree = {config.ep}  # of data_parallel_shard_degree x "
+                    f"context_parallel_degree")
     if config.tp > 1:
         body.append("disable_loss_parallel = false  # the head's logits stay split into the loss")
     table = None

@@ -9,7 +9,9 @@ search runs again among the layouts the target states:
 * Megatron-LM: the 1F1B and interleaved schedules only, no hybrid sharding (zero 0, 1, 2, or 3
   over all data-parallel ranks of fxpar's mesh);
 * both: a pipeline schedule only with a pipeline, and the embedding and head split over the
-  vocabulary at tp > 1, so only tp sizes at which this model's ends can be split.
+  vocabulary at tp > 1, so only tp sizes at which this model's ends can be split; expert
+  parallelism only as the target states it (planner.interop.expert_layout: no tp beside it,
+  and for torchtitan all of cp within it), so without ep, or without tp (and cp).
 
 Other fixed settings (--fix) are kept. Every plan found, and the nearest of fxpar's own, is
 converted to the target's nearest configuration (planner.interop.emit.nearest) and priced; the
@@ -23,6 +25,7 @@ from cost_model.layers.strategy import Strategy
 from planner.interop.configuration import Priced
 from planner.interop.emit import (MEGATRON_SCHEDULES, TARGETS, Expressed, layout_text,
                                   nearest)
+from planner.interop.expert_layout import Unstated, restricted, unstated
 from planner.search.plan import Plan
 
 MEGATRON_SEARCH = (("1f1b", 1), ("interleaved-1f1b", 2))
@@ -44,6 +47,10 @@ def restriction(target: str, plan: Plan, fix: dict, pricer) -> Restriction | Non
         axes["tp"] = [{"tp": t} for t in sizes]
         why.append(f"tp {' or '.join(map(str, sizes))}, where the model's embedding and head "
                    f"split over the vocabulary")
+    if unstated(target, plan.tp, plan.cp, plan.ep):
+        axes["ep"] = restricted(target)
+        why.append("expert parallelism without tp" + (" or cp" if target == "torchtitan" else "")
+                   + ", or none")
     if target == "torchtitan" and plan.zero in (1, 2) and plan.dp > 1:
         axes["zero"] = [{"zero": 0}, {"zero": 3}]
         why.append("zero 0 or 3: replicas or FSDP")
@@ -67,7 +74,8 @@ def restriction(target: str, plan: Plan, fix: dict, pricer) -> Restriction | Non
     if "zero" in axes:
         base.pop("dp_shard", None)
     fixes = [_merged(base, parts) for parts in itertools.product(*axes.values())]
-    return Restriction([f for f in fixes if f is not None], schedules, "; ".join(why))
+    unique = [f for i, f in enumerate(fixes) if f is not None and f not in fixes[:i]]
+    return Restriction(unique, schedules, "; ".join(why))
 
 
 def _merged(base: dict, parts) -> dict | None:
@@ -106,6 +114,8 @@ def fastest_expressible(target: str, plan: Plan, pricer, fix: dict) -> Expressed
     try:
         own = nearest(target, plan, lambda: pricer)
         notes = list(own.notes)
+    except Unstated as err:  # the plan's expert parallelism: planned among what the target states
+        notes.append(str(err))
     except ValueError:
         why = pricer.vocab_split(plan.tp)
         if why is None:

@@ -1,6 +1,7 @@
 """Megatron-LM command-line flags as a `planner.interop.configuration.Configuration` (see planner.interop.price_imported):
 the mesh, micro-batching and schedule, Megatron's stage split or layout, and its recomputation;
-the flags that define the model checked against it (planner.interop.megatron_model)."""
+expert parallelism as planner.interop.expert_layout reads it; the flags that define the model
+checked against it (planner.interop.megatron_model)."""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,7 @@ import shlex
 
 from cost_model.layers.strategy import Strategy
 from planner.interop import megatron_moe as moe
+from planner.interop.expert_layout import megatron_ep
 from planner.interop.megatron_model import check as model_check
 from planner.interop.model_facts import ModelFacts
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
@@ -34,7 +36,8 @@ MEGATRON_FLAGS = {
     "--disable-bias-linear": SWITCH, "--bf16": SWITCH, "--fp16": SWITCH,
     "--add-qkv-bias": SWITCH, "--rotary-base": STR, "--norm-epsilon": STR,
     "--use-megatron-fsdp": SWITCH, "--data-parallel-sharding-strategy": STR,
-    "--expert-model-parallel-size": INT, "--num-experts": INT,
+    "--expert-model-parallel-size": INT, "--expert-tensor-parallel-size": INT,
+    "--num-experts": INT,
     # the model's definition beyond its sizes (planner.interop.megatron_model checks them)
     "--kv-channels": INT, "--qk-layernorm": SWITCH, "--rotary-percent": STR,
     "--squared-relu": SWITCH, "--openai-gelu": SWITCH, "--quick-geglu": SWITCH,
@@ -233,10 +236,6 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
                            ours_batch=None, ours_zero1=False) -> Imported:
     f, ignored = read_megatron_flags(text)
     notes: list[str] = [f"{flag} {NUMERICS[flag]}" for flag in NUMERICS if flag in f]
-    if f.get("--expert-model-parallel-size", 1) > 1:  # a Configuration has no ep to price
-        raise ValueError(f"--expert-model-parallel-size {f['--expert-model-parallel-size']}: "
-                         f"fxpar prices an imported configuration without expert parallelism; "
-                         f"give --expert-model-parallel-size 1 (fxpar plan itself searches ep)")
     tp = f.get("--tensor-model-parallel-size", 1)
     pp = f.get("--pipeline-model-parallel-size", 1)
     cp = f.get("--context-parallel-size", 1)
@@ -245,6 +244,7 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
                          f"{pp} x --context-parallel-size {cp} = {tp * pp * cp} does not divide "
                          f"the {gpus} GPUs (--gpus)")
     dp = gpus // (tp * pp * cp)
+    ep = megatron_ep(f, facts.experts.count if facts.experts else None, tp, cp, dp, notes)
     if "--micro-batch-size" not in f:
         raise ValueError("--micro-batch-size is missing (Megatron-LM requires it)")
     mb = f["--micro-batch-size"]
@@ -283,7 +283,7 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
                      f"priced in the model's own {8 * facts.dtype_bytes}-bit precision")
     config = Configuration(dp, tp, pp, cp, mb, "interleaved-1f1b" if v > 1 else "1f1b", v,
                            stages, ends="vocab-tp" if tp > 1 else "auto",
-                           zero=zero if dp > 1 else 0)
+                           zero=zero if dp > 1 else 0, ep=ep)
     return Imported("Megatron-LM", config, seq, batch, ours_zero1, notes, ignored, recompute)
 
 

@@ -1,8 +1,9 @@
 """A torchtitan TOML file as a `planner.interop.configuration.Configuration` (see planner.interop.price_imported): the
-parallelism degrees, the pipeline's split points or model parts and schedule (a schedule CSV
-included), and activation checkpointing; beside them, torch.compile as the runtime profile to
-price under (torchtitan-compile), and what fxpar does not price (float8 converters, async tensor
-parallelism, ...) as notes, the rest listed as ignored."""
+parallelism degrees (expert parallelism as planner.interop.expert_layout reads it), the pipeline's
+split points or model parts and schedule (a schedule CSV included), and activation checkpointing;
+beside them, torch.compile as the runtime profile to price under (torchtitan-compile), and what
+fxpar does not price (float8 converters, async tensor parallelism, ...) as notes, the rest listed
+as ignored."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from dataclasses import replace
 from cost_model.layers.strategy import Strategy
 from planner.interop.emit import (ModelFacts, recorded_with_recompute, schedule_csv,
                                   torchtitan_cp_sharding, torchtitan_records)
+from planner.interop.expert_layout import torchtitan_ep
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
 from planner.interop.readers import Imported, sized
 from planner.interop.configuration import Configuration, even_stages
@@ -43,6 +45,7 @@ READ = {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_
         "pipeline_parallel_schedule_csv", "pipeline_parallel_split_points",
         "pipeline_parallel_layers_per_stage", "pipeline_parallel_microbatch_size",
         "module_fqns_per_model_part", "disable_loss_parallel", "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
         "enable_async_tensor_parallel", "fsdp_reshard_after_forward", "mode",
         "selective_ac_option", "local_batch_size", "batch_size", "global_batch_size", "seq_len",
         "compile", "mixed_precision_param", "mixed_precision_reduce", "enable_cpu_offload"}
@@ -129,9 +132,6 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
                         ("context_parallel_degree", cp)):
         if value < 1:
             raise ValueError(f"[parallelism] {name} must be at least 1, got {value}")
-    if get("expert_parallel_degree", int, 1) > 1:
-        raise ValueError("[parallelism] expert_parallel_degree: fxpar plans dense models (no "
-                         "experts)")
     rest = replicate * tp * pp * cp
     if shard == -1:
         if gpus % rest:
@@ -147,6 +147,7 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
                          f"{tp} x pp {pp} x cp {cp} = {rest * shard}, not the {gpus} GPUs "
                          f"(--gpus)")
     dp = replicate * shard
+    ep = torchtitan_ep(get, facts.experts.count if facts.experts else None, tp, cp, shard, notes)
     zero1 = ours_zero1
     # FSDP (fully_shard per block): weights, gradients and optimizer states sharded over the
     # shard degree, replicated across `replicate` groups (HSDP): fxpar's zero=3
@@ -195,7 +196,8 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     stages = with_flags(tuple((base,) * n for n in lengths), tp > 1, tp > 1,
                         pattern_recompute(lengths, pattern, pp))
     config = Configuration(dp, tp, pp, cp, mb, schedule, v, stages,
-                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard)
+                           ends="vocab-tp" if tp > 1 else "auto", zero=zero, dp_shard=dp_shard,
+                           ep=ep)
     if torchtitan_records(config):  # torch.distributed.pipelining's I and W: fxpar's record
         config = replace(config, split_backward="record")
     elif schedule == "zb-h1":

@@ -42,7 +42,8 @@ def _describe(imp: Imported) -> str:
     tp = "none" if c.tp == 1 else "tp+sp" if all(Strategy.parse(s).sp for st in c.stages
                                                   for s in st) else "tp"
     v = f" v={c.v}" if c.v > 1 else ""
-    return (f"{imp.source} configuration: dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp}, "
+    ep = f" ep={c.ep}" if c.ep > 1 else ""
+    return (f"{imp.source} configuration: dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp}{ep}, "
             f"{c.schedule}{v}, micro-batch {c.micro_batch}, {split}, layers {tp}, "
             f"recomputation {imp.recompute} (as --fix {c.fix_text()}, the stages as given)")
 

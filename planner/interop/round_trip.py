@@ -92,7 +92,7 @@ def differences(plan: Plan, back: Plan) -> str:
     a, b = (replace(Configuration.of(p), stages=tuple(
         tuple(sorted(st)) for st in Configuration.of(p).stages)) for p in (plan, back))
     pairs = [(name, getattr(a, name), getattr(b, name)) for name in (
-        "dp", "tp", "pp", "cp", "micro_batch", "schedule", "v", "zero", "dp_shard", "ends",
+        "dp", "tp", "pp", "cp", "ep", "micro_batch", "schedule", "v", "zero", "dp_shard", "ends",
         "split_backward", "stages")]
     pairs += [("global batch", plan.global_batch, back.global_batch),
               ("seq", plan.seq, back.seq),

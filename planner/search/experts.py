@@ -163,9 +163,8 @@ def search_experts(costs, req, search, imbalance: float | None = None) -> list:
     plain = dataclasses.replace(req, fix=_without_ep(req.fix))
     # One pricing per size, kept: ModelCosts caches prices per pricing, and the candidates
     # that bound a size are the ones its search goes through.
-    pricings = {ep: EPPricing(ep, by_kind, costs.captured.batch, imbalance) for ep in sizes}
+    pricings = {ep: ep_pricing(costs, ep, imbalance, by_kind) for ep in sizes}
     found, plans = {}, []
-    costs.shards_experts = req.cluster.shards_experts
     try:
         for ep in sizes:
             found[ep] = _candidates(costs, plain, ep, pricings[ep])
@@ -176,23 +175,37 @@ def search_experts(costs, req, search, imbalance: float | None = None) -> list:
                 else math.inf
             if bound >= kth:
                 continue
-            _at(costs, ep, pricings[ep])
+            set_ep(costs, ep, pricings[ep], req.cluster)
             best = search(costs, dataclasses.replace(plain, cutoff_s=kth), found[ep])
             plans = sorted(plans + [dataclasses.replace(p, ep=ep) for p in best],
                            key=lambda p: (p.predicted.iteration_s, p.ep))
     finally:
-        costs.ep, costs.ep_pricing, costs.shards_experts = 1, None, False
+        set_ep(costs, 1, None)
     return plans[: req.top_k]
 
 
-def _at(costs, ep: int, pricing: EPPricing) -> None:
+def ep_pricing(costs, ep: int, imbalance: float | None = None,
+               by_kind: dict | None = None) -> EPPricing | None:
+    """The hook that prices a MoE block at `ep`, or None where blocks are priced as captured:
+    at ep = 1 without a stated imbalance no expert is cut, and the runtime holds and shards the
+    experts as it does the rest of the model (the same price as a search with ep=1 fixed)."""
+    if ep == 1 and imbalance is None:
+        return None
+    return EPPricing(ep, moe_facts(costs) if by_kind is None else by_kind,
+                     costs.captured.batch, imbalance)
+
+
+def set_ep(costs, ep: int, pricing: EPPricing | None, cluster: Cluster | None = None) -> None:
+    """Price `costs` at `ep` from now on (set_ep(costs, 1, None) restores the captured prices);
+    `cluster` says how its runtime holds the experts' states (Cluster.shards_experts)."""
     costs.ep, costs.ep_pricing = ep, pricing
+    costs.shards_experts = bool(cluster and cluster.shards_experts)
 
 
-def _candidates(costs, req, ep: int, pricing: EPPricing) -> list:
+def _candidates(costs, req, ep: int, pricing: EPPricing | None) -> list:
     """The configurations at this ep, best bound first (planner.search.meshes.candidates)."""
     from planner.search.meshes import candidates
-    _at(costs, ep, pricing)
+    set_ep(costs, ep, pricing, req.cluster)
     return candidates(costs, req)
 
 

@@ -52,7 +52,7 @@ def test_two_model_flags_are_refused(capsys, argv, words):
     (PLAN + ["--explain", "--emit", "torchtitan"],
      ["--explain does not apply to --emit", "--explain goes with fxpar's plan or --from-*"]),
     (PLAN + ["--moe-imbalance", "1.2", "--emit", "megatron"],
-     ["--moe-imbalance does not apply to --emit", "without expert parallelism"]),
+     ["--moe-imbalance", "has no mixture-of-experts layer: leave it out"]),
     (PLAN + ["--json", "--explain", "--check"],
      ["--explain, --check do not apply to --json", "run --explain, --check without --json"]),
     (["simulate", "--plan", "p.json", "--model", "gpt-tiny", "--gpus", "8"],
