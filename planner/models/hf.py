@@ -17,35 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from planner.models import hf_attention, hf_rope, hf_sinks
+from planner.models import hf_attention, hf_rope, hf_sinks, hf_small
 from planner.models.hf_seq2seq import HFSeq2SeqLM, sequence_length as seq2seq_length
 from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
-
-# Small sizes that train on CPU ranks, by transformers' standard config names (each config's
-# `attribute_map` translates them: n_layer for GPT-2, ...); any field can be overridden.
-SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=256,
-             max_position_embeddings=32)
-# Fields some configs have, shrunk with the sizes above when the config's constructor takes them
-# (values from the sizes); an override wins.
-_DERIVED = {
-    "intermediate_size": lambda s: 2 * s["hidden_size"],
-    "ffn_dim": lambda s: 2 * s["hidden_size"],
-    "head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
-    "num_key_value_heads": lambda s: max(1, s["num_attention_heads"] // 2),
-    "rotary_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
-    # multi-head latent attention (DeepSeek): head parts and compressed ranks at the small sizes
-    "qk_rope_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
-    "qk_nope_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"] // 2,
-    "v_head_dim": lambda s: s["hidden_size"] // s["num_attention_heads"],
-    "kv_lora_rank": lambda s: s["hidden_size"] // 4,
-    "q_lora_rank": lambda s: s["hidden_size"] // 2,
-    # many small experts (DeepSeek's 256 in 8 groups, top 8) shrunk to 8 in 2 groups, top 2
-    "moe_intermediate_size": lambda s: s["hidden_size"],
-    "n_routed_experts": lambda s: 8,
-    "n_group": lambda s: 2,
-    "topk_group": lambda s: 1,
-    "first_k_dense_replace": lambda s: 1,   # dense first blocks, then MoE, within 2 layers
-}
 
 
 class HFCausalLM(HFWrapper):
@@ -87,45 +61,50 @@ def is_causal(arch: str) -> bool:
 
 
 def small_config(arch: str, text_part: bool = False, **overrides):
-    """`arch`'s config at the small sizes above; dropout off (as an override, any rate); token
-    ids outside the small vocabulary moved to 0. text_part: `arch` is the text model of a
+    """`arch`'s config at the small sizes (planner.models.hf_small.SMALL), in each of its parts
+    (a text_config, a vision_config, ...) too; dropout off (as an override, any rate); token ids
+    outside the small vocabulary moved to 0. An override of a size applies to every part, any
+    other to the part that has the field. text_part: `arch` is the text model of a
     vision-language one (qwen2_vl_text), which need not be a causal LM of its own."""
     tf = _transformers()
-    if not (arch in tf.CONFIG_MAPPING.keys() if text_part else is_causal(arch)):
-        known = architectures() if not text_part else list(tf.CONFIG_MAPPING.keys())
-        close = difflib.get_close_matches(arch, known, n=3)
+    if arch not in tf.CONFIG_MAPPING.keys():
+        close = difflib.get_close_matches(arch, list(tf.CONFIG_MAPPING.keys()), n=3)
         raise ValueError(f"unknown Hugging Face architecture {arch!r}: transformers "
-                         f"{tf.__version__} has no decoder-only causal LM of that model_type"
+                         f"{tf.__version__} has no model_type of that name"
                          + (f"; did you mean {', '.join(close)}?" if close else "")
                          + " (or give --hf-config FILE.json)")
+    if not (text_part or is_causal(arch)):
+        raise ValueError(f"Hugging Face architecture {arch!r} {_other_kind(tf, arch)}, which "
+                         f"fxpar does not plan; {SUPPORTED_KINDS}")
+    return _at_small_sizes(arch, lambda: tf.AutoConfig.for_model(
+        arch, **hf_small.config_fields(tf.CONFIG_MAPPING[arch], overrides)))
+
+
+def _other_kind(tf, arch: str) -> str:
+    """What the known model_type `arch` is, when fxpar does not build it (build_hf has taken the
+    vision-language and encoder-decoder ones it plans before asking)."""
     cls = tf.CONFIG_MAPPING[arch]
-    own = {**dict(getattr(cls, "attribute_map", {}) or {})}
-    accepted = set(inspect.signature(cls.__init__).parameters)
-    sizes = {**SMALL, **{k: v for k, v in overrides.items() if k in SMALL}}
-    kwargs = {own.get(k, k): v for k, v in sizes.items()}
-    for name, rule in _DERIVED.items():
-        if name in accepted:
-            kwargs[name] = rule(sizes)
-    if "kv_lora_rank" in accepted:  # latent attention expands its keys/values to every head
-        kwargs[own.get("num_key_value_heads", "num_key_value_heads")] = sizes["num_attention_heads"]
-    if "n_routed_experts" in accepted:
-        kwargs["num_experts_per_tok"] = 2
-    defaults = cls()
-    for name, value in vars(defaults).items():
-        if name in accepted and _is_dropout(name, value):
-            kwargs[name] = 0.0
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(defaults, name, None)
-        if isinstance(value, int) and value >= sizes["vocab_size"]:
-            kwargs[name] = 0
-    kwargs["use_cache"] = False  # training: a KV cache would only be built and thrown away
-    kwargs.update({own.get(k, k): v for k, v in overrides.items()})
-    return tf.AutoConfig.for_model(arch, **kwargs)
+    if cls in tf.MODEL_FOR_MASKED_LM_MAPPING:
+        return "is an encoder-only masked language model"
+    if cls in tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # Chameleon: images as VQ tokens
+        return ("is a vision-language model without a vision tower and a text model of their "
+                "own (vision_config, text_config)")
+    return "has no causal language model in transformers (AutoModelForCausalLM)"
 
 
-def _is_dropout(name: str, value) -> bool:
-    return (isinstance(value, float) and not isinstance(value, bool)
-            and ("dropout" in name or "pdrop" in name) and value > 0)
+def _at_small_sizes(arch: str, make, *args):
+    """`make(*args)`, building `arch`'s config or model; whatever transformers raises there (a
+    validator tying fields fxpar does not shrink together, a field its code expects, a default
+    config its own validator rejects) becomes one line naming the family."""
+    try:
+        return make(*args)
+    except Exception as err:  # noqa: BLE001 - the family's own code at fxpar's small sizes
+        raise _cannot_build(arch, err) from None
+
+
+def _cannot_build(arch: str, err: Exception) -> ValueError:
+    return ValueError(f"{arch}: transformers cannot build it at fxpar's small sizes "
+                      f"({_one_line(err, 200)}); plan its config.json with --hf-config")
 
 
 def from_config(config) -> HFCausalLM:
@@ -156,12 +135,10 @@ def build_hf(arch: str, **overrides) -> HFCausalLM:
         except ValueError:  # fxpar's refusals, one line already
             raise
         except Exception as err:  # noqa: BLE001 - the family's own code at fxpar's small sizes
-            raise ValueError(f"{arch}: transformers cannot build it at fxpar's small sizes "
-                             f"({_one_line(err, 200)}); plan its config.json with --hf-config"
-                             ) from None
+            raise _cannot_build(arch, err) from None
     if not is_causal(arch) and hf_seq2seq.is_seq2seq_arch(arch):  # t5, bart, ...
         return hf_seq2seq.build_seq2seq(arch, **overrides)
-    return from_config(small_config(arch, **overrides))
+    return _at_small_sizes(arch, from_config, small_config(arch, **overrides))
 
 
 def extra_batch(names, shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -223,7 +200,8 @@ def build_hf_from_file(path: str) -> HFCausalLM:
     try:
         config = tf.AutoConfig.for_model(**data)
     except Exception as err:  # noqa: BLE001 - transformers raises assorted types for bad fields
-        raise ValueError(f"{path}: transformers rejects the config: {_one_line(err)}") from None
+        raise ValueError(f"{path}: transformers rejects the config ({_one_line(err)}): "
+                         f"correct the field it names") from None
     from planner.models import hf_vlm
     if hf_vlm.is_vision_language(config):
         return _built(path, _vlm_from_config, config)
@@ -260,11 +238,11 @@ def _vlm_from_config(config):
 def _built(path: str, build, config):
     try:
         return build(config)
-    except ValueError as err:  # fxpar's own refusals are one line already
-        raise ValueError(f"{path}: {err}") from None
+    except ValueError as err:  # fxpar's refusals, whole; transformers' own made one line
+        raise ValueError(f"{path}: {' '.join(str(err).split())}") from None
     except Exception as err:  # noqa: BLE001 - as above, while building the modules
-        raise ValueError(f"{path}: transformers cannot build the model: {_one_line(err)}") \
-            from None
+        raise ValueError(f"{path}: transformers cannot build the model ({_one_line(err)}): "
+                         f"add or correct the config field it names") from None
 
 
 # Keys of published config.json files that transformers converts rather than declares, and

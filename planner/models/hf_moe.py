@@ -26,6 +26,7 @@ prices the dispatch with it.
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 
@@ -35,13 +36,30 @@ from runtime.experts.custom_op import routed_experts
 
 # transformers' use_experts_implementation flags, with the values of the swiglu form (also its
 # defaults, which an undecorated experts module is taken to have), and what a differing one means.
-_FLAGS = {"is_transposed": (False, "transposed weights"),
-          "is_concatenated": (True, "interleaved gate and up"),
-          "has_bias": (False, "biases"),
-          "has_gate": (True, "no gate projection"),
-          "has_post_expert_norm": (False, "a norm after each expert")}
+_FLAGS = {"is_transposed": (False, "transposed weights (is_transposed: gate_up_proj "
+                                   "[experts, hidden, 2*ffn])"),
+          "is_concatenated": (True, "interleaved gate and up (is_concatenated=False)"),
+          "has_bias": (False, "biases (has_bias)"),
+          "has_gate": (True, "no gate projection (has_gate=False)"),
+          "has_post_expert_norm": (False, "a norm after each expert (has_post_expert_norm)")}
 _GPT_OSS_FLAGS = {"is_transposed": True, "is_concatenated": False, "has_bias": True,
                   "has_gate": True, "has_post_expert_norm": False}
+# What a refusal says routed_experts computes, and the families whose experts are of that form
+_COMPUTED = ("SwiGLU experts called as experts(hidden, top_k_index, top_k_weights) with "
+             "gate_up_proj [experts, 2*ffn, hidden] (gate rows, then up) and down_proj "
+             "[experts, hidden, ffn], or GPT-OSS's")
+_FAMILIES = "mixtral, qwen3_moe, deepseek_v3, gpt_oss"
+# The config field that plans a family without its experts, where one does (Llama 4 has dense
+# layers of its own: those moe_layers leaves out)
+_DENSE = {"llama4_text": '"moe_layers": [] in its (text) config, every layer dense'}
+
+
+def _advice(family: str | None) -> str:
+    """What makes a refused experts module plannable: its family without experts, where a
+    config field does that, else a family whose experts routed_experts computes."""
+    dense = _DENSE.get(family)
+    return (f"plan it with {dense}, or a family whose experts it computes ({_FAMILIES})"
+            if dense else f"plan a family whose experts it computes ({_FAMILIES})")
 
 
 def _forward(self, hidden_states, top_k_index, top_k_weights):
@@ -91,27 +109,39 @@ def _is_default_gate(gate) -> bool:
     return gate is _default_apply_gate
 
 
-def _kind(module) -> str:
+def _kind(module, family: str | None = None) -> str:
     """"swiglu" or "gpt_oss", the form of routed_experts that computes this experts module; a
-    ValueError naming what the op does not compute otherwise."""
+    ValueError naming what the op does not compute otherwise (`family`: the model_type of the
+    model holding it, for the advice)."""
     name = type(module).__name__
     flags = {k: bool(getattr(module, k, default)) for k, (default, _) in _FLAGS.items()}
     gate = _gate_function(module)
     if flags == _GPT_OSS_FLAGS and _is_gpt_oss_gate(gate):
         return "gpt_oss"
-    odd = [what for k, (default, what) in _FLAGS.items() if flags[k] != default]
+    odd = [] if _takes_routing(module) else [
+        "a forward of the hidden states alone (as Llama 4's: every expert on every token, the "
+        "router's scores applied before)"]
+    odd += [what for k, (default, what) in _FLAGS.items() if flags[k] != default]
     if not _is_default_gate(gate):
         odd.append(f"its own gating function {getattr(gate, '__qualname__', gate)}")
     act = getattr(module, "act_fn", None)
     if act is not None and type(act).__name__ not in ("SiLUActivation", "SiLU"):
         odd.append(f"activation {type(act).__name__}")
     if odd:
-        raise ValueError(f"{name}: routed_experts computes SwiGLU experts (fused [E, 2f, h] "
-                         f"gate_up, SiLU) or GPT-OSS's; unsupported here: {', '.join(odd)}")
+        raise ValueError(f"{name} has {'; '.join(odd)}; routed_experts computes {_COMPUTED}: "
+                         f"{_advice(family)}")
     return "swiglu"
 
 
-def _check_shapes(module, kind: str) -> None:
+def _takes_routing(module) -> bool:
+    """Whether the module's forward takes the router's choice beside the hidden states, as
+    routed_experts does (hidden, top_k_index, top_k_weights); an undefined forward (*input)
+    is taken to."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    return any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 3
+
+
+def _check_shapes(module, kind: str, family: str | None = None) -> None:
     """The weights lie as `kind` says (an undecorated module could hold another layout)."""
     gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
     e = gate_up[0]
@@ -125,8 +155,11 @@ def _check_shapes(module, kind: str) -> None:
     for attr, shape in want.items():
         got = tuple(getattr(module, attr).shape)
         if got != tuple(shape):
-            raise ValueError(f"{type(module).__name__}: {attr} is {list(got)}, not the "
-                             f"{kind} layout's {list(shape)} (routed_experts cannot compute it)")
+            layout = ("[experts, hidden, 2*ffn], transposed" if kind == "swiglu"
+                      and len(got) == 3 and got[1:] == tuple(shape)[:0:-1] else "another layout")
+            raise ValueError(f"{type(module).__name__}: {attr} is {list(got)} ({layout}), not "
+                             f"the {kind} layout's {list(shape)}; routed_experts computes "
+                             f"{_COMPUTED}: {_advice(family)}")
 
 
 def group_limit(block: torch.nn.Module, experts: int) -> tuple[int, int]:
@@ -142,8 +175,9 @@ def group_limit(block: torch.nn.Module, experts: int) -> tuple[int, int]:
         if getattr(router, "topk_method", None) == "greedy" or not 1 <= top < groups:
             return 1, 1
         if experts % groups:
-            raise ValueError(f"{type(router).__name__}: {groups} groups do not divide the "
-                             f"{experts} experts")
+            raise ValueError(f"{type(router).__name__}: {groups} expert groups (n_group) do "
+                             f"not divide the {experts} experts: set the config's n_group to a "
+                             f"divisor of {experts}, or topk_group to n_group (no limit)")
         return groups, top
     return 1, 1
 
@@ -151,14 +185,16 @@ def group_limit(block: torch.nn.Module, experts: int) -> tuple[int, int]:
 def use_routed_experts(model: torch.nn.Module) -> int:
     """Swap every Hugging Face experts module's forward for routed_experts; returns how many.
     Raises ValueError on an experts module of another form (before swapping any)."""
-    found = [(m, _kind(m)) for m in model.modules() if _is_experts(m)]
+    family = _family(model)
+    found = [(m, _kind(m, family)) for m in model.modules() if _is_experts(m)]
     if not found:
         raise ValueError(f"{type(model).__name__} has no Hugging Face experts module "
-                         f"(gate_up_proj / down_proj) to run as routed experts")
+                         f"(gate_up_proj / down_proj) to run as routed experts: give it a "
+                         f"mixture-of-experts model (has_experts tells)")
     parents = {id(child): m for m in model.modules() for child in m.children()}
     limits = []
     for module, kind in found:
-        _check_shapes(module, kind)
+        _check_shapes(module, kind, family)
         block = parents.get(id(module))
         limits.append((1, 1) if block is None else
                       group_limit(block, int(module.gate_up_proj.shape[0])))
@@ -167,6 +203,14 @@ def use_routed_experts(model: torch.nn.Module) -> int:
         module.fxpar_group_limit = limit   # read by _forward, passed to the op
         module.forward = types.MethodType(forward, module)
     return len(found)
+
+
+def _family(model: torch.nn.Module) -> str | None:
+    """The model_type of the language model in `model` (a vision-language model's text part),
+    None where no module carries a transformers config."""
+    config = next((m.config for m in model.modules() if hasattr(m, "config")
+                   and hasattr(m.config, "get_text_config")), None)
+    return None if config is None else getattr(config.get_text_config(), "model_type", None)
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,8 @@ def _placeholder_masks(self, input_ids, inputs_embeds=None, image_features=None,
                        video_features=None):
     """(image mask, no video mask): the image tokens checked per sample, in the graph."""
     if video_features is not None:
-        raise ValueError("fxpar trains Qwen2-VL on images, not videos")
+        raise ValueError("fxpar trains Qwen2-VL on images, not videos: give each frame as an "
+                         "image (pixel_values), not pixel_values_videos")
     return hf_vlm._placeholder_mask(self, input_ids, inputs_embeds, image_features), None
 
 

@@ -45,7 +45,8 @@ def sink_attention_forward(module, query, key, value, attention_mask, scaling=No
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     if sinks is None:
         raise ValueError(f"{type(module).__name__} has no attention sinks (s_aux or .sinks); "
-                         f"attention {NAME!r} is for models that have them")
+                         f"attention {NAME!r} is for models that have them: build this one "
+                         f"with attn_implementation 'sdpa' or 'eager'")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # The mask function dropped the layer's mask only if it was the causal or the config's
     # sliding-window one; the layer's own window (None on full layers) says which.

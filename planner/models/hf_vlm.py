@@ -24,6 +24,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from planner.models import hf_small
 from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # The vision tower at sizes that train on CPU ranks: 16x16 images of 4x4 patches (16 per image)
@@ -89,7 +90,7 @@ def _masks_by(model: torch.nn.Module, method):
 def _placeholder_mask(self, input_ids, inputs_embeds=None, image_features=None, **_):
     if input_ids is None:
         raise ValueError("fxpar trains vision-language models from token ids (input_ids), "
-                         "not from inputs_embeds")
+                         "not from inputs_embeds: give the model input_ids")
     mask = input_ids == self.config.image_token_id
     per_sample = _image_tokens(self.config, inputs_embeds, image_features, input_ids.shape[0])
     if per_sample is not None:
@@ -151,7 +152,7 @@ class HFVisionLM(HFWrapper):
         if not counted:
             raise ValueError(f"{type(self.model).__name__} did not merge image features "
                              f"through get_placeholder_mask: fxpar cannot place its image "
-                             f"tokens")
+                             f"tokens; it trains families that do ({', '.join(FAMILIES)})")
         return counted[0]
 
     def image_shape(self, batch: int) -> tuple[int, ...]:
@@ -212,12 +213,6 @@ def _check_fixed_images(model: torch.nn.Module) -> None:
                          f"pixel_values, targets) does not provide; it trains vision-language "
                          f"models whose images need only their pixels ({', '.join(FAMILIES)})")
     _check_merged(model, encode)
-    if getattr(model.base_model, "qformer", None) is not None:  # BLIP-2 and its kin
-        raise ValueError(f"{type(model).__name__} passes its images through a Q-Former, which "
-                         f"fxpar does not train exactly yet (its cross-attention's gradients "
-                         f"differ from one process's from the second step under pipeline "
-                         f"parallelism); it trains vision-language models whose image features "
-                         f"are merged at image tokens ({', '.join(FAMILIES)})")
 
 
 def _check_merged(model: torch.nn.Module, encode) -> None:
@@ -255,7 +250,7 @@ _OTHER_INPUTS = {"qformer_input_ids": "the Q-Former's instruction tokens",
                  "high_res_pixel_values": "each image again at the high-resolution encoder's "
                                           "size"}
 # the families tests train exactly against one process (tests/dist/test_hf_vlm.py)
-FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava")
+FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava", "blip-2")
 
 
 def _counting(model, counted: list[int]):
@@ -298,6 +293,9 @@ def small_config(arch: str, small_text, **overrides):
     fields.update({k: v for k, v in overrides.items() if k in _SMALL_FIELDS})
     fields.update({k: {**getattr(defaults, k).to_dict(), **v} for k, v in _SMALL_PARTS.items()
                    if getattr(defaults, k, None) is not None})
+    # any further part at the decoder's small sizes (Janus' VQ-VAE for image generation)
+    fields.update(hf_small.parts(defaults, hf_small.SMALL,
+                                 skip=("text_config", "vision_config", *_SMALL_PARTS)))
     return _built(arch, tf.AutoConfig.for_model, arch, **fields)
 
 
@@ -305,7 +303,10 @@ def _vision_sizes(defaults, text_config, given: dict) -> dict:
     """The small vision tower's fields: VISION_SMALL and `given`, in the (height, width) form
     where the family's config has it, and the fields that must equal the text model's width
     (the projector's output) at the small text model's."""
-    sizes = {**VISION_SMALL, **given}
+    # widths and tables the tower sizes apart (Llama 4's pixel-shuffle adapter, Ovis 2's visual
+    # vocabulary) at its small width; the text model's width below wins where a field is both
+    own = {**hf_small.capped(type(defaults), {**hf_small.SMALL, **VISION_SMALL}), **VISION_SMALL}
+    sizes = {**{k: v for k, v in own.items() if k not in _TEXT_WIDTH}, **given}
     if isinstance(defaults.image_size, (tuple, list)):  # (height, width) forms
         sizes = {k: (v, v) if k in ("image_size", "patch_size") and isinstance(v, int) else v
                  for k, v in sizes.items()}
@@ -374,4 +375,30 @@ def from_config(config) -> HFVisionLM:
         if "attention implementation" not in str(err):
             raise
         model = tf.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+    _draw_zero_embeddings(model)
     return HFVisionLM(model)
+
+
+def _draw_zero_embeddings(model: torch.nn.Module) -> None:
+    """Draws the learned embeddings transformers starts at zero (BLIP-2's query tokens) like
+    the model's other weights, normal with its initializer_range: a pretrained checkpoint never
+    holds them at zero, and a randomly initialised model that does cannot train. A layer norm
+    of an all-zero row has zero variance and divides its gradient by sqrt(eps) (1e-6 at the
+    Q-Former's eps of 1e-12): the query tokens' first gradient is ~1e17, and from the second
+    step on the gradients depend on fp32 summation order alone (one batch and the same batch
+    as two micro-batches differ by 100%), NaN from the third, in one process. Linear,
+    convolution and norm weights are never all zero, and their zero biases are 1-D."""
+    std = _initializer_range(model.config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.is_meta and not param.count_nonzero():
+                param.normal_(0.0, std)
+
+
+def _initializer_range(config) -> float:
+    """The model's initializer_range, its text config's where the model's config has none."""
+    for part in (config, getattr(config, "text_config", None)):
+        std = getattr(part, "initializer_range", None)
+        if isinstance(std, float):
+            return std
+    return 0.02

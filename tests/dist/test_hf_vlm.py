@@ -5,8 +5,9 @@ and the decoder's split into one chain of pipeline stages; under tp=2 x pp=2 Lla
 vision block tp cannot split runs whole beside split ones) and Gemma 3 (a pooling projector), and
 Llava under dp=2 x pp=2. Qwen2-VL and Qwen2.5-VL (planner.models.hf_qwen_vl: images of one grid,
 M-RoPE positions as an input) under tp=2 x pp=2, Qwen2-VL's decoder sequence-parallel beside a
-tower that is not. The other families of hf_vlm.FAMILIES train as
-exactly (docs/models.md); the suite keeps these for its time."""
+tower that is not. BLIP-2 (a Q-Former between the tower and the decoder) under tp=2 x pp=2,
+dp=2 x pp=2 and dp=2 x tp=2. The other families of hf_vlm.FAMILIES train as exactly
+(docs/models.md); the suite keeps these for its time."""
 import pytest
 import torch
 
@@ -65,3 +66,22 @@ def test_qwen_vl_trains_like_one_process(pool4, arch, fix):
     assert blocks == [asked, "tp", asked, asked], chosen
     parallel = run_parallel(spec, chosen, 2, pool4)
     assert_same_run(parallel, reference_run(spec, 2), what=f"{arch} tp={chosen.tp} dp={chosen.dp}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fix", [TP, DP, {"dp": 2, "tp": 2, "pp": 1, "mb": 1, "strategy": "tp"}],
+                         ids=["tp-pp", "dp-pp", "dp-tp"])
+def test_blip2_trains_like_one_process(pool4, fix):
+    """The Q-Former's blocks, a third part of the chain: its learned query tokens (read by the
+    first of them only) cross-attend to the vision tower's features, and its output is merged
+    at the image tokens; under pp the chain is cut after a vision or Q-Former block."""
+    spec = HFSpec("blip-2", global_batch=4)
+    torch.manual_seed(0)
+    model, batch = build(spec)
+    chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
+    names = [layer for stage in chosen.stages for layer in stage.layers]
+    parts = ["vision_model"] * 2 + ["qformer"] * 2 + ["language_model"] * 2
+    assert [n.split(".")[1] for n in names[1:-1]] == parts, names
+    parallel = run_parallel(spec, chosen, 3, pool4)
+    assert_same_run(parallel, reference_run(spec, 3),
+                    what=f"blip-2 tp={chosen.tp} dp={chosen.dp} pp={chosen.pp}")

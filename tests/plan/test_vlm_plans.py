@@ -140,3 +140,15 @@ def test_a_transformers_model_given_as_it_is_plans_with_its_loss_function():
     chosen = plan(model.model, 4, (tokens, images, targets), cluster="cpu-gloo",
                   loss_fn=causal_lm_loss)[0]
     assert any("language_model" in layer for stage in chosen.stages for layer in stage.layers)
+
+
+def test_blip2_plans_its_q_former_as_a_third_part_between_the_tower_and_the_decoder():
+    """BLIP-2 hands get_placeholder_mask no features: its count per image is the Q-Former's
+    num_query_tokens (16 at the small sizes)."""
+    torch.manual_seed(0)
+    model, batch = build(HFSpec("blip-2", global_batch=4))
+    chosen = plan(model, 4, batch, cluster="cpu-gloo",
+                  fix={"tp": 2, "pp": 2, "dp": 1, "mb": 2, "strategy": "tp"})[0]
+    parts = [line.split()[0] for line in str(chosen).splitlines()
+             if line.startswith(("vision_model ", "qformer ", "language_model "))]
+    assert parts == ["vision_model", "qformer", "language_model"], str(chosen)

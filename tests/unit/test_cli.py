@@ -71,7 +71,8 @@ def test_plan_hugging_face_config_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "--hf", "bert", "--gpus", "2"], "unknown Hugging Face architecture 'bert'"),
+    (["plan", "--hf", "bert", "--gpus", "2"], "'bert' is an encoder-only masked language model"),
+    (["plan", "--hf", "lama", "--gpus", "2"], "unknown Hugging Face architecture 'lama'"),
     (["plan", "--hf-config", "/nonexistent/config.json", "--gpus", "2"], "/nonexistent/config.json"),
     (["plan", "--diff", "/nonexistent/a.json", "/nonexistent/b.json"], "cannot read plan file"),
 ])

@@ -75,3 +75,27 @@ def test_routed_experts_without_the_group_arguments_still_run():
                                                    groups=2, topk_groups=1))
     with pytest.raises(ValueError, match="3 expert groups must split the 4 experts"):
         routed_experts(x, weights, index, gate_up, down, 1, "moe", e, groups=3, topk_groups=1)
+
+
+@pytest.mark.parametrize("arch,cause,advice", [
+    ("llama4_text", r"Llama4TextExperts has a forward of the hidden states alone \(as Llama "
+                    r"4's: every expert on every token, the router's scores applied before\)",
+     r'plan it with "moe_layers": \[\] in its \(text\) config, every layer dense, or a family '
+     r"whose experts it computes \(mixtral, qwen3_moe, deepseek_v3, gpt_oss\)$"),
+    ("aria_text", r"AriaExperts has transposed weights \(is_transposed: gate_up_proj "
+                  r"\[experts, hidden, 2\*ffn\]\)",
+     r"plan a family whose experts it computes \(mixtral, qwen3_moe, deepseek_v3, gpt_oss\)$"),
+])
+def test_experts_routed_experts_does_not_compute_are_refused_with_what_to_change(arch, cause,
+                                                                                 advice):
+    """One line: the experts module and what about it the op does not compute, what it does
+    compute, and what to plan instead (Llama 4 also dense, by its moe_layers)."""
+    with pytest.raises(ValueError, match=f"^{cause}; routed_experts computes SwiGLU experts "
+                                         f"called as experts.*: {advice}") as err:
+        use_routed_experts(build_hf(arch))
+    assert "\n" not in str(err.value)
+
+
+def test_llama4_with_the_advised_dense_layers_has_no_experts():
+    from planner.models.hf_moe import has_experts
+    assert not has_experts(build_hf("llama4_text", moe_layers=[]))

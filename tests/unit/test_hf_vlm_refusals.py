@@ -1,7 +1,8 @@
 """Vision-language families fxpar cannot train are refused in one line with their true cause
 (an input its batch lacks, images that are not merged at image tokens, a config transformers
 rejects at small sizes); BLIP-2, whose Q-Former makes a fixed count of tokens per image and
-whose vision config states no channel count, is built and computes transformers' own loss."""
+whose vision config states no channel count, is built with its query tokens drawn and computes
+transformers' own loss (tests/dist/test_hf_vlm.py trains it exactly on ranks)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,10 +60,30 @@ def _text(model_type, **fields):
     return small_config(model_type, text_part=True, **fields)
 
 
-def test_a_q_former_family_is_refused_until_it_trains_exactly():
-    """BLIP-2 plans, but its Q-Former's gradients differ from one process's from the second
-    step under pipeline parallelism: refused in one line rather than trained wrong."""
-    with pytest.raises(ValueError, match=r"Blip2ForConditionalGeneration passes its images "
-                                         r"through a Q-Former, which fxpar does not train "
-                                         r"exactly yet"):
-        build_hf("blip-2")
+def test_blip2_images_make_its_query_tokens_and_the_loss_is_transformers_own():
+    torch.manual_seed(0)
+    model = build_hf("blip-2")
+    assert model.image_shape(2) == (2, 3, 16, 16)  # Blip2VisionConfig states no num_channels
+    assert model.image_tokens() == model.model.config.num_query_tokens == 16
+    tokens, pixels, targets = model.example_inputs(2, 32,
+                                                   generator=torch.Generator().manual_seed(0))
+    logits = model.model(input_ids=tokens, pixel_values=pixels, use_cache=False).logits
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert torch.equal(model(tokens, pixels, targets), ref)
+    tokens[0, 1] = 3  # one image token fewer in the first sample
+    with pytest.raises(RuntimeError, match="every sample must hold 16 image tokens"):
+        model(tokens, pixels, targets)
+
+
+def test_blip2_s_query_tokens_are_drawn_not_left_at_zero():
+    """transformers starts the query tokens at zero: the Q-Former's first layer norm would see
+    rows of zero variance and scale their gradient by 1/sqrt(eps), 1e6, and the model would
+    train to NaN in one process. Drawn like the other weights, biases left at zero."""
+    torch.manual_seed(0)
+    model = build_hf("blip-2").model
+    queries = model.query_tokens
+    std = model.config.initializer_range
+    assert queries.count_nonzero() == queries.numel()
+    assert 0.5 * std < float(queries.std()) < 2 * std
+    assert float(queries.var(-1).min()) > 0  # every row normalizes with a variance of its own
+    assert not model.vision_model.encoder.layers[0].mlp.fc1.bias.count_nonzero()
