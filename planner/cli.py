@@ -93,8 +93,12 @@ def _model_args(p: argparse.ArgumentParser, required: bool = True, hf: bool = Tr
                    help="price the activations as the runtime's autocast of that name saves "
                         "them (16-bit matmuls over fp32 weights; default: the weights' own "
                         "dtype, bf16 with fp32 main weights on GPUs)")
-    p.add_argument("--global-batch", type=_positive_int, default=None)
-    p.add_argument("--seq", type=_positive_int, default=None)
+    p.add_argument("--global-batch", type=_positive_int, default=None,
+                   help="sequences per training step over all GPUs (default: the preset's; "
+                        f"{HF_GLOBAL_BATCH} for a Hugging Face model)")
+    p.add_argument("--seq", type=_positive_int, default=None,
+                   help="tokens per sequence (default: the preset's, or the Hugging Face "
+                        "model's; the plan's header says which)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (what-if)")
     p.add_argument("--fix", type=_fix, default={},
                    help="fix part of the plan, e.g. tp=8,pp=8,mb=1 or cp=2,schedule=1f1b")

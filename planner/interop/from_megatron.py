@@ -97,7 +97,12 @@ MEGATRON_IGNORED = frozenset("""
 --dist-ckpt-format --auto-detect-ckpt-format --pretrained-checkpoint --no-initialization
 --moe-grouped-gemm --moe-token-dispatcher-type --moe-aux-loss-coeff
 --moe-router-load-balancing-type --moe-z-loss-coeff --moe-permute-fusion --moe-router-dtype
---moe-router-fusion --moe-input-jitter-eps
+--moe-router-fusion --moe-input-jitter-eps --dataloader-type
+--no-create-attention-mask-in-dataloader --num-dataset-builder-threads --calculate-per-token-loss
+--reset-position-ids --reset-attention-mask --mmap-bin-files --no-mmap-bin-files
+--per-split-data-args-path --data-args-path --object-storage-cache-path --rerun-mode
+--check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad --check-for-spiky-loss
+--log-timers-to-tracker --logging-level --record-memory-history --memory-snapshot-path
 """.split())
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.search.plan import Plan, gib
+from planner.search.plan import Plan, gib, plural
 
 
 def _mesh(p: Plan) -> str:
@@ -36,16 +36,17 @@ def binding_constraint(plan: Plan) -> str:
     if p.peak_memory_bytes > plan.memory_limit_bytes:
         return (f"memory: it does not fit, needing {gib(p.peak_memory_bytes, up=True)} of "
                 f"{gib(plan.memory_limit_bytes)} GiB per device")
-    if p.bubble_s + p.comm_s < 0.05 * p.iteration_s:
-        return (f"compute: {p.compute_s / p.iteration_s:.1%} of the iteration is computation; "
-                f"neither memory, bubble nor communication holds it back")
     headroom = 1 - p.peak_memory_bytes / plan.memory_limit_bytes
-    if headroom < 0.05:
+    if headroom < 0.05:  # before compute: a compute-bound plan this full is held by memory too
         return (f"memory: the fullest device uses {gib(p.peak_memory_bytes)} of "
                 f"{gib(plan.memory_limit_bytes)} GiB ({headroom:.1%} headroom); a faster "
                 f"split of the same GPUs would not fit")
+    if p.bubble_s + p.comm_s < 0.05 * p.iteration_s:
+        return (f"compute: {p.compute_s / p.iteration_s:.1%} of the iteration is computation; "
+                f"neither memory, bubble nor communication holds it back")
     if p.bubble_s >= p.comm_s:
-        return (f"pipeline bubble: {p.bubble_s:.4g} s ({p.bubble_fraction:.1%}) of idle stages, "
+        return (f"pipeline bubble: {p.bubble_s:.4g} s ({p.bubble_s / p.iteration_s:.1%} of the "
+                f"iteration) of idle stages, "
                 f"more than the {p.comm_s:.4g} s of exposed communication; more micro-batches "
                 f"or fewer stages would shrink it but cost memory or communication")
     return (f"communication: {p.comm_s:.4g} s exposed per iteration "
@@ -93,7 +94,7 @@ def _stage(plan: Plan, s: int) -> str:
     if s >= len(plan.stages):
         return "-"
     st = plan.stages[s]
-    return f"{len(st.layers)} layers: {', '.join(sorted(set(st.strategies)))}"
+    return f"{plural(len(st.layers), 'layer')}: {', '.join(sorted(set(st.strategies)))}"
 
 
 def _label(key: str) -> str:

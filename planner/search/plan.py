@@ -233,7 +233,7 @@ class Plan:
             f"comm {p.comm_s:.4g} + bubble {p.bubble_s:.4g}"
             f"{f' + optimizer and runtime {p.runtime_s:.4g}' if p.runtime_s else ''}"
             f"   bubble fraction "
-            f"{max(p.bubble_fraction, 0.0):.3f}",
+            f"{max(p.bubble_fraction, 0.0):.3f}{_over_compute(p.bubble_fraction)}",
             f"peak memory/device {_size(p.peak_memory_bytes, scale)} {unit} of "
             f"{_size(self.memory_limit_bytes, scale)} {unit}   {self._rate()}   "
             f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU",
@@ -269,6 +269,14 @@ class Plan:
             rows.append([label, count, where, tp, _strategies(tuple(strategies))])
         return tabulate(rows, headers=["part", "blocks", "stages", "tensor parallel",
                                        "strategies"], tablefmt="simple", disable_numparse=True)
+
+
+def _over_compute(fraction: float) -> str:
+    """The bubble fraction is idle time over compute time, (p - 1)/m under 1F1B as the
+    literature defines it: said so where it reaches 1 and could be read as a share."""
+    if fraction < 1:
+        return ""
+    return " (idle over compute time: more micro-batches per step shrink it)"
 
 
 def plural(n: int, word: str) -> str:

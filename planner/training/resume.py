@@ -163,17 +163,22 @@ def check_resume_request(root: str | None, save_every: int, resume: bool, steps:
     return start
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def compare_resumed(config, plan: Plan, steps: int, root: str | None, save_every: int = 0,
                     resume: bool = False) -> float:
     """`fxpar run --checkpoint`: train on local gloo ranks (from the latest checkpoint with
     resume), saving every save_every steps, and print each step's loss beside one process
     trained from step 0 on the same batches; returns the largest relative difference."""
     start = check_resume_request(root, save_every, resume, steps)
-    print(f"training steps {start + 1}-{steps} on {plan.gpus} gloo CPU processes (dp={plan.dp} "
+    every = "every step" if save_every == 1 else f"every {save_every} steps"
+    print(f"training {_steps(start + 1, steps)} on {plan.gpus} gloo CPU processes (dp={plan.dp} "
           f"tp={plan.tp} pp={plan.pp} cp={plan.cp})"
           + (f", from the checkpoint of step {start} in {root}" if resume else "")
-          + (f", saving every {save_every} steps into {root}" if save_every else "")
-          + "; and steps 1-{0} in one process ...".format(steps), flush=True)
+          + (f", saving {every} into {root}" if save_every else "")
+          + f"; and {_steps(1, steps)} in one process ...", flush=True)
     parallel = run_with_checkpoints(config, plan, steps, root, save_every, resume,
                                     progress=True)
     worst = print_comparison(parallel, reference_steps(config, steps), plan.gpus, start,

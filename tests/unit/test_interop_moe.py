@@ -157,6 +157,11 @@ def test_every_unknown_megatron_flag_is_named_and_logging_is_ignored():
                                      2).ignored
     assert ignored == ["--exit-duration-in-mins", "--eod-mask-loss", "--tensorboard-dir",
                        "--wandb-project", "--log-interval", "--eval-iters"]
+    data = ("--micro-batch-size 1 --dataloader-type cyclic --no-create-attention-mask-in-dataloader "
+            "--num-dataset-builder-threads 4 --calculate-per-token-loss")
+    assert megatron_configuration(data, facts, 2).ignored == [
+        "--dataloader-type", "--no-create-attention-mask-in-dataloader",
+        "--num-dataset-builder-threads", "--calculate-per-token-loss"]
 
 
 def test_torchtitan_unknown_fields_together_and_float8_without_converters(tmp_path):

@@ -215,6 +215,23 @@ def test_zero_ties_and_misfits_in_clean_words():
     from dataclasses import replace
     squeezed = replace(chosen, memory_limit_bytes=chosen.predicted.peak_memory_bytes / 2)
     assert binding_constraint(squeezed).startswith("memory: it does not fit")
+    # a compute-bound plan within 5% of the limit is held by memory, not "neither memory ..."
+    full = replace(chosen, memory_limit_bytes=chosen.predicted.peak_memory_bytes * 1.02,
+                   predicted=replace(chosen.predicted, comm_s=0.0, bubble_s=0.0))
+    assert binding_constraint(full).startswith("memory: the fullest device"), \
+        binding_constraint(full)
+    assert "1 layer:" in diff(chosen, replace(chosen, stages=chosen.stages[:1] + (replace(
+        chosen.stages[0], layers=("head",), strategies=("none",)),)))
+
+
+def test_a_bubble_fraction_over_one_says_what_it_is_a_fraction_of():
+    """Idle over compute time, (p - 1)/m under 1F1B: 7 at 8 stages and one micro-batch, which
+    is no share of the iteration - the plan says so."""
+    few = plan(get_config("gpt-tiny"), 8, cluster="cpu-gloo", global_batch=1,
+               fix={"pp": 8, "schedule": "1f1b"})[0]
+    assert few.predicted.bubble_fraction >= 1
+    assert "(idle over compute time" in str(few)
+    assert "idle over compute" not in str(plan(get_config("gpt-tiny"), 1, cluster="cpu-gloo")[0])
 
 
 class _EncoderDecoder(torch.nn.Module):
