@@ -264,12 +264,28 @@ def zero_buffers(costs: ModelCosts, req: Request, c: Candidate, blocks=None
     if c.zero < 2:
         return 0.0, 0.0
     blocks = blocks if blocks is not None else block_costs(costs, req, c.tp, c.micro_batch, c.cp)
-    layers = [cost.params for cost in blocks]
+    layers = _block_units(costs, blocks)
     layers += [cost.params for cost in costs.end_costs(c.micro_batch, req.cluster, cp=c.cp,
                                                        tp=c.tp)]
     t = costs.training
     return peak_buffers(layers, t.weight_bytes, t.grad_bytes, zero_axis.sharding_of(c),
                         max(cost.act_bytes for cost in blocks))
+
+
+def _block_units(costs: ModelCosts, blocks) -> list[int]:
+    """The blocks' units as the model has them, whichever options price them: each kind's
+    largest option (a block run whole where a tensor-parallel option cuts it), as many times as
+    the model holds blocks of the kind, two at most (the unit in use and the prefetched one).
+    Counting options instead gave a plan whose search had two options per kind another peak
+    than the same plan searched with one."""
+    largest: dict = {}
+    for cost in blocks:
+        kind = costs._kind_of.get(cost.layer, cost.layer)
+        largest[kind] = max(largest.get(kind, 0), cost.params)
+    held = dict.fromkeys(largest, 0)
+    for kind, n in costs.runs:
+        held[kind] = held.get(kind, 0) + n
+    return [params for kind, params in largest.items() for _ in range(min(2, held[kind] or 1))]
 
 
 def tie_time(costs: ModelCosts, req: Request, c: Candidate) -> float:
