@@ -449,6 +449,7 @@ def check(f: dict, facts: ModelFacts, seq: int | None, notes: list[str]) -> None
         return
     told = statement(facts, seq or facts.seq)
     stated = {item.key: item.of_flags(f, facts) for item in ITEMS}
+    wrong = []  # every difference at once: a user fixes them in one go, not one per run
     for explicit in (True, False):  # what the flags say first, then what their absence says
         for item in ITEMS:
             ours, theirs = told.values[item.key], stated[item.key]
@@ -456,9 +457,11 @@ def check(f: dict, facts: ModelFacts, seq: int | None, notes: list[str]) -> None
                 continue
             written = [flag for flag in item.flags if flag in f]
             if explicit and written:
-                raise ValueError(_contradiction(item, f, written, theirs, ours, facts))
+                wrong.append(_contradiction(item, f, written, theirs, ours, facts))
             if not (explicit or written) and item.applies(stated):
-                raise ValueError(_absent(item, theirs, ours, facts))
+                wrong.append(_absent(item, theirs, ours, facts))
+    if wrong:
+        raise ValueError("; ".join(wrong))
     yarn = f.get("--position-embedding-type") == "yarn"  # the yarn scaling stated, not its
     #                                                         parameters
     notes += [f"not in the flags (priced as the model {facts.name}): {note}"

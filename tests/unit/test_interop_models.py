@@ -171,6 +171,16 @@ def test_megatron_model_flags_contradicting_the_model_are_errors(tmp_path, chang
     assert _refused(change(text), facts) == message
 
 
+def test_every_megatron_model_contradiction_is_named_at_once(tmp_path):
+    """A user fixes them in one go, not one per run: each one's message, in one line."""
+    facts = _facts(tmp_path, QWEN2)
+    text = " ".join(emitted_flags(facts, 64)[0]) + " --micro-batch-size 1 --global-batch-size 2"
+    both = text.replace("--swiglu ", "").replace("--rotary-base 1000000", "--rotary-base 10000")
+    said = _refused(both, facts)
+    assert said.startswith("--rotary-base 10000 contradicts") and "\n" not in said
+    assert "; without --swiglu Megatron-LM's MLP is GELU (its default)" in said
+
+
 def test_parallel_flags_alone_are_priced_as_the_model_and_say_so(tmp_path, capsys):
     facts = _facts(tmp_path, QWEN2)
     notes = megatron_configuration("--micro-batch-size 1 --global-batch-size 2", facts, 2).notes
