@@ -306,9 +306,11 @@ def layout_text(plan: Plan) -> str:
 
 def _head(plan: Plan, label: str, expressed: Expressed) -> list[str]:
     # the runtime priced, as `fxpar plan --runtime R` prints the same plan (runtime_of_args)
-    runtime = f", {plan.runtime} runtime" if plan.runtime else ""
-    lines = [f"# {label} configuration for fxpar's plan: {plan.model} on {plan.gpus} GPUs "
-             f"({plan.cluster}{runtime}), {layout_text(plan)}"]
+    # said before the plan: the target's runtime may plan another layout than fxpar's own
+    runtime = (f" under the {plan.runtime} runtime (`fxpar plan --runtime {plan.runtime}`)"
+               if plan.runtime and plan.runtime != "fxpar" else "")
+    lines = [f"# {label} configuration for fxpar's plan{runtime}: {plan.model} on {plan.gpus} "
+             f"GPUs ({plan.cluster}), {layout_text(plan)}"]
     lines += [f"# {n}" if n.startswith("nearest") else f"# not expressible: {n}"
               for n in expressed.notes]
     p = plan.predicted

@@ -75,8 +75,10 @@ def test_emit_states_the_plan_fxpar_plan_prints(capsys):
     assert main(["plan", *args, "--emit", "megatron"]) == 0
     emitted = capsys.readouterr().out
     mesh = planned["mesh"]
-    assert (f"(h100-sxm-dgx, megatron runtime), dp={mesh['dp']} tp={mesh['tp']} pp={mesh['pp']} "
-            f"cp={mesh.get('cp', 1)}" in emitted.splitlines()[0])
+    head = emitted.splitlines()[0]
+    assert "fxpar's plan under the megatron runtime (`fxpar plan --runtime megatron`)" in head
+    assert (f"(h100-sxm-dgx), dp={mesh['dp']} tp={mesh['tp']} pp={mesh['pp']} "
+            f"cp={mesh.get('cp', 1)}" in head)
     assert main(["plan", *args]) == 0
     assert "(h100-sxm-dgx, fxpar runtime)" in capsys.readouterr().out.splitlines()[0]
 
