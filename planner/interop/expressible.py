@@ -144,7 +144,10 @@ def fastest_expressible(target: str, plan: Plan, pricer, fix: dict) -> Expressed
     said = [f"nearest: the fastest of the layouts {label} can state ({limits.why}), planned: "
             f"{layout_text(best.plan)}{converted}"]
     said += [n for n in best.expressed.notes if n not in notes]
-    return Expressed(best.expressed.config, notes + said, best.expressed.pattern, best.priced,
+    # what the plan uses that the target cannot state, without the conversion's own nearest:
+    # the planned layout is the one nearest, said once
+    why = [n.split("; nearest:")[0] for n in notes if not n.startswith("nearest")]
+    return Expressed(best.expressed.config, why + said, best.expressed.pattern, best.priced,
                      planned=best.plan)
 
 

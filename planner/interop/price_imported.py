@@ -32,9 +32,10 @@ from planner.interop.from_megatron import megatron_configuration
 from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.interop.readers import Imported
 from planner.interop.configuration import compare
+from planner.search.plan import Plan
 
 
-def _describe(imp: Imported) -> str:
+def _describe(imp: Imported, priced: Plan) -> str:
     c = imp.config
     lengths = [len(s) for s in c.stages]
     split = (f"{lengths[0]} layers per stage" if len(set(lengths)) == 1
@@ -45,7 +46,8 @@ def _describe(imp: Imported) -> str:
     ep = f" ep={c.ep}" if c.ep > 1 else ""
     return (f"{imp.source} configuration: dp={c.dp} tp={c.tp} pp={c.pp} cp={c.cp}{ep}, "
             f"{c.schedule}{v}, micro-batch {c.micro_batch}, {split}, layers {tp}, "
-            f"recomputation {imp.recompute} (as --fix {c.fix_text()}, the stages as given)")
+            f"recomputation {imp.recompute} (as --fix {c.fix_text()}, the stages as given); "
+            f"priced at seq {priced.seq} and a global batch of {priced.global_batch}")
 
 
 def _runtime_note(imp: Imported, runtime: str) -> None:
@@ -74,7 +76,7 @@ def cmd_import(args) -> int:
     theirs = pricer.price(imp.config)
     plans = pricer.best(top_k=args.top_k if args.explain else 1, fix=args.fix)
     ours = plans[0]
-    print(_describe(imp))
+    print(_describe(imp, theirs.plan))
     for note in imp.notes:
         print(f"note: {note}")
     if imp.ignored:
