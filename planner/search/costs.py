@@ -151,6 +151,10 @@ class ModelCosts:
         """The kind of every block, in model order."""
         return tuple(kind for kind, n in self.runs for _ in range(n))
 
+    def kind_of(self, layer: str, default=None):
+        """The kind of the block named `layer` (`default` for a layer that is no block)."""
+        return self._kind_of.get(layer, default)
+
     def has(self, kind: str) -> bool:
         return kind in self.ends
 

@@ -238,7 +238,7 @@ def lazy_grads(costs: ModelCosts, req: Request, c: Candidate, option, cost) -> f
         return option.grad_bytes
     if costs.ep_pricing is None or c.dp * c.cp > costs.ep:
         return 0.0
-    experts = costs.ep_pricing.expert_params(costs._kind_of.get(cost.layer, -1))
+    experts = costs.ep_pricing.expert_params(costs.kind_of(cost.layer, -1))
     return experts * costs.training.grad_bytes
 
 
@@ -280,7 +280,7 @@ def _block_units(costs: ModelCosts, blocks) -> list[int]:
     than the same plan searched with one."""
     largest: dict = {}
     for cost in blocks:
-        kind = costs._kind_of.get(cost.layer, cost.layer)
+        kind = costs.kind_of(cost.layer, cost.layer)
         largest[kind] = max(largest.get(kind, 0), cost.params)
     held = dict.fromkeys(largest, 0)
     for kind, n in costs.runs:
