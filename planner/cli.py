@@ -486,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the plan as a torchtitan TOML fragment or Megatron-LM flags")
     p.add_argument("--emit-csv", metavar="FILE.csv", help="where --emit torchtitan writes a "
                    "schedule torchtitan has no class for (default fxpar-SCHEDULE-ppP-mM.csv)")
-    p.add_argument("--from-megatron", metavar="FLAGS", help="price Megatron-LM flags beside "
-                   "fxpar's plan")
+    p.add_argument("--from-megatron", metavar="FLAGS", help="price Megatron-LM flags (or a "
+                   "file of them, as --emit megatron writes) beside fxpar's plan")
     p.add_argument("--from-torchtitan", metavar="FILE.toml", help="price a torchtitan TOML "
                    "beside fxpar's plan")
     p.set_defaults(func=cmd_plan)

@@ -4,6 +4,7 @@ expert parallelism as planner.interop.expert_layout reads it; the flags that def
 checked against it (planner.interop.megatron_model)."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 
@@ -107,6 +108,9 @@ MEGATRON_IGNORED = frozenset("""
 
 
 def _megatron_tokens(text: str) -> list[str]:
+    if "\n" not in text and not text.lstrip().startswith("-") and os.path.isfile(text.strip()):
+        with open(text.strip(), encoding="utf-8") as f:  # a file of flags, as --emit writes
+            text = f.read()
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as err:
@@ -115,8 +119,8 @@ def _megatron_tokens(text: str) -> list[str]:
     if script is not None:  # `torchrun ... pretrain_gpt.py --flags`: the script's flags only
         tokens = tokens[script + 1:]
     if tokens and not tokens[0].startswith("--"):
-        raise ValueError(f"--from-megatron: expected Megatron-LM flags (--name value ...), got "
-                         f"{tokens[0]!r}")
+        raise ValueError(f"--from-megatron: expected Megatron-LM flags (--name value ...) or a "
+                         f"file of them, got {tokens[0]!r}, which is neither")
     return tokens
 
 

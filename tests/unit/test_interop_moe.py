@@ -164,6 +164,17 @@ def test_every_unknown_megatron_flag_is_named_and_logging_is_ignored():
         "--num-dataset-builder-threads", "--calculate-per-token-loss"]
 
 
+def test_megatron_flags_read_from_a_file_as_emit_writes_them(tmp_path):
+    facts = facts_of_config(get_config("llama-tiny"))
+    path = tmp_path / "job.flags"
+    path.write_text("# a comment\n--micro-batch-size 2 \\\n  --log-interval 10\n")
+    read = megatron_configuration(str(path), facts, 2)
+    assert read.config.micro_batch == 2 and read.ignored == ["--log-interval"]
+    with pytest.raises(ValueError, match="or a file of them, got 'nofile.flags', which is "
+                                         "neither"):
+        megatron_configuration("nofile.flags", facts, 2)
+
+
 def test_torchtitan_unknown_fields_together_and_float8_without_converters(tmp_path):
     facts = facts_of_config(get_config("llama-tiny"))
     path = tmp_path / "job.toml"
