@@ -172,7 +172,8 @@ class ModelCosts:
                     errors[k] = str(err)
             if len(errors) == len(self.kinds) or (errors and not self._parts_may_differ()):
                 k = min(errors)
-                where = f"{self.kinds[k].name}: " if len(self.kinds) > 1 else ""
+                named = errors[k].startswith(f"layer {self.kinds[k].name}:")
+                where = f"{self.kinds[k].name}: " if len(self.kinds) > 1 and not named else ""
                 self.tp_errors[tp] = (f"{where}{errors[k]}; fxpar leaves tp={tp} out for this "
                                       f"model: plan with another tp, or change that op")
             else:
