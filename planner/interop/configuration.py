@@ -71,7 +71,7 @@ class Configuration:
             object.__setattr__(self, "strategy", str(Strategy.parse(self.strategy)))
         if self.dp_shard == self.dp:  # one shard group of all dp ranks: plain sharding
             object.__setattr__(self, "dp_shard", None)
-        if self.dp == 1:  # nothing to shard over: every level is the same run
+        if self.dp * self.cp == 1:  # nothing to shard over (levels shard over dp x cp)
             object.__setattr__(self, "zero", 0)
 
     def fix(self) -> dict:

@@ -33,7 +33,8 @@ from cost_model.layers.strategy import Strategy
 from planner.search.plan import Plan
 from planner.interop.configuration import Configuration, Priced, Pricer, compare
 from planner.interop.expert_layout import megatron_flags, nearest_ep, torchtitan_shard
-from planner.interop.megatron_model import emitted_flags
+from planner.interop.megatron_model import (VOCAB_DIVISOR, emitted_flags, vocab_divisor,
+                                             vocab_padding_note)
 from planner.interop.model_facts import ModelFacts, facts_of_config, facts_of_hf
 from planner.interop.recompute_patterns import pattern_recompute, recompute_of, with_flags
 
@@ -154,7 +155,6 @@ def nearest(target: str, plan: Plan, pricer_factory) -> Expressed:
         config, split_notes = _torchtitan_split(config)
         notes += split_notes
         config, unpriced = _torchtitan_split_backward(config)
-        unpriced += torchtitan_cp_sharding(config.cp)
         notes += unpriced
     stages, tp = config.stages, plan.tp > 1
     lengths = [len(st) for st in stages]
@@ -214,16 +214,6 @@ def _torchtitan_split_backward(config: Configuration) -> tuple[Configuration, li
     return config, [recorded_with_recompute()]
 
 
-def torchtitan_cp_sharding(cp: int) -> list[str]:
-    """torchtitan's FSDP mesh takes the context-parallel ranks in (dp_shard x cp), whatever the
-    data-parallel sharding: weights fxpar prices replicated over cp. Said by --emit torchtitan
-    and --from-torchtitan alike, and never "expressed exactly"."""
-    if cp == 1:
-        return []
-    return [f"torchtitan shards the weights (FSDP) over the {cp} context-parallel ranks too; "
-            f"fxpar prices them replicated there"]
-
-
 def torchtitan_records(config: Configuration) -> bool:
     """Whether torchtitan's run of `config` is one fxpar prices as split_backward=record: ZB-H1
     with no block recomputed."""
@@ -239,8 +229,14 @@ def recorded_with_recompute() -> str:
 def _sharding(target: str, config: Configuration) -> tuple[Configuration, list[str]]:
     """The data-parallel sharding the target states: Megatron-LM every ZeRO level (its
     distributed optimizer for 1, Megatron-FSDP for 2 and 3) but not hybrid sharding;
-    torchtitan replicas (DDP) or FSDP (ZeRO-3, hybrid with a replicate degree), not 1 or 2."""
-    if config.dp == 1 or (config.zero == 0 and not config.dp_shard):
+    torchtitan replicas (DDP) or FSDP (ZeRO-3, hybrid with a replicate degree), not 1 or 2;
+    with context parallelism always FSDP, its mesh taking the cp ranks in (dp_shard x cp)."""
+    if target == "torchtitan" and config.cp > 1 and config.zero == 0:
+        return replace(config, zero=3, dp_shard=1 if config.dp > 1 else None), [
+            f"torchtitan shards the weights (FSDP) over the {config.cp} context-parallel ranks "
+            f"whatever the data-parallel degrees; nearest: FSDP over them (zero=3, "
+            f"data_parallel_shard_degree 1)"]
+    if config.dp * config.cp == 1 or (config.zero == 0 and not config.dp_shard):
         return config, []
     if target == "megatron" and config.dp_shard and config.dp_shard != config.dp:
         return replace(config, dp_shard=None), [
@@ -357,6 +353,9 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None) -> str:
     flags: list[str] = []
     if facts is not None:
         flags += emitted_flags(facts, plan.seq)[0]
+        divisor = vocab_divisor(facts.vocab, config.tp)
+        if divisor != VOCAB_DIVISOR:  # the model's own vocabulary, not Megatron-LM's padding
+            flags.append(f"--make-vocab-size-divisible-by {divisor}")
     flags += [f"--tensor-model-parallel-size {config.tp}",
               f"--pipeline-model-parallel-size {config.pp}",
               f"--context-parallel-size {config.cp}"]
@@ -394,12 +393,14 @@ def megatron(plan: Plan, expressed: Expressed, facts: ModelFacts | None) -> str:
     return "\n".join(lines + [f + " \\" for f in flags[:-1]] + flags[-1:])
 
 
-def definition_notes(target: str, facts: ModelFacts | None, seq: int = 0) -> list[str]:
+def definition_notes(target: str, facts: ModelFacts | None, seq: int = 0,
+                     tp: int = 1) -> list[str]:
     """What of the model's definition the target's configuration cannot state."""
     if facts is None:
         return []
     if target == "megatron":
-        return emitted_flags(facts, seq or facts.seq)[1]
+        padding = vocab_padding_note(facts.vocab, vocab_divisor(facts.vocab, tp), tp)
+        return emitted_flags(facts, seq or facts.seq)[1] + ([padding] if padding else [])
     head = f", head width {facts.head_dim}" if facts.head_dim else ""
     return [f"the model itself: torchtitan builds it from its own model code ([model] name "
             f"and flavor), not from this file; choose one matching {facts.name} ({facts.layers} "
@@ -518,7 +519,7 @@ def emit(target: str, plan: Plan, pricer_factory, facts: ModelFacts | None = Non
 
 def write(target: str, plan: Plan, expressed: Expressed, facts: ModelFacts | None,
           csv_path: str | None = None) -> tuple[str, str | None]:
-    expressed.definition = definition_notes(target, facts, plan.seq)
+    expressed.definition = definition_notes(target, facts, plan.seq, expressed.config.tp)
     expressed.model_differs = target == "megatron" and bool(expressed.definition)
     expressed.notes[:0] = [n for n in expressed.definition if n not in expressed.notes]
     if target == "megatron":

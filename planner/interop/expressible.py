@@ -51,7 +51,8 @@ def restriction(target: str, plan: Plan, fix: dict, pricer) -> Restriction | Non
         axes["ep"] = restricted(target)
         why.append("expert parallelism without tp" + (" or cp" if target == "torchtitan" else "")
                    + ", or none")
-    if target == "torchtitan" and plan.zero in (1, 2) and plan.dp > 1:
+    if target == "torchtitan" and plan.dp * plan.cp > 1 and (
+            plan.zero in (1, 2) or (plan.zero == 0 and plan.cp > 1)):
         axes["zero"] = [{"zero": 0}, {"zero": 3}]
         why.append("zero 0 or 3: replicas or FSDP")
     if target == "megatron" and plan.dp_shard and plan.dp_shard != plan.dp:

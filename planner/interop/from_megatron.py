@@ -11,6 +11,7 @@ import shlex
 from cost_model.layers.strategy import Strategy
 from planner.interop import megatron_moe as moe
 from planner.interop.expert_layout import megatron_ep
+from planner.interop.megatron_model import VOCAB_DIVISOR, vocab_padding_note
 from planner.interop.megatron_model import check as model_check
 from planner.interop.model_facts import ModelFacts
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
@@ -32,6 +33,7 @@ MEGATRON_FLAGS = {
     "--num-layers": INT, "--hidden-size": INT, "--ffn-hidden-size": INT,
     "--num-attention-heads": INT, "--group-query-attention": SWITCH, "--num-query-groups": INT,
     "--seq-length": INT, "--max-position-embeddings": INT, "--vocab-size": INT,
+    "--make-vocab-size-divisible-by": INT,
     "--swiglu": SWITCH, "--normalization": STR, "--position-embedding-type": STR,
     "--use-rotary-position-embeddings": SWITCH, "--untie-embeddings-and-output-weights": SWITCH,
     "--disable-bias-linear": SWITCH, "--bf16": SWITCH, "--fp16": SWITCH,
@@ -73,7 +75,7 @@ MEGATRON_IGNORED = frozenset("""
 --adam-eps --init-method-std --train-iters --train-samples --eval-iters --eval-interval
 --log-interval --save-interval --save --load --data-path --split --vocab-file --merge-file
 --tokenizer-type --tokenizer-model --seed --attention-dropout --hidden-dropout
---transformer-impl --make-vocab-size-divisible-by --distributed-backend --tensorboard-dir
+--transformer-impl --distributed-backend --tensorboard-dir
 --wandb-project --wandb-exp-name --exit-interval --ckpt-format --num-workers --data-cache-path
 --attention-backend --distributed-timeout-minutes --use-flash-attn
 --use-mcore-models --overlap-grad-reduce --overlap-param-gather --mock-data
@@ -263,6 +265,9 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
         raise ValueError(f"--max-position-embeddings {f['--max-position-embeddings']} is below "
                          f"the sequence length {seq}")
     model_check(f, facts, seq, notes)
+    padding = vocab_padding_note(facts.vocab, f.get("--make-vocab-size-divisible-by",
+                                                    VOCAB_DIVISOR), tp)
+    notes += [padding] if padding else []
     batch = sized("--global-batch-size", f.get("--global-batch-size"), ours_batch,
                    "--global-batch")
     if batch is None:
@@ -292,7 +297,7 @@ def megatron_configuration(text: str, facts: ModelFacts, gpus: int, ours_seq=Non
                      f"priced in the model's own {8 * facts.dtype_bytes}-bit precision")
     config = Configuration(dp, tp, pp, cp, mb, "interleaved-1f1b" if v > 1 else "1f1b", v,
                            stages, ends="vocab-tp" if tp > 1 else "auto",
-                           zero=zero if dp > 1 else 0, ep=ep)
+                           zero=zero if dp * cp > 1 else 0, ep=ep)
     return Imported("Megatron-LM", config, seq, batch, ours_zero1, notes, ignored, recompute)
 
 

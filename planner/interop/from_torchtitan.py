@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from cost_model.layers.strategy import Strategy
 from planner.interop.emit import (ModelFacts, recorded_with_recompute, schedule_csv,
-                                  torchtitan_cp_sharding, torchtitan_records)
+                                  torchtitan_records)
 from planner.interop.expert_layout import torchtitan_ep
 from planner.interop.recompute_patterns import pattern_recompute, with_flags
 from planner.interop.readers import Imported, sized
@@ -150,9 +150,9 @@ def torchtitan_configuration(path: str, facts: ModelFacts, gpus: int, ours_seq=N
     ep = torchtitan_ep(get, facts.experts.count if facts.experts else None, tp, cp, shard, notes)
     zero1 = ours_zero1
     # FSDP (fully_shard per block): weights, gradients and optimizer states sharded over the
-    # shard degree, replicated across `replicate` groups (HSDP): fxpar's zero=3
-    zero, dp_shard = (3, shard if replicate > 1 else None) if shard > 1 else (0, None)
-    notes += torchtitan_cp_sharding(cp)
+    # shard degree x cp (torchtitan's dp_shard_cp mesh, FSDP even at a shard degree of 1),
+    # replicated across `replicate` groups (HSDP): fxpar's zero=3, which shards over dp_shard x cp
+    zero, dp_shard = (3, shard if replicate > 1 else None) if shard * cp > 1 else (0, None)
     seq = sized("[training] seq_len", _field(data, "training", "seq_len", int), ours_seq,
                  "--seq")
     local = _field(data, "training", "local_batch_size", int)

@@ -412,6 +412,33 @@ MODEL_FLAGS = frozenset(SIZES) | {flag for item in ITEMS for flag in item.flags
                                   if item.key != "positions"}
 
 
+# Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by (default 128)
+# x tp rows (megatron/training/tokenizer: _vocab_size_with_padding): more embedding and head
+VOCAB_DIVISOR = 128
+
+
+def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
+    step = divisor * tp
+    return -(-vocab // step) * step
+
+
+def vocab_divisor(vocab: int, tp: int) -> int:
+    """The largest --make-vocab-size-divisible-by (a power of two up to Megatron-LM's 128) that
+    leaves the vocabulary unpadded at tp; 1 where none does (the vocabulary is not a multiple
+    of tp: Megatron-LM pads it whatever the flag, which `vocab_padding_note` says)."""
+    return next((d for d in (128, 64, 32, 16, 8, 4, 2) if vocab % (d * tp) == 0), 1)
+
+
+def vocab_padding_note(vocab: int, divisor: int, tp: int) -> str | None:
+    padded = padded_vocab(vocab, divisor, tp)
+    if padded == vocab:
+        return None
+    return (f"Megatron-LM pads the vocabulary from {vocab} to {padded} rows (a multiple of "
+            f"--make-vocab-size-divisible-by {divisor} x tp {tp}); priced with the model's "
+            f"{vocab} (the {padded - vocab} extra rows are "
+            f"{100 * (padded - vocab) / vocab:.2g}% more embedding and head)")
+
+
 def emitted_flags(facts: ModelFacts, seq: int) -> tuple[list[str], list[str]]:
     """(the flags that define the model, what they cannot state), in arguments.py's order."""
     told = statement(facts, seq)

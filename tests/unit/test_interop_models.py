@@ -14,7 +14,7 @@ import pytest
 from planner.cli import main
 from planner.interop.from_megatron import megatron_configuration
 from planner.interop.from_torchtitan import torchtitan_configuration
-from planner.interop.megatron_model import emitted_flags
+from planner.interop.megatron_model import emitted_flags, padded_vocab, vocab_divisor
 from planner.interop.model_facts import facts_of_config
 from planner.models.presets import get_config
 from tests.harness.hf_configs import config_file, hf_facts
@@ -231,6 +231,26 @@ def test_megatron_flags_of_other_names_and_numerics_are_read():
         with pytest.raises(ValueError) as err:
             _read(flags)
         assert str(err.value) == message
+
+
+def test_megatron_vocabulary_padding_is_pinned_on_emit_and_said_on_import():
+    """Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x tp
+    (128 x tp by default): emitted, the divisor keeps the model's rows; imported, padding is
+    said with its size, from the brute-force padding."""
+    for vocab in (32000, 50257, 151936, 128256, 1000):
+        for tp in (1, 2, 4, 8):
+            d = vocab_divisor(vocab, tp)
+            padded = padded_vocab(vocab, d, tp)
+            assert padded == next(n for n in range(vocab, vocab + d * tp)
+                                  if n % (d * tp) == 0)
+            assert (padded == vocab) == (vocab % tp == 0)
+    model = " ".join(emitted_flags(LLAMA, LLAMA.seq)[0]) + " --micro-batch-size 1"
+    tp4 = model + " --tensor-model-parallel-size 4"
+    assert LLAMA.vocab % 512 and not any("pads" in n for n in
+                                         _read(tp4 + " --make-vocab-size-divisible-by 1").notes)
+    pad = padded_vocab(LLAMA.vocab, 128, 4)
+    assert f"Megatron-LM pads the vocabulary from {LLAMA.vocab} to {pad} rows (a multiple of " \
+           f"--make-vocab-size-divisible-by 128 x tp 4)" in " ".join(_read(tp4).notes)
 
 
 def test_a_single_megatron_flag_says_to_attach_it(capsys):

@@ -15,6 +15,7 @@ from planner.interop.from_megatron import megatron_configuration
 from planner.interop.from_torchtitan import torchtitan_configuration
 from planner.interop.megatron_model import check, emitted_flags
 from planner.interop.model_facts import ModelFacts
+from planner.interop.round_trip import emit_checked
 from planner.models.presets import get_config
 from planner.report.explain import diff
 from tests.harness.hf_configs import config_file, hf_facts
@@ -135,14 +136,28 @@ def test_numbers_read_back_as_written(change):
 
 
 # ------------------------------------------------------------------------ 3. torchtitan cp
-def test_torchtitan_cp_with_fsdp_is_never_exact_and_says_why():
+def test_torchtitan_fsdp_over_cp_is_zero3_over_dp_shard_times_cp(tmp_path):
+    """torchtitan's FSDP mesh is dp_shard x cp, as fxpar's ZeRO-3 shards: with FSDP it is
+    exact; replicas (zero=0) at cp > 1 become FSDP over the cp ranks alone (shard degree 1,
+    replicated over dp), and read back as that very configuration."""
     pricer = Pricer(get_config("llama-tiny", layers=4), 8, cluster="h100-sxm-dgx",
                     global_batch=16, seq=256)
-    plan = pricer.best(fix={"cp": 2, "zero": 3, "dp": 4, "tp": 1, "pp": 1})[0]
-    expressed = nearest("torchtitan", plan, lambda: pricer)
-    said = ("torchtitan shards the weights (FSDP) over the 2 context-parallel ranks too; fxpar "
-            "prices them replicated there")
-    assert not expressed.exact and said in expressed.notes
+    facts = facts_of_config(get_config("llama-tiny", layers=4))
+    fsdp = pricer.best(fix={"cp": 2, "zero": 3, "dp": 4, "tp": 1, "pp": 1})[0]
+    text, _ = emit_checked("torchtitan", fsdp, pricer, facts)
+    assert "expressed exactly: read back, it prices this very plan" in text
+    replicas = pricer.best(fix={"cp": 2, "zero": 0, "dp": 4, "tp": 1, "pp": 1})[0]
+    expressed = nearest("torchtitan", replicas, lambda: pricer)
+    assert not expressed.exact and (expressed.config.zero, expressed.config.dp_shard) == (3, 1)
+    assert expressed.notes[0].startswith("torchtitan shards the weights (FSDP) over the 2 "
+                                         "context-parallel ranks whatever")
+    text, _ = emit_checked("torchtitan", replicas, pricer, facts)
+    assert "data_parallel_replicate_degree = 4\ndata_parallel_shard_degree = 1" in text
+    (tmp_path / "job.toml").write_text(text)
+    back = torchtitan_configuration(str(tmp_path / "job.toml"), facts, 8)
+    assert back.config == expressed.config
+    assert pricer.price(back.config).plan.predicted.peak_memory_bytes < \
+        replicas.predicted.peak_memory_bytes  # the weights sharded over cp: less held
 
 
 # ------------------------------------------------------------------------ 5, 6. importers
