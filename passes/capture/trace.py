@@ -24,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import linecache
 import re
-import traceback
 from dataclasses import dataclass
 
 import networkx as nx
@@ -36,6 +34,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture import unsupported
+from passes.capture.capture_errors import (data_dependent, export_failure, first_line, hint,
+                                           node_where, quiet_torch, where)
 
 CONSTANT = "fxpar_constant"
 
@@ -210,11 +210,13 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
                  if isinstance(x, torch.Tensor) else x for x in example_inputs]
     prop = _TrackingProp(gm, mode)
     try:
-        prop.propagate(*fakes)
+        with quiet_torch():
+            prop.propagate(*fakes)
     except Exception as err:  # noqa: BLE001 - re-raised with the module and op named
-        where = _node_where(prop.current) if prop.current is not None else _where(err, gm)
-        raise CaptureError(f"shape propagation failed {where}: {_first_line(err)}; "
-                           f"{_hint(err)}") from err
+        at = (node_where(prop.current, _module_paths) if prop.current is not None
+              else where(err, gm))
+        said = type(err).__name__ if data_dependent(err) else first_line(err)
+        raise CaptureError(f"shape propagation failed {at}: {said}; {hint(err)}") from err
 
 
 class _TrackingProp(FakeTensorProp):
@@ -230,92 +232,19 @@ class _TrackingProp(FakeTensorProp):
         return super().run_node(n)
 
 
-def _node_where(node: fx.Node) -> str:
-    """"at node X (target) in module 'a.b', from `source line`"."""
-    paths = _module_paths(node)
-    target = getattr(node.target, "__name__", None) or str(node.target)
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    line = trace[-1].strip() if trace else ""
-    return (f"at node {node.name} ({target}) in module '{paths[-1] if paths else '<root>'}'"
-            + (f", from `{line}`" if line else ""))
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {_clean(str(err))}"
-
-
-# Where torch's own messages turn to its debugging tools or its docs: cut there (torch.fx's
-# TraceError explains, after its first sentence, where proxies get iterated in general)
-_TORCH_NOISE = ("Original traceback:", "Use tlparse", "For more information",
-                "(https://", "Set TORCH_LOGS", "from user code:", "See the torch.fx docs",
-                "This can be attempted when the Proxy")
-
-
-def _clean(message: str) -> str:
-    """A torch error's first sentence, without the pointers to torch's debugging tools."""
-    line = " ".join(message.split())
-    for noise in _TORCH_NOISE:
-        line = line.split(noise)[0]
-    line = line.strip(" .:") or "(no message)"
-    return line if len(line) <= 300 else line[:299] + "…"
-
-
-def _hint(err: BaseException) -> str:
-    """What to change, by the kind of failure."""
-    text = f"{type(err).__name__} {err}"
-    if "DataDependent" in text or "data-dependent" in text or "_local_scalar_dense" in text:
-        return ("a tensor's values decide a shape or a branch there (.item(), .tolist(), "
-                "nonzero, boolean-mask indexing, torch.unique); fxpar captures on fake tensors, "
-                "so compute such sizes from the config or the inputs' shapes (e.g. a fixed "
-                "capacity per expert, a mask multiplied in instead of indexed with)")
-    if "more than 1 value per channel when training" in text:
-        return ("fxpar captures the model with one sample of the example batch, and a layer "
-                "that needs more than one sample in training mode (batch statistics, as "
-                "BatchNorm's) fails on it; batch statistics would be those of each micro-batch "
-                "on each data-parallel rank under fxpar, not the global batch's, so such a "
-                "layer is not trained: use LayerNorm or GroupNorm, or freeze its statistics "
-                "(eval mode)")
-    if "Guard" in text or "Unsupported" in text or "control flow" in text:
-        return ("a Python branch or call there cannot be traced: keep control flow on sizes "
-                "and config values, not on tensor values")
-    return ("check that the example inputs have the shapes and dtypes forward expects (the "
-            "global batch on dim 0; fxpar captures with one sample)")
-
-
 def _export(model, example_inputs, trace_error) -> fx.GraphModule:
     # torch.fx prints a failing graph's generated code to stderr; the error below says where
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), quiet_torch():
             exported = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as err:  # noqa: BLE001
-        # torch.export's failure first (the capture this model needs), each cause cut short
-        raise CaptureError(
-            f"cannot capture {type(model).__name__}: torch.export failed "
-            f"({_where(err, model, 140)}); {_hint(err)} (torch.fx.symbolic_trace failed too: "
-            f"{_where(trace_error, model, 100)})") from err
+        raise CaptureError(export_failure(model, err, trace_error)) from err
     # No guards on the example's shapes: the rewrites run the graph at other shapes (a
     # context-parallel rank sees seq/cp tokens), which the shape checks of each pass cover.
     try:
         return exported.module(check_guards=False)
     except TypeError:  # a torch without the option
         return exported.module()
-
-
-def _where(err: BaseException, root: torch.nn.Module, limit: int = 0) -> str:
-    """'in module X, at operation `line`, Error: msg' for the innermost frame inside one of root's modules."""
-    names = {id(m): name or type(root).__name__ for name, m in root.named_modules()}
-    module, line = None, None
-    for frame, lineno in traceback.walk_tb(err.__traceback__):
-        owner = frame.f_locals.get("self")
-        if id(owner) in names:
-            module = names[id(owner)]
-            line = linecache.getline(frame.f_code.co_filename, lineno).strip() or None
-    message = _clean(str(err)) if str(err) else ""
-    if limit and len(message) > limit:
-        message = message[:limit].rstrip() + "…"
-    parts = [f"in module '{module}'" if module else None,
-             f"at operation `{line}`" if line else None, f"{type(err).__name__}: {message}"]
-    return ", ".join(p for p in parts if p)
 
 
 def _block_lists(model: torch.nn.Module) -> tuple[str, ...]:

@@ -211,7 +211,7 @@ def test_prophetnet_defaults_to_the_tokens_its_positions_hold():
 
 
 def test_a_capture_failure_keeps_torch_fx_s_cause_not_its_docs_pointer():
-    from passes.capture.trace import _clean
+    from passes.capture.capture_errors import clean as _clean
     fx_error = ("Proxy object cannot be iterated. This can be attempted when the Proxy is used "
                 "in a loop or as a *args or **kwargs function argument. See the torch.fx docs "
                 "on pytorch.org for a more detailed explanation")

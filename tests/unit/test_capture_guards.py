@@ -140,3 +140,34 @@ def test_a_list_of_blocks_whose_name_holds_an_underscore_is_found():
     tokens = torch.randint(0, 32, (4, 8))
     captured = capture(UnderscoredList(), (tokens[:1], tokens[:1]))
     assert [b.name for b in captured.blocks] == [f"transformer_blocks.{i}" for i in range(3)]
+
+
+class ValueBranch(torch.nn.Module):
+    """A block whose Python reads a tensor's value: a branch, or a size from .item()."""
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.kind = torch.nn.Linear(16, 16), kind
+
+    def forward(this, x):  # (not named self: the line is found by the module it runs on)
+        if this.kind == "branch":
+            if x.sum() > 0:
+                x = x * 2
+        else:
+            x = x + int(x.abs().max().item())
+        return x + this.fc(x)
+
+
+@pytest.mark.parametrize("kind, line", [("branch", "`if x.sum() > 0:`"),
+                                        ("item", "`x = x + int(x.abs().max().item())`")])
+def test_a_value_dependent_capture_names_the_users_line_without_torchs_text(kind, line,
+                                                                               capfd):
+    model = LogitsModel()
+    model.blocks[1] = ValueBranch(kind)
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randint(0, 32, (2, 8)),))
+    message = str(err.value)
+    assert f"in module 'blocks.1', at {line} (test_capture_guards.py:" in message
+    assert "a tensor's values decide a shape or a branch there" in message
+    for torch_text in ("forward_call", "Eq(", "u0", "tlparse", "symbolic_trace failed too"):
+        assert torch_text not in message
+    assert "symbolic_shapes" not in capfd.readouterr().err  # torch's warning is not printed

@@ -149,7 +149,7 @@ def test_a_functional_batch_norm_in_training_mode_is_refused_naming_its_line():
 
 
 def test_one_sample_failing_in_a_batch_statistic_says_the_capture_runs_one_sample():
-    from passes.capture.trace import _hint
+    from passes.capture.capture_errors import hint as _hint
     hint = _hint(ValueError("Expected more than 1 value per channel when training, got input "
                             "size torch.Size([1, 32])"))
     for words in ("captures the model with one sample",
