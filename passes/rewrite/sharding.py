@@ -396,11 +396,14 @@ class _Localize(FakeTensorProp):
                 not all(isinstance(s, int) for s in sizes) or sizes[0] == -1:
             return
         factor = full_in[dim] // local_in[dim]
-        if sizes[0] % factor:
+        # a fused projection's parts first ((3, width) of nn.MultiheadAttention's packed qkv):
+        # every rank holds each part, the cut divides what follows them
+        at = 1 if n.meta.get(PARTS, 1) > 1 and len(sizes) > 1 else 0
+        if sizes[at] % factor:
             raise ShardingError(f"layer {n.meta.get(LAYER)}: {n.name} unflattens dim {dim} into "
-                                f"{tuple(sizes)}, whose {sizes[0]} does not divide by the cut "
+                                f"{tuple(sizes)}, whose {sizes[at]} does not divide by the cut "
                                 f"{factor}")
-        new = (sizes[0] // factor, *sizes[1:])
+        new = (*sizes[:at], sizes[at] // factor, *sizes[at + 1:])
         if len(n.args) > 2:
             n.args = (*n.args[:2], type(sizes)(new), *n.args[3:])
         else:

@@ -51,13 +51,16 @@ class ViewRules:
         # there is one: multi-query k/v (kept whole, one head selected) or a head tp cuts. Other
         # unit dimensions at its place are inserted ones (unsqueeze) and skipped.
         dim = _arg(node, 1, "dim")
-        heads_first = src in self.whole_heads or (
-            op_name(self.gm, node) == "unflatten" and isinstance(dim, int)
-            and dim % len(full_in) == d)
+        unflatten = op_name(self.gm, node) == "unflatten" and isinstance(dim, int) \
+            and dim % len(full_in) == d
+        heads_first = src in self.whole_heads or unflatten
+        # an unflatten's new dimensions start at d: a unit dimension before it (a batch of one)
+        # is not a head
+        first = d if unflatten else 0
         if src in self.whole_heads:
             self.whole_heads.add(node)
         for j, size in enumerate(full_out):
-            if prefix == before and (size > 1 or heads_first):
+            if prefix == before and (size > 1 or (heads_first and j >= first)):
                 carved = size_d // size if size < size_d else 1
                 cuts = size < size_d and (size_d // self.tp) % max(carved, 1)
                 if (cuts or self._selects(node, j)) and src not in self.whole_heads:
@@ -71,10 +74,14 @@ class ViewRules:
                 if src in self.blocks and src not in self.whole_heads:
                     self.blocks.add(node)
                 return
-            if (prefix < before < prefix * size and before % prefix == 0
-                    and prefix * size == before * size_d and src not in self.whole_heads):
-                # merged, innermost, with dimensions before it (BLOOM's batch x heads): each
-                # rank holds its part of the sharded dimension in every one of them
+            heads = prefix * size // before if before % prefix == 0 else 0
+            if (prefix < before < prefix * size and heads and (prefix * size) % before == 0
+                    and size_d % heads == 0 and heads % self.tp == 0
+                    and src not in self.whole_heads):
+                # merged, innermost, with dimensions before it (BLOOM's batch x heads), whole
+                # or its leading `heads` only, the rest in the dimensions after it
+                # (nn.MultiheadAttention's (batch x heads, head_dim)): each rank holds its part
+                # of the sharded dimension in every one of them
                 self.dim[node], self.outer[node] = j, before // prefix
                 if src in self.blocks:
                     self.blocks.add(node)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, Phase, assume, event, given, seed, settings
 from planner.api import plan
 from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
+from tests.harness.torch_layers import TorchLayersSpec
 from tests.harness.two_streams import TwoStreamSpec
 
 STEPS = 2
@@ -73,4 +74,17 @@ def test_two_streams_joined_for_attention_train_exactly_under_sequence_parallel(
     model, batch = spec.build()
     chosen = plan(model, 2, batch, cluster="cpu-gloo",
                   fix={"dp": 1, "tp": 2, "pp": 1, "mb": 2, "strategy": "tp+sp"})[0]
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["mha", "encoder"])
+def test_pytorch_attention_modules_train_exactly_under_tp(kind):
+    """nn.MultiheadAttention (alone, and inside nn.TransformerEncoderLayer): its packed
+    in-projection is cut per part ((3, width) views), its heads merged with the batch
+    ((batch x heads, head width) views) hold heads/tp per rank."""
+    spec = TorchLayersSpec(kind)
+    model, batch = spec.build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 1, "strategy": "tp"})[0]
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
