@@ -166,9 +166,7 @@ class HFSeq2SeqLM(HFWrapper):
         enc, dec = (int(x.shape[1]) for x in example_inputs[:2])
         same = " (as many as the encoder's, by default)" if dec == enc else ""
         return (f"encoder-decoder: the encoder reads {enc} tokens per sample (the plan's seq), "
-                f"the decoder {dec}{same}; the encoder's output, [micro-batch, {enc}, hidden], "
-                f"is carried from the last encoder block's stage to every stage holding decoder "
-                f"blocks",)
+                f"the decoder {dec}{same}",)
 
 
 def small_seq2seq_config(arch: str, **fields):

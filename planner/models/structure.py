@@ -53,3 +53,44 @@ def structure_notes(model: nn.Module, parts: tuple[str, ...]) -> tuple[str, ...]
             f"{'it' if len(lists) == 1 else 'them'} (the embedding, the head or the block "
             f"before), on its stage, and {'is' if len(lists) == 1 else 'are'} priced there",)
 
+
+
+def carried_notes(captured) -> tuple[str, ...]:
+    """The plan's notes, for a model of several parts, on values a layer makes that layers
+    further on read, past the layer after it (an encoder's output every decoder block
+    cross-attends to, a decoder's token embeddings made before the encoder's blocks): each is
+    carried from its maker's stage to every stage holding a reader, sent along the stages between
+    (planner.search.costs.ModelCosts.carried_bytes prices it). Values computed from no input and
+    no parameter (position tables, masks) are not said."""
+    from passes.capture.trace import CONSTANT, module_path
+    if len(captured.parts) < 2:  # (a model of one part carries only what costs leaves unpriced)
+        return ()
+    order = {layer.name: i for i, layer in enumerate(captured.layers)}
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    readers: dict[tuple[str, str], list[str]] = {}
+    for src, dst, edge in captured.layer_graph.edges(data=True):
+        for name in edge["tensors"]:  # (a weight two layers read is read by each, not sent)
+            if not nodes[name].meta.get(CONSTANT) and nodes[name].op != "get_attr":
+                readers.setdefault((src, name), []).append(dst)
+    notes = []
+    for (src, name), dsts in readers.items():
+        if max(order[d] for d in dsts) <= order[src] + 1:
+            continue  # read by the next layer only: the stages' own boundary
+        dsts.sort(key=order.get)
+        val = nodes[name].meta.get("val")
+        shape = f", {list(val.shape)} for one sample," if hasattr(val, "shape") else ""
+        module = module_path(nodes[name])
+        name = f"{name} (of {module}){shape}" if module else f"{name}{shape}"
+        notes.append(f"{name} made in {src}, is read by {_span(dsts)}: carried from "
+                     f"{src}'s stage to every stage holding {'them' if len(dsts) > 1 else 'it'} "
+                     f"and priced as sent along the stages between")
+    return tuple(notes)
+
+
+def _span(names: list[str]) -> str:
+    """'dec.0-1' for a run of one list's blocks, else the names (the first four)."""
+    prefixes = {n.rsplit(".", 1)[0] for n in names}
+    indices = [n.rsplit(".", 1)[-1] for n in names]
+    if len(prefixes) == 1 and len(names) > 1 and all(i.isdigit() for i in indices):
+        return f"{prefixes.pop()}.{indices[0]}-{indices[-1]}"
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -226,3 +226,38 @@ def test_sequence_parallel_refuses_an_op_that_is_not_per_token(how, op, why):
              fix={"tp": 2, "strategy": "tp+sp"})
     plan(_SequenceOpModel(how), 2, (tokens, tokens), cluster="cpu-gloo",
          fix={"tp": 2, "strategy": "tp"})
+
+
+class _EncoderDecoder(nn.Module):
+    """A user's encoder-decoder of PyTorch's own layers: the encoder's output is read by every
+    decoder layer (cross-attention), the decoder's token embedding is made before the encoder."""
+
+    def __init__(self, h: int = 16, layers: int = 2):
+        super().__init__()
+        self.src, self.tgt = nn.Embedding(32, h), nn.Embedding(32, h)
+        self.enc = nn.ModuleList(nn.TransformerEncoderLayer(h, 2, 2 * h, dropout=0.0,
+                                                            batch_first=True)
+                                 for _ in range(layers))
+        self.dec = nn.ModuleList(nn.TransformerDecoderLayer(h, 2, 2 * h, dropout=0.0,
+                                                            batch_first=True)
+                                 for _ in range(layers))
+        self.out = nn.Linear(h, 32)
+
+    def forward(self, src, tgt, targets):
+        memory = self.src(src)
+        for layer in self.enc:
+            memory = layer(memory)
+        x = self.tgt(tgt)
+        for layer in self.dec:
+            x = layer(x, memory)
+        return F.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+def test_values_carried_past_the_next_layer_are_said_in_the_plan():
+    src, tgt = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 6))
+    chosen = plan(_EncoderDecoder(), 4, (src, tgt, tgt), cluster="cpu-gloo",
+                  fix={"pp": 4, "dp": 1})[0]
+    notes = "\n".join(chosen.notes)
+    assert ("(of enc.1.norm2), [1, 8, 16] for one sample, made in enc.1, is read by dec.0-1: "
+            "carried from enc.1's stage to every stage holding them") in notes, notes
+    assert "(of tgt), [1, 6, 16] for one sample, made in embed, is read by dec.0: carried" in notes
