@@ -127,6 +127,7 @@ class _Flow(ViewRules):
         for node, _ in self.dim.items():
             outside = [u for u in node.users if u.op == "output" or u not in self.inside]
             if outside:
+                self._gather_instead([node], split=True)
                 self.fail(node, f"is sharded over tp={self.tp} and leaves the layer (read by "
                                 f"{outside[0].name}) without reaching a row-parallel linear")
         return self.found
@@ -181,6 +182,7 @@ class _Flow(ViewRules):
                  "baddbmm": self._baddbmm}
         rule = rules.get(name)
         if rule is None:
+            self._gather_instead([src], split=True)  # a projection read whole (BLIP-2)
             self.fail(node, f"reads a value sharded over tp={self.tp} (dimension {d} of "
                             f"{src.name}) and is not known to work shard by shard")
         rule(node, src, d)

@@ -82,6 +82,8 @@ def test_blip2_trains_like_one_process(pool4, fix):
     names = [layer for stage in chosen.stages for layer in stage.layers]
     parts = ["vision_model"] * 2 + ["qformer"] * 2 + ["language_model"] * 2
     assert [n.split(".")[1] for n in names[1:-1]] == parts, names
+    if fix.get("strategy") == "tp":  # the Q-Former's last block too: its projection gathered
+        assert [s for st in chosen.stages for s in st.strategies][1:-1] == ["tp"] * 6, chosen
     parallel = run_parallel(spec, chosen, 3, pool4)
     assert_same_run(parallel, reference_run(spec, 3),
                     what=f"blip-2 tp={chosen.tp} dp={chosen.dp} pp={chosen.pp}")
