@@ -83,9 +83,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
             parts: tuple[str, ...] | None = None) -> Captured:
     """Trace `model` and propagate fake shapes of `example_inputs` through it. `parts` (or the
     model's `fxpar_parts` attribute) names the lists of blocks to split into stages, overriding
-    the lists found (`_block_lists`): a list left out runs inside the layer around it."""
+    the lists found (`block_lists`): a list left out runs inside the layer around it."""
     parts = parts or getattr(model, "fxpar_parts", None)
-    lists = _named_lists(model, tuple(parts)) if parts else _block_lists(model)
+    lists = _named_lists(model, tuple(parts)) if parts else block_lists(model)
     fused = next((m for m in model.modules() if isinstance(m, _FUSED_MODULES)), None)
     _refuse(unsupported.batch_statistics(model))
     written: list = []
@@ -247,7 +247,7 @@ def _export(model, example_inputs, trace_error) -> fx.GraphModule:
         return exported.module()
 
 
-def _block_lists(model: torch.nn.Module) -> tuple[str, ...]:
+def block_lists(model: torch.nn.Module) -> tuple[str, ...]:
     """Candidate parts: the outermost nn.ModuleLists (a list inside an element of another list -
     the experts of a mixture-of-experts block, per-head modules - is part of a block, however
     long it is). With several, a list counts only if each of its children is a block (two or

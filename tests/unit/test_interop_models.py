@@ -353,3 +353,17 @@ def test_gpt2_ends_split_over_the_vocabulary_as_the_targets_split_them(capsys):
                f"them over the vocabulary" in text
         assert "prices another plan" not in text
     assert "tensor_parallel_degree = 2" in text  # torchtitan's: fxpar's tp, its ends split
+
+
+@pytest.mark.parametrize("arch, flag", [("t5", ["--emit", "megatron"]),
+                                        ("llava", ["--emit", "torchtitan"]),
+                                        ("t5", ["--from-megatron", "--micro-batch-size 1"])])
+def test_a_model_of_several_parts_is_not_written_as_a_decoder_only_one(arch, flag, capsys):
+    """Megatron-LM's GPT flags and torchtitan's model code state one chain of decoder blocks: an
+    encoder-decoder or a vision-language model is refused, its lists of blocks named."""
+    assert main(["plan", "--hf", arch, "--gpus", "4", "--cluster", "h100-sxm-dgx", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has 2 lists of blocks (" in err and \
+        "so neither states this model" in err, err
+    assert err.startswith(f"fxpar: error: {flag[0]}{' megatron' if flag[1] == 'megatron' else ''}"
+                          f"{' torchtitan' if flag[1] == 'torchtitan' else ''}:"), err
