@@ -48,7 +48,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.capture.trace import CONSTANT
-from passes.rewrite.sharding import ShardingError, chunk_user, linear_site
+from passes.rewrite.sharding import _LINEAR, ShardingError, chunk_user, linear_site
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
 
@@ -113,7 +113,25 @@ class _Flow(ViewRules):
 
     def fail(self, node: fx.Node, why: str) -> None:
         raise ShardingError(f"layer {self.layer}: not tensor-parallel: {node.name} "
-                            f"({op_name(self.gm, node)}) {why}")
+                            f"({op_name(self.gm, node)}) {why}{self._weight_parts()}")
+
+    def _weight_parts(self) -> str:
+        """Why a refusal may follow from a linear the walk does not see: one whose weight is a
+        part of a parameter cut in the graph (nn.MultiheadAttention's cross-attention splits
+        its in_proj_weight into q and kv), which stays whole, so the linears after it are
+        taken as column-parallel."""
+        for node in self.nodes:
+            weight = node.args[1] if node.op == "call_function" and node.target in _LINEAR \
+                and len(node.args) > 1 else None
+            steps = 0
+            while isinstance(weight, fx.Node) and weight.op == "call_function" and steps < 4:
+                weight, steps = weight.args[0] if weight.args else None, steps + 1
+            if steps and isinstance(weight, fx.Node) and weight.op == "get_attr":
+                return (f" (behind it: {node.name} multiplies by a part of {weight.target} cut "
+                        f"in the graph, as nn.MultiheadAttention's cross-attention cuts its "
+                        f"in-projection; fxpar splits whole weights only, so that block runs "
+                        f"whole under tensor parallelism)")
+        return ""
 
     def run(self) -> Findings:
         for node in self.nodes:

@@ -261,3 +261,16 @@ def test_values_carried_past_the_next_layer_are_said_in_the_plan():
     assert ("(of enc.1.norm2), [1, 8, 16] for one sample, made in enc.1, is read by dec.0-1: "
             "carried from enc.1's stage to every stage holding them") in notes, notes
     assert "(of tgt), [1, 6, 16] for one sample, made in embed, is read by dec.0: carried" in notes
+
+
+def test_a_cross_attention_that_cuts_its_weight_in_the_graph_is_named_in_the_refusal():
+    """nn.TransformerDecoderLayer's cross-attention multiplies by parts of in_proj_weight split
+    in the graph: the block runs whole under tp, and the note names that linear (the encoder's
+    nn.MultiheadAttention, one packed weight, is split)."""
+    src, tgt = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 6))
+    chosen = plan(_EncoderDecoder(), 2, (src, tgt, tgt), cluster="cpu-gloo",
+                  fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})[0]
+    strategies = dict(zip(chosen.stages[0].layers, chosen.stages[0].strategies))
+    assert strategies["enc.0"] == "tp" and strategies["dec.0"] == "none", strategies
+    assert any("behind it: linear_" in n and "a part of dec.0.multihead_attn.in_proj_weight cut "
+               "in the graph" in n for n in chosen.notes), chosen.notes
