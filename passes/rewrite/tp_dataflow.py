@@ -145,7 +145,6 @@ class _Flow(ViewRules):
         for node, _ in self.dim.items():
             outside = [u for u in node.users if u.op == "output" or u not in self.inside]
             if outside:
-                self._gather_instead([node], split=True)
                 self.fail(node, f"is sharded over tp={self.tp} and leaves the layer (read by "
                                 f"{outside[0].name}) without reaching a row-parallel linear")
         return self.found
