@@ -390,33 +390,46 @@ class ModelCosts:
 
     def boundary_bytes(self, micro_batch: int) -> float:
         """Bytes a stage boundary carries: the largest block output of any kind, and what
-        earlier layers hand past the cut to later ones (`carried_bytes`)."""
+        earlier layers hand past the cut to later ones (`_carried`), per sample times the
+        micro-batch, once for a value the same for every sample."""
+        per = micro_batch / self.captured.batch
         return max(p.output_bytes * micro_batch / p.batch
                    for (_, tp), p in self._kind_profiles.items() if tp == 1) + \
-            self.carried_bytes * micro_batch / self.captured.batch
+            max((sample * per + fixed for sample, fixed in self._carried), default=0.0)
+
+    @property
+    def carried_bytes(self) -> float:
+        """The most bytes, at the captured batch, that any cut carries (`_carried`)."""
+        return max((sample + fixed for sample, fixed in self._carried), default=0.0)
 
     @cached_property
-    def carried_bytes(self) -> float:
-        """The most bytes, at the captured batch, that any cut between two layers carries from
-        a layer before the one ending at the cut to one after it (passes.stages.pipeline_split
-        passes them through every stage in between): in a model of several parts, an encoder's
+    def _carried(self) -> list[tuple[float, float]]:
+        """Per cut between two layers, the bytes it carries from a layer before the one ending
+        at the cut to one after it (passes.stages.pipeline_split passes them through every stage
+        in between), at the captured batch: (computed from the inputs, so per sample; computed
+        from weights and constants alone, the same for every sample: T5's position bias,
+        [1, heads, q, k] from its trained embedding). In a model of several parts: an encoder's
         output read by every decoder block, a decoder's token embeddings made before the encoder
-        blocks. Counted as if each had a batch dimension. A model of one part carries only
-        position tables of a few KiB, left unpriced (0) as they always were."""
+        blocks. A model of one part carries only position tables of a few KiB, left unpriced
+        (none) as they always were."""
         captured = self.captured
         if len(captured.parts) < 2:
-            return 0.0
+            return []
         index = {layer.name: layer.index for layer in captured.layers}
         at = {name: index[layer] for name, layer in captured.layer_of().items()}
         last_layer = len(captured.layers) - 1
-        carried = [0] * len(captured.layers)  # carried[k]: past layer k, from before it
+        inputs = set(captured.input_names)
+        sampled: set[str] = set()  # values computed from an input: one per sample
+        carried = [[0.0, 0.0] for _ in captured.layers]  # past layer k, from before it
         for node in captured.gm.graph.nodes:
+            if node.name in inputs or any(a.name in sampled for a in node.all_input_nodes):
+                sampled.add(node.name)
             if node.op in ("placeholder", "output", "get_attr") or node.name not in at:
                 continue
             last = max((at.get(u.name, last_layer) for u in node.users), default=0)
             for k in range(at[node.name] + 1, last):
-                carried[k] += tensor_bytes(node.meta.get("val"))
-        return float(max(carried))
+                carried[k][node.name not in sampled] += tensor_bytes(node.meta.get("val"))
+        return [(sample, fixed) for sample, fixed in carried]
 
     def param_count(self) -> int:
         """Every parameter of the model, unsharded (each block kind times its count), a weight

@@ -93,6 +93,11 @@ def test_the_encoder_output_crosses_every_decoder_stage_and_is_priced():
     hidden = 16 * 64 * 4
     assert costs.carried_bytes >= hidden  # the encoder output, past decoder blocks
     assert costs.boundary_bytes(1) >= max(sent)
+    # past decoder block 1: the decoder's position bias [1, heads, q, k], made in its block 0
+    # from a trained embedding and aranges, the same for every sample: counted once, not per
+    # sample of the micro-batch as the encoder's output is
+    past = costs._carried[names.index("model.decoder.block.1")]
+    assert past[1] >= 8 * 16 * 16 * 4 and past[0] >= hidden, past
 
 
 def _encoder_output(captured) -> str:
