@@ -52,9 +52,28 @@ def model_of_args(args, seq: int | None = None, global_batch: int | None = None)
         args = _with(args, seq=seq or args.seq, global_batch=global_batch or args.global_batch)
     if args.hf or args.hf_config:
         model, inputs = args.build_hf(args)
+        _one_chain(model, f"--emit {args.emit}" if getattr(args, "emit", None) else
+                   "--from-megatron" if getattr(args, "from_megatron", None) is not None
+                   else "--from-torchtitan")
         return model, inputs, facts_of_hf(model, inputs[0].shape[1], inputs[0].shape[0])
     config = args.build_config(args)
     return config, None, facts_of_config(config)
+
+
+def _one_chain(model, flag: str) -> None:
+    """Megatron-LM's GPT flags and torchtitan's model code state a decoder-only model, one chain
+    of blocks: a model of several lists of blocks (an encoder and a decoder, a vision tower and
+    a decoder) is refused, its parts named, rather than written or priced as another model."""
+    from passes.capture.trace import block_lists
+    lists = block_lists(model)
+    if len(lists) < 2:
+        return
+    parts = ", ".join(f"{name} x{len(model.get_submodule(name))}" for name in lists)
+    name = type(getattr(model, "model", model)).__name__
+    raise ValueError(f"{flag}: {name} has {len(lists)} lists of blocks ({parts}); Megatron-LM's "
+                     f"GPT flags and torchtitan's model code state a decoder-only chain of "
+                     f"blocks, so neither states this model: plan and train it with fxpar's own "
+                     f"runtime (`fxpar plan`, `fxpar train`)")
 
 
 def _with(args, **changes):

@@ -109,24 +109,7 @@ def cmd_portable(args, build_config, build_hf) -> int:
     for flag, on in (("--json", args.json), ("--png", args.png)):
         if on:
             raise ValueError(f"{flag} does not go with {given[0]}")
-    if args.hf or args.hf_config:
-        _one_chain(model_of_args(args)[0], f"--emit {args.emit}" if args.emit else given[0])
     if args.emit:
         return cmd_emit(args)
     return cmd_import(args)
 
-
-def _one_chain(model, flag: str) -> None:
-    """Megatron-LM's GPT flags and torchtitan's model code state a decoder-only model, one chain
-    of blocks: a model of several lists of blocks (an encoder and a decoder, a vision tower and
-    a decoder) is refused, its parts named, rather than written as another model."""
-    from passes.capture.trace import block_lists
-    lists = block_lists(model)
-    if len(lists) < 2:
-        return
-    parts = ", ".join(f"{name} x{len(model.get_submodule(name))}" for name in lists)
-    name = type(getattr(model, "model", model)).__name__
-    raise ValueError(f"{flag}: {name} has {len(lists)} lists of blocks ({parts}); Megatron-LM's "
-                     f"GPT flags and torchtitan's model code state a decoder-only chain of "
-                     f"blocks, so neither states this model: plan and train it with fxpar's own "
-                     f"runtime (`fxpar plan`, `fxpar train`)")
