@@ -193,6 +193,13 @@ class LinearSite:
             node.graph.erase_node(old)
 
 
+def linear_weight(node: fx.Node) -> fx.Node | None:
+    """The weight argument of an F.linear / aten.linear call, whatever it is computed from."""
+    if node.op == "call_function" and node.target in _LINEAR and len(node.args) > 1:
+        return node.args[1]
+    return None
+
+
 def _param_path(gm, arg) -> str | None:
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
         if isinstance(get_param(gm, arg.target), nn.Parameter):

@@ -48,7 +48,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.capture.trace import CONSTANT
-from passes.rewrite.sharding import _LINEAR, ShardingError, chunk_user, linear_site
+from passes.rewrite.sharding import ShardingError, chunk_user, linear_site, linear_weight
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
 
@@ -121,8 +121,7 @@ class _Flow(ViewRules):
         its in_proj_weight into q and kv), which stays whole, so the linears after it are
         taken as column-parallel."""
         for node in self.nodes:
-            weight = node.args[1] if node.op == "call_function" and node.target in _LINEAR \
-                and len(node.args) > 1 else None
+            weight = linear_weight(node)
             steps = 0
             while isinstance(weight, fx.Node) and weight.op == "call_function" and steps < 4:
                 weight, steps = weight.args[0] if weight.args else None, steps + 1
