@@ -8,8 +8,10 @@ the programs allocate and free is what a real rank's would; only values are miss
 step's scalars (a loss read with .item(), a count of targets) read as 1 and a branch on a value
 takes that side, and a collective that exchanges Python objects (all_gather_object: which
 stages hold a tied weight, for one) answers every rank's share with this rank's own. Mixture-
-of-experts layers route evenly (runtime.experts.dispatch: no values to route by), and a step
-runs the fewest micro-batches that reach the plan's peaks (`fewer_microbatches`). The kernels
+of-experts layers route evenly (no values to route by), or as a measured run of the same plan
+recorded them (runtime.experts.routing_log: to set the two side by side), and a step runs the
+fewest micro-batches that reach the plan's peaks (`fewer_microbatches`) unless it replays a
+recording, which holds every micro-batch's routing. The kernels
 are the CPU's; for a plan on GPUs, the ops CUDA runs fused where the CPU composes them keep
 what the fused kernel keeps (planner.bench.gpu_kernels: RMSNorm on 16-bit inputs).
 """
@@ -30,11 +32,13 @@ class AnyScalar(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int = 2):
+def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int = 2,
+                 routing=()):
     """Rank `rank` of `plan` for `steps` training steps on fake tensors (module docstring):
     its planner.bench.memory.RankMemory. `spec` builds the model (a preset config or an HFSpec,
     as planner.training.local.build takes), or is (model, example inputs): a module (on the
-    meta device, or real) and inputs of the global batch's shapes (meta tensors will do)."""
+    meta device, or real) and inputs of the global batch's shapes (meta tensors will do).
+    `routing`: the rank's recorded mixture-of-experts routing to replay (none: even)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -42,6 +46,7 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
     from planner.api import ParallelModel
     from planner.bench.memory import RankMemory, tracked_steps
     from runtime.comm.collectives import fake_run
+    from runtime.experts.routing_log import replaying
     from runtime.observe.memory_tracker import MemoryTracker
     from runtime.training.trainer import TrainOptions
 
@@ -61,7 +66,8 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
                 pm = ParallelModel(meta, plan, [], batch,
                                    lambda params: torch.optim.AdamW(params, lr=1e-4),
                                    options=TrainOptions(**(options or {})))
-                tracked_steps(tracker, pm, batch, steps)
+                with replaying(routing):
+                    tracked_steps(tracker, pm, batch, steps)
         return RankMemory(rank, tracker.peak_bytes, tracker.split())
     finally:
         dist.all_gather_object = gather
@@ -99,13 +105,17 @@ def _model_and_batch(spec):
     return model, lambda: tuple(torch.zeros(x.shape, dtype=x.dtype) for x in inputs)
 
 
-def dry_run(spec, plan, options: dict | None = None, ranks=None, steps: int = 2) -> list:
+def dry_run(spec, plan, options: dict | None = None, ranks=None, steps: int = 2,
+            routing=None) -> list:
     """Every rank of `plan` (or those in `ranks`) dry-run in turn: one RankMemory each. The
-    step runs the fewest micro-batches that reach the same peaks (`fewer_microbatches`)."""
+    step runs the fewest micro-batches that reach the same peaks (`fewer_microbatches`), or
+    all of them where `routing` (each rank's recorded routing, by rank) is replayed."""
+    ranks = range(plan.gpus) if ranks is None else ranks
+    if routing and any(routing):
+        return [dry_run_rank(spec, plan, r, options, steps, routing[r]) for r in ranks]
     short = fewer_microbatches(plan)
     spec = _with_batch(spec, short.global_batch)
-    return [dry_run_rank(spec, short, r, options, steps)
-            for r in (range(plan.gpus) if ranks is None else ranks)]
+    return [dry_run_rank(spec, short, r, options, steps) for r in ranks]
 
 
 def fewer_microbatches(plan):

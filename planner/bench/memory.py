@@ -28,6 +28,7 @@ class RankMemory:
     rank: int
     peak_bytes: int
     split: dict
+    routing: tuple = ()   # what its mixture-of-experts layers routed (runtime.experts.routing_log)
 
     @property
     def static_bytes(self) -> int:
@@ -85,6 +86,7 @@ def measure_worker(spec, plan_json: str, steps: int = 2, options: dict | None = 
     import torch.distributed as dist
 
     from planner.api import ParallelModel
+    from runtime.experts.routing_log import recording
     from runtime.training.trainer import TrainOptions
 
     torch.manual_seed(0)
@@ -95,8 +97,9 @@ def measure_worker(spec, plan_json: str, steps: int = 2, options: dict | None = 
         pm = ParallelModel(model, plan, [], batch,
                            lambda params: torch.optim.AdamW(params, lr=1e-4), seed=0,
                            options=TrainOptions(**(options or {})))
-        tracked_steps(tracker, pm, batch, steps)
-    return RankMemory(dist.get_rank(), tracker.peak_bytes, tracker.split())
+        with recording() as routing:
+            tracked_steps(tracker, pm, batch, steps)
+    return RankMemory(dist.get_rank(), tracker.peak_bytes, tracker.split(), tuple(routing))
 
 
 def meta_model(spec, lazy_batch: bool = False):

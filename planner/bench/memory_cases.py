@@ -109,7 +109,8 @@ def run_case(case: Case, pool) -> CaseResult:
     plan = case_plan(case)
     spec = case_spec(case)
     measured = pool.run(measure_worker, spec, plan.dumps(), 2, case.options)
-    dry = dry_run(spec, plan, options=case.options)
+    # The dry run routes as the measured ranks did: routing is data, not the programs' memory.
+    dry = dry_run(spec, plan, options=case.options, routing=[m.routing for m in measured])
     layout = (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} zero={plan.zero} "
               f"{plan.schedule} mb={plan.micro_batch}x{plan.num_microbatches}")
     return CaseResult(case, layout, tuple(predicted_split(plan)), tuple(measured), tuple(dry))

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from runtime.comm import collectives
 from runtime.comm.mesh import per_world
+from runtime.experts import routing_log
 
 _EP_GROUP: list = [None]   # this rank's expert-parallel group (None: one rank)
 
@@ -64,7 +65,7 @@ def bind_ep_group(group: dist.ProcessGroup | None) -> None:
 
 
 def _fake(x: torch.Tensor) -> bool:
-    """Shapes only, while a model is captured (a dry run's fake tensors route: `_balanced`)."""
+    """Shapes only, while a model is captured (a dry run's fake tensors route: `_routing`)."""
     return collectives._fake(x)
 
 
@@ -249,28 +250,40 @@ def _routed(flat, weights, index, experts_w: ExpertWeights, experts: int, ep: in
     order = torch.argsort(slots, stable=True)
     token = order // k
     sent = flat[token]
-    if collectives.dry_running():   # no values to route by: every expert gets its share
-        out = _balanced(sent, experts, experts_w, ep, tag)
-    elif ep == 1:
-        out = _experts(sent, torch.bincount(slots, minlength=experts).tolist(), experts_w)
+    counts, got = _routing(slots, experts, ep)
+    if ep == 1:
+        out = _experts(sent, counts, experts_w)
     else:
-        out = _expert_parallel(sent, torch.bincount(slots, minlength=experts), experts_w, ep,
-                               tag)
+        out = _expert_parallel(sent, counts, got, experts_w, tag)
     out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(flat).index_add(0, token, out)
 
 
-def _balanced(sent, experts: int, experts_w: ExpertWeights, ep: int, tag: str) -> torch.Tensor:
-    """A dry run's routing (planner.bench.dry_run): the slots spread evenly over the experts,
-    as the planner prices a balanced router, through the same buffers as a real step."""
-    slots, local = sent.shape[0], experts_w.local
-    counts = [slots // experts + (e < slots % experts) for e in range(experts)]
+def _routing(slots: torch.Tensor, experts: int, ep: int):
+    """(rows this rank sends to each expert, rows each local expert gets from each rank of the
+    EP group: runtime.experts.routing_log's form). A dry run has no values to route by: it
+    routes as recorded, or evenly."""
+    me = dist.get_rank(_ep_group(ep)) if ep > 1 else 0
+    if collectives.dry_running():
+        return routing_log.dry_routing(slots.shape[0], experts, ep, me)
+    counts = torch.bincount(slots, minlength=experts)
     if ep == 1:
-        return _experts(sent, counts, experts_w)
-    splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
-    received = AllToAll.apply(sent, splits, splits, tag)
-    out = _experts(received, [sum(splits) // local] * local, experts_w)
-    return AllToAll.apply(out, splits, splits, tag)
+        got = counts.view(1, -1)
+    else:
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts.contiguous(), group=_ep_group(ep))
+    sent, got = counts.tolist(), got.view(ep, -1).tolist()
+    routing_log.record(sent, got)
+    return sent, got
+
+
+def _ep_group(ep: int) -> dist.ProcessGroup:
+    group = _EP_GROUP[0]
+    if group is None or dist.get_world_size(group) != ep:
+        have = dist.get_world_size(group) if group is not None else 1
+        raise RuntimeError(f"moe_ffn with ep={ep} but the bound expert-parallel group has "
+                           f"{have} ranks (runtime.experts.dispatch.bind_ep_group)")
+    return group
 
 
 def _experts(rows: torch.Tensor, counts: list[int], experts_w: ExpertWeights) -> torch.Tensor:
@@ -280,25 +293,28 @@ def _experts(rows: torch.Tensor, counts: list[int], experts_w: ExpertWeights) ->
     return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
 
 
-def _expert_parallel(sent, counts, experts_w: ExpertWeights, ep: int, tag: str) -> torch.Tensor:
-    group = _EP_GROUP[0]
-    if group is None or dist.get_world_size(group) != ep:
-        have = dist.get_world_size(group) if group is not None else 1
-        raise RuntimeError(f"moe_ffn with ep={ep} but the bound expert-parallel group has "
-                           f"{have} ranks (runtime.experts.dispatch.bind_ep_group)")
-    local = experts_w.local
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
-    send_splits = counts.view(ep, local).sum(1).tolist()
-    recv_matrix = recv_counts.view(ep, local)            # [source rank, local expert]
-    recv_splits = recv_matrix.sum(1).tolist()
+def _expert_parallel(sent, counts: list[int], got: list[list[int]], experts_w: ExpertWeights,
+                     tag: str) -> torch.Tensor:
+    ep, local = len(got), experts_w.local
+    send_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    recv_splits = [sum(row) for row in got]
     received = AllToAll.apply(sent, recv_splits, send_splits, tag)
-    # Rows arrive ordered (source, expert); regroup them (expert, source) for one run per expert.
-    expert_of_row = torch.arange(local, device=sent.device).repeat(ep).repeat_interleave(recv_matrix.flatten())
-    regroup = torch.argsort(expert_of_row, stable=True)
-    out = _experts(received[regroup], recv_matrix.sum(0).tolist(), experts_w)
+    regroup = _regroup(got, sent.device)
+    out = _experts(received[regroup], [sum(col) for col in zip(*got)], experts_w)
     back = torch.empty_like(out).index_copy(0, regroup, out) if out.shape[0] else out
     return AllToAll.apply(back, send_splits, recv_splits, tag)
+
+
+def _regroup(got: list[list[int]], device) -> torch.Tensor:
+    """Rows arrive ordered (source, expert): the order that groups them (expert, source), one
+    run per expert. A dry run's rows hold no values, so any index of the right length does."""
+    rows = sum(map(sum, got))
+    if collectives.dry_running():
+        return torch.empty(rows, dtype=torch.long, device=device)
+    local = len(got[0])
+    expert_of_row = torch.arange(local, device=device).repeat(len(got)).repeat_interleave(
+        torch.tensor([n for row in got for n in row], device=device), output_size=rows)
+    return torch.argsort(expert_of_row, stable=True)
 
 
 class AllToAll(torch.autograd.Function):

@@ -87,15 +87,12 @@ def _traffic_worker(config, plan_json: str):
     remote = {}
     original = experts._expert_parallel
 
-    def spy(sent, counts, weights, ep, tag):   # counts: this micro-batch's slots per expert
-        group = experts._EP_GROUP[0]
-        me = dist.get_rank(group)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        out, back = counts.view(ep, -1).sum(1), received.view(ep, -1).sum(1)
-        away = int(out.sum() - out[me]) + int(back.sum() - back[me])  # sent + received remotely
-        remote[tag] = remote.get(tag, 0) + away
-        return original(sent, counts, weights, ep, tag)
+    def spy(sent, counts, got, weights, tag):   # this micro-batch's rows per expert / source
+        me, ep, local = dist.get_rank(experts._EP_GROUP[0]), len(got), len(got[0])
+        out = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+        back = [sum(row) for row in got]
+        remote[tag] = remote.get(tag, 0) + sum(out) - out[me] + sum(back) - back[me]
+        return original(sent, counts, got, weights, tag)
 
     experts._expert_parallel = spy
     with instrument.counting() as traffic:

@@ -6,20 +6,13 @@ import pytest
 from planner.bench.memory import STATIC
 from planner.bench.memory_cases import CASES, run_case
 
-# Plan kinds where a bound is known not to hold, and why; they are held to the wider bound
-# instead, so that a change for the worse still fails.
-KNOWN = {
-    # Real runs route tokens unevenly; the dry run routes them evenly.
-    "ep": {"dry": 0.05},
-}
 BOUNDS = {"static": 0.05, "total": 0.10, "dry": 0.02}
 
 
 def _within(case, what: str, value: float, truth: float) -> None:
-    name = case.name
-    bound = KNOWN.get(name, {}).get(what, BOUNDS[what])
+    bound = BOUNDS[what]
     assert abs(value / truth - 1) <= bound, (
-        f"{name}: {what} {value / 2**20:.3f} MiB against {truth / 2**20:.3f} MiB measured "
+        f"{case.name}: {what} {value / 2**20:.3f} MiB against {truth / 2**20:.3f} MiB measured "
         f"({value / truth - 1:+.1%}, bound {bound:.0%})")
 
 
