@@ -29,6 +29,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture.trace import module_path
 from passes.rewrite.size_reads import sp_size_read
+from passes.rewrite.weight_pieces import WeightPiece, linear_pieces, param_path
 from runtime.attention import sinks  # noqa: F401 - registers torch.ops.fxpar.sink_attention
 from runtime.comm import collectives as c
 from runtime.training import rng
@@ -170,12 +171,15 @@ class LinearSite:
     weight: str                 # parameter path
     bias: str | None
     out_dim: int
+    piece: WeightPiece | None = None   # the weight is this piece of the parameter
 
     @property
     def name(self) -> str:
         return str(self.node.target) if self.module is not None else self.weight
 
     def features(self, gm, dim: int) -> int:
+        if self.piece is not None and dim == self.out_dim:
+            return self.piece.sizes[self.piece.index]
         return full_size(get_param(gm, self.weight), dim)
 
     def drop_bias(self) -> None:
@@ -200,13 +204,6 @@ def linear_weight(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _param_path(gm, arg) -> str | None:
-    if isinstance(arg, fx.Node) and arg.op == "get_attr":
-        if isinstance(get_param(gm, arg.target), nn.Parameter):
-            return arg.target
-    return None
-
-
 def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
@@ -227,10 +224,13 @@ def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
     else:
         return None
     x, weight, bias, out_dim = form
-    weight_path = _param_path(gm, weight)
-    if weight_path is None or get_param(gm, weight_path).dim() != 2:
+    weight_path = param_path(gm, weight)
+    if weight_path is None:   # a piece of a parameter cut in the graph (passes.rewrite.weight_pieces)
+        pieces = linear_pieces(gm, weight, bias) if out_dim == 0 else None
+        return None if pieces is None else LinearSite(node, x, None, *pieces[:2], 0, pieces[2])
+    if get_param(gm, weight_path).dim() != 2:
         return None
-    bias_path = _param_path(gm, bias)
+    bias_path = param_path(gm, bias)
     if bias is not None and bias_path is None:
         return None
     return LinearSite(node, x, None, weight_path, bias_path, out_dim)

@@ -58,6 +58,7 @@ from passes.rewrite.sharding import (_RESHAPES, LAYER, PARTS, LinearSite, Shardi
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
+from passes.rewrite.weight_pieces import cut_splits
 from runtime.comm import collectives
 from runtime.training import rng
 
@@ -148,10 +149,12 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
             reader.replace_input_with(value, entries[value])
             site = linear_site(gm, node)
             if node in replicated:
+                _refuse_piece(site, layer, "kv heads kept whole")
                 taken = _make_replicated(gm, site, layer, replicated[node], group)
                 sharded.update(taken)
                 selected.update(taken)
             elif node in found.gathered:  # needed whole (a DiT's modulation): tp_gather
+                _refuse_piece(site, layer, "one gathered whole")
                 gather_column(gm, site, layer, tp, rank, group)
             else:
                 make_column(gm, site, layer, tp, rank, parts=found.parted.get(node))
@@ -275,6 +278,8 @@ def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int =
                 parts: int | None = None) -> None:
     """Split the output features of a linear over tp ranks (after `pad` zero rows, for vocab);
     a fused projection (its chunk or split, or `parts` its view found) per part."""
+    if site.piece is not None:
+        return _make_column_piece(gm, site, layer, tp, rank, parts or 1)
     cut = chunk_user(site.node)
     chunks = cut[1] if cut else parts or 1
     width = site.features(gm, site.out_dim)
@@ -288,7 +293,34 @@ def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int =
         cut[0].update_arg(1, cut[2] // tp)
 
 
+def _make_column_piece(gm, site: LinearSite, layer: str, tp: int, rank: int, parts: int) -> None:
+    """A linear whose weight is a piece of a parameter cut in the graph
+    (passes.rewrite.weight_pieces): the parameter cut per part, the split per rank."""
+    piece, node = site.piece, site.node.name
+    if piece.unit % tp:
+        raise ShardingError(f"layer {layer}: {node} multiplies by a piece of {site.weight}, "
+                            f"split into {list(piece.sizes)} rows in the graph, parts of "
+                            f"{piece.unit} rows that tp={tp} does not divide")
+    if piece.parts != parts:
+        raise ShardingError(f"layer {layer}: {node} multiplies by a piece of {site.weight} that "
+                            f"covers {piece.parts} parts of {piece.unit} rows, but its output is "
+                            f"read as {parts} (view it as ({piece.parts}, {piece.unit}) to take "
+                            "each part's heads)")
+    spec = ShardSpec(0, tp, rank, sum(piece.sizes) // piece.unit)
+    for path in filter(None, (site.weight, site.bias)):
+        replace_param(gm, path, shard_of(get_param(gm, path), spec, path, layer))
+    cut_splits(piece, tp)
+
+
+def _refuse_piece(site: LinearSite, layer: str, as_what: str) -> None:
+    if site.piece is not None:
+        raise ShardingError(f"layer {layer}: {site.node.name} multiplies by a piece of "
+                            f"{site.weight} cut in the graph, which fxpar cuts for a "
+                            f"column-parallel linear only, not {as_what}")
+
+
 def _make_row(gm, site: LinearSite, layer: str, tp: int, rank: int, group: str) -> None:
+    _refuse_piece(site, layer, "a row-parallel one (its input sharded)")
     in_dim = 1 - site.out_dim
     width = site.features(gm, in_dim)
     if width % tp:

@@ -116,20 +116,24 @@ class _Flow(ViewRules):
                             f"({op_name(self.gm, node)}) {why}{self._weight_parts()}")
 
     def _weight_parts(self) -> str:
-        """Why a refusal may follow from a linear the walk does not see: one whose weight is a
-        part of a parameter cut in the graph (nn.MultiheadAttention's cross-attention splits
-        its in_proj_weight into q and kv), which stays whole, so the linears after it are
+        """Why a refusal may follow from a linear the walk does not see: one whose weight is
+        computed in the graph from a parameter in a form other than the pieces of a split by
+        rows (passes.rewrite.weight_pieces), which stays whole, so the linears after it are
         taken as column-parallel."""
         for node in self.nodes:
             weight = linear_weight(node)
+            if linear_site(self.gm, node) is not None:
+                continue
             steps = 0
             while isinstance(weight, fx.Node) and weight.op == "call_function" and steps < 4:
                 weight, steps = weight.args[0] if weight.args else None, steps + 1
             if steps and isinstance(weight, fx.Node) and weight.op == "get_attr":
-                return (f" (behind it: {node.name} multiplies by a part of {weight.target} cut "
-                        f"in the graph, as nn.MultiheadAttention's cross-attention cuts its "
-                        f"in-projection; fxpar splits whole weights only, so that block runs "
-                        f"whole under tensor parallelism)")
+                return (f" (behind it: {node.name} multiplies by a weight computed from "
+                        f"{weight.target} in the graph; fxpar cuts whole weights, and the "
+                        f"pieces of one split by rows into a list of sizes, as "
+                        f"nn.MultiheadAttention's cross-attention splits its in-projection; "
+                        f"apply the parameter, or such pieces of it, to run this block "
+                        f"tensor-parallel)")
         return ""
 
     def run(self) -> Findings:

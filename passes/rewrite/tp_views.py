@@ -63,7 +63,8 @@ class ViewRules:
             if prefix == before and (size > 1 or (heads_first and j >= first)):
                 carved = size_d // size if size < size_d else 1
                 cuts = size < size_d and (size_d // self.tp) % max(carved, 1)
-                if (cuts or self._selects(node, j)) and src not in self.whole_heads:
+                if (cuts or self._selects(node, j) or self._piece_parts(src) == size) and \
+                        src not in self.whole_heads:
                     if self._parted_view(node, src, j, size, size_d, full_out):
                         return
                 if cuts and src not in self.whole_heads:
@@ -106,6 +107,14 @@ class ViewRules:
         self.blocks.add(node)
         self.dim[node], self.outer[node] = j + 1, 1
         return True
+
+    def _piece_parts(self, linear: fx.Node) -> int:
+        """The parts a linear's weight covers where it is a piece of a parameter cut in the graph
+        (passes.rewrite.weight_pieces: the kv rows of a cross-attention's in-projection), 0 for
+        one part or another linear: its output is read by those parts."""
+        site = linear_site(self.gm, linear)
+        return site.piece.parts if site is not None and site.piece is not None and \
+            site.piece.parts > 1 else 0
 
     def _selects(self, node: fx.Node, j: int) -> bool:
         """Whether dimension j of `node` is taken apart later (unbind, select, an int index),

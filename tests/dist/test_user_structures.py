@@ -78,13 +78,17 @@ def test_two_streams_joined_for_attention_train_exactly_under_sequence_parallel(
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["mha", "encoder"])
+@pytest.mark.parametrize("kind", ["mha", "encoder", "encoder-decoder"])
 def test_pytorch_attention_modules_train_exactly_under_tp(kind):
-    """nn.MultiheadAttention (alone, and inside nn.TransformerEncoderLayer): its packed
-    in-projection is cut per part ((3, width) views), its heads merged with the batch
-    ((batch x heads, head width) views) hold heads/tp per rank."""
+    """nn.MultiheadAttention (alone, and inside nn.TransformerEncoderLayer and
+    nn.TransformerDecoderLayer): its packed in-projection is cut per part ((3, width) views;
+    cross-attention's pieces of it, split in the graph, per rank), its heads merged with the
+    batch ((batch x heads, head width) views) hold heads/tp per rank."""
     spec = TorchLayersSpec(kind)
     model, batch = spec.build()
     chosen = plan(model, 2, batch, cluster="cpu-gloo",
                   fix={"dp": 1, "tp": 2, "pp": 1, "strategy": "tp"})[0]
+    blocks = {layer: s for st in chosen.stages for layer, s in zip(st.layers, st.strategies)
+              if layer not in ("embed", "head")}
+    assert set(blocks.values()) == {"tp"}, blocks
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))

@@ -263,14 +263,49 @@ def test_values_carried_past_the_next_layer_are_said_in_the_plan():
     assert "(of tgt), [1, 6, 16] for one sample, made in embed, is read by dec.0: carried" in notes
 
 
-def test_a_cross_attention_that_cuts_its_weight_in_the_graph_is_named_in_the_refusal():
-    """nn.TransformerDecoderLayer's cross-attention multiplies by parts of in_proj_weight split
-    in the graph: the block runs whole under tp, and the note names that linear (the encoder's
-    nn.MultiheadAttention, one packed weight, is split)."""
+def test_a_cross_attention_is_tensor_parallel_with_its_in_projection_cut_per_rank():
+    """nn.TransformerDecoderLayer's cross-attention multiplies by pieces of in_proj_weight split
+    in the graph (the query's rows, the key's and value's): the parameter is cut per part and
+    the split per rank, so the decoder's blocks are tensor-parallel like the encoder's."""
     src, tgt = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 6))
     chosen = plan(_EncoderDecoder(), 2, (src, tgt, tgt), cluster="cpu-gloo",
                   fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})[0]
     strategies = dict(zip(chosen.stages[0].layers, chosen.stages[0].strategies))
-    assert strategies["enc.0"] == "tp" and strategies["dec.0"] == "none", strategies
-    assert any("behind it: linear_" in n and "a part of dec.0.multihead_attn.in_proj_weight cut "
-               "in the graph" in n for n in chosen.notes), chosen.notes
+    assert strategies["enc.0"] == "tp" and strategies["dec.0"] == "tp", strategies
+    assert not any("not tensor-parallel" in n for n in chosen.notes), chosen.notes
+
+
+class _SlicedLinear(nn.Module):
+    """A linear that multiplies by a slice of its parameter (`w[:out]`): a weight computed in
+    the graph in a form fxpar does not cut."""
+
+    def __init__(self, h: int, out: int):
+        super().__init__()
+        self.out, self.w = out, nn.Parameter(torch.randn(3 * out, h) * 0.1)
+
+    def forward(self, x):
+        return F.linear(x, self.w[:self.out])
+
+
+class _SlicedWeight(nn.Module):
+    def __init__(self, h: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(32, h)
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "norm": nn.LayerNorm(h), "up": _SlicedLinear(h, 2 * h), "out": nn.Linear(2 * h, h)})
+            for _ in range(2))
+        self.head = nn.Linear(h, 32)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = x + b["out"](F.gelu(b["up"](b["norm"](x))))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_weight_computed_in_the_graph_is_named_in_the_refusal():
+    tokens = torch.randint(0, 32, (4, 8))
+    with pytest.raises(ValueError, match=r"behind it: linear multiplies by a weight computed "
+                                         r"from blocks\.0\.up\.w in the graph"):
+        plan(_SlicedWeight(), 2, (tokens, tokens), cluster="cpu-gloo",
+             fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})
