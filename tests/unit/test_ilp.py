@@ -28,12 +28,21 @@ def _assignments(problem: ilp.StageProblem, kinds=None):
     kinds = kinds or [range(k)] * problem.blocks
     minimum = [0 if s in (0, S - 1) else 1 for s in range(S)]
     for sizes in _compositions(problem.blocks, S, minimum):
+        if S > problem.ranks and not _even_chunks(sizes, problem.blocks):
+            continue
         for choice in itertools.product(*kinds):
             counts, pos = [], 0
             for size in sizes:
                 counts.append(tuple(choice[pos:pos + size].count(j) for j in range(k)))
                 pos += size
             yield counts
+
+
+def _even_chunks(sizes, blocks: int) -> bool:
+    """Interleaved stages hold floor or ceil of blocks / stages; the two ends one fewer at most."""
+    S = len(sizes)
+    lo, hi = blocks // S, -(-blocks // S)
+    return all(lo - (s in (0, S - 1)) <= size <= hi for s, size in enumerate(sizes))
 
 
 def brute_force(problem: ilp.StageProblem, kinds=None) -> float:
