@@ -199,12 +199,14 @@ class _Flow(ViewRules):
                  "scaled_dot_product_attention": self._attention,
                  "sink_attention": self._sink_attention,
                  "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul,
+                 "pad": self._pad, "constant_pad_nd": self._pad, "einsum": self._einsum,
                  "baddbmm": self._baddbmm}
         rule = rules.get(name)
         if rule is None:
-            self._gather_instead([src], split=True)  # a projection read whole (BLIP-2)
-            self.fail(node, f"reads a value sharded over tp={self.tp} (dimension {d} of "
-                            f"{src.name}) and is not known to work shard by shard")
+            why = (f"reads a value sharded over tp={self.tp} (dimension {d} of {src.name}) and "
+                   f"is not known to work shard by shard")
+            self._gather_instead([src], split=True, why=(node, why))  # read whole (BLIP-2)
+            self.fail(node, why)
         rule(node, src, d)
         if node in self.dim and node not in self.outer and self.outer.get(src, 1) > 1:
             self.outer[node] = self.outer[src]
@@ -237,11 +239,12 @@ class _Flow(ViewRules):
                         all(self.outer.get(x, 1) == 1 for x in sharded):
                     self.found.cut_params[str(a.target)] = aligned
                     continue
-                self._gather_instead(sharded)  # a modulation's part: gathered, not a cut
+                why = (f"combines a sharded value with {a.name}, which is whole along the "
+                       f"sharded dimension")
+                self._gather_instead(sharded, why=(node, why))  # a modulation's part
                 if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
                     continue
-                self.fail(node, f"combines a sharded value with {a.name}, which is whole along "
-                                f"the sharded dimension")
+                self.fail(node, why)
         self.dim[node] = d
         if in_blocks:
             self.blocks.add(node)
@@ -386,23 +389,27 @@ class _Flow(ViewRules):
     def _split(self, node, src, d) -> None:
         dim = _arg(node, 2, "dim", 0) % _val(src).dim()
         if dim == d and node not in self.fused_splits and not self._of_whole(src):
-            self._gather_instead([src], split=True)
-            self.fail(node, f"splits the sharded dimension of {src.name} "
-                            f"({op_name(self.gm, src)}); a split is cut per rank only where it "
-                            f"reads a linear's output itself (a fused projection): split before "
-                            f"any view or other op, then reshape the parts")
+            why = (f"splits the sharded dimension of {src.name} ({op_name(self.gm, src)}); a "
+                   f"split is cut per rank only where it reads a linear's output itself (a "
+                   f"fused projection): split before any view or other op, then reshape the "
+                   f"parts")
+            self._gather_instead([src], split=True, why=(node, why))
+            self.fail(node, why)
         if self._of_whole(src):
             self.whole_heads.add(node)
         self.dim[node] = d
 
-    def _gather_instead(self, sharded: list[fx.Node], split: bool = False) -> None:
-        """Where a column-parallel output's parts are refused, gather the linear whole instead
-        when the value is such a part (passes.rewrite.tp_gather): GatherNeeded reruns the check."""
+    def _gather_instead(self, sharded: list[fx.Node], split: bool = False,
+                        why: tuple[fx.Node, str] | None = None) -> None:
+        """Where a column-parallel output's parts are refused (`why`: the node and the
+        refusal), gather the linear whole instead when the value is such a part
+        (passes.rewrite.tp_gather): GatherNeeded reruns the check."""
         for value in sharded:
             linear = modulation_source(self.gm, value, op_name, split)
             if linear is not None and linear in self.dim and \
                     linear_site(self.gm, linear).x not in self.dim:
-                raise GatherNeeded(linear)
+                node, text = why or (value, "")
+                raise GatherNeeded(linear, f"{node.name} ({op_name(self.gm, node)}) {text}")
 
     def _of_whole(self, value: fx.Node) -> bool:
         """`value` is a projection kept whole (or views of it), whose parts each rank reads its
@@ -528,12 +535,18 @@ def check_layer(gm: fx.GraphModule, layer: str, nodes: list[fx.Node], tp: int,
     `whole_heads`: linears kept whole on every rank, of whose output each selects whole heads
     (grouped-query k/v projections whose heads tp does not divide)."""
     gathered: set[fx.Node] = set()
+    why: list[str] = []   # why each was gathered: said with a refusal that follows
     while tp > 1:
         try:
             found = _Flow(gm, layer, nodes, tp, whole_heads, gathered).run()
         except GatherNeeded as need:  # one more linear gathered (each at most once)
             gathered.add(need.linear)
+            why.append(f"{need.linear.name} gathered whole, as {need.reason}")
             continue
+        except ShardingError as err:
+            if why:
+                raise ShardingError(f"{err}; checked with {'; '.join(why)}") from None
+            raise
         found.gathered = gathered
         return found
     return Findings()

@@ -42,8 +42,8 @@ from passes.rewrite.sharding import (LinearSite, ShardingError, ShardSpec, call_
                                      linear_site, shard_outputs, shard_param)
 from runtime.comm import collectives
 
-_VIEWS = {"unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "flatten", "contiguous",
-          "expand"}
+_VIEWS = {"unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "flatten", "unflatten",
+          "contiguous", "expand"}
 _SPLITS = {"chunk", "split", "split_with_sizes"}
 # ops that, given one tensor and constants, keep the sharded features where they are
 _WITH_CONSTANTS = {"add", "sub", "mul", "div", "truediv", "neg", "to", "type", "float", "half",
@@ -53,9 +53,9 @@ _WITH_CONSTANTS = {"add", "sub", "mul", "div", "truediv", "neg", "to", "type", "
 class GatherNeeded(Exception):
     """Raised inside the dataflow check: `linear` is to be gathered, and the check rerun."""
 
-    def __init__(self, linear: fx.Node):
+    def __init__(self, linear: fx.Node, reason: str = ""):
         super().__init__(linear.name)
-        self.linear = linear
+        self.linear, self.reason = linear, reason   # the refusal gathering it avoids
 
 
 def modulation_source(gm: fx.GraphModule, value: fx.Node, op_name: Callable,

@@ -20,8 +20,8 @@ def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
     if node.op == "call_method":
         return str(node.target).removesuffix("_")
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
+    if isinstance(target, torch._ops.OpOverload):  # add_: add, in place
+        return target.overloadpacket.__name__.removesuffix("_")
     return getattr(target, "__name__", str(target)).removesuffix("_")
 
 
@@ -193,3 +193,47 @@ class ViewRules:
         if dim == d:
             self.fail(node, "unbinds the sharded dimension")
         self.dim[node] = d - (dim < d)
+
+    def _pad(self, node, src, d) -> None:
+        """F.pad: pairs of sizes from the last dimension back; the sharded one must get none."""
+        pads = _arg(node, 1, "pad")
+        ndim = _val(src).dim()
+        if not isinstance(pads, (list, tuple)):
+            self.fail(node, "pads by sizes the capture did not record as numbers")
+        pair = ndim - 1 - d
+        if any(pads[2 * pair:2 * pair + 2]):
+            self.fail(node, "pads the sharded dimension")
+        self.dim[node] = d
+
+    def _einsum(self, node, src, d) -> None:
+        """torch.einsum with an explicit output: the sharded dimension's letter must be kept in
+        the output (not summed over) and read sharded, or broadcast, by every operand holding
+        it - attention over heads written as '...qhd,...khd->...hqk' (LongT5's local attention)."""
+        equation = _arg(node, 0, "equation")
+        operands = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        if not isinstance(equation, str) or "->" not in equation:
+            self.fail(node, "is an einsum without an explicit output ('->'); write it out")
+        specs = [_einsum_spec(s, _val(x).dim()) for s, x in
+                 zip(equation.replace(" ", "").split("->")[0].split(","), operands)]
+        width = max(s.count("_") for s in specs)   # ellipsis dimensions, right-aligned
+        out = _einsum_spec(equation.replace(" ", "").split("->")[1], None, width)
+        letters = {specs[i][self.dim[x]] for i, x in enumerate(operands) if x in self.dim}
+        letter = letters.pop() if len(letters) == 1 else None
+        if letter is None or any(self.outer.get(x, 1) > 1 for x in operands if x in self.dim):
+            self.fail(node, "reads values sharded along different letters of its equation")
+        if letter not in out:
+            self.fail(node, f"sums over the sharded dimension ('{letter}' of {equation!r})")
+        for spec, x in zip(specs, operands):
+            if letter in spec and x not in self.dim and _val(x).shape[spec.index(letter)] > 1:
+                self.fail(node, f"combines a sharded value with {x.name}, whole along the "
+                                f"sharded dimension ('{letter}' of {equation!r})")
+        self.dim[node] = out.index(letter)
+
+
+def _einsum_spec(spec: str, ndim: int | None, width: int = 0) -> str:
+    """An einsum operand's letters with '...' spelt out as one '_' per dimension, numbered
+    from the right so that broadcast dimensions line up (ndim None: the output, `width` wide)."""
+    if "..." not in spec:
+        return spec
+    count = width if ndim is None else ndim - (len(spec) - 3)
+    return spec.replace("...", "_" * count)

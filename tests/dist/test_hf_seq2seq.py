@@ -20,10 +20,11 @@ MESHES = {"tp2-pp2": {"tp": 2, "pp": 2, "dp": 1, "cp": 1, "strategy": "tp"},
           "dp2-pp2": {"dp": 2, "pp": 2, "tp": 1, "cp": 1},
           "cp2-pp2": {"cp": 2, "pp": 2, "tp": 1, "dp": 1}}
 # (arch, fields, mesh): T5 v1.0 with attention 128 wide (8 heads of 16) beside d_model 64;
-# UMT5, a bias of its own in every block, attention 32 wide.
+# UMT5, a bias of its own in every block, attention 32 wide; LongT5, local attention over blocks
+# of tokens as einsums over heads, the sequence padded to whole blocks.
 RUNS = [("t5", (("d_kv", 16),), "tp2-pp2"), ("t5", (("d_kv", 16),), "dp2-pp2"),
         ("bart", (), "tp2-sp-pp2"), ("bart", (), "dp2-pp2"), ("bart", (), "cp2-pp2"),
-        ("umt5", (("d_kv", 4),), "tp2-pp2")]
+        ("umt5", (("d_kv", 4),), "tp2-pp2"), ("longt5", (), "tp2-pp2")]
 
 
 @pytest.mark.dist

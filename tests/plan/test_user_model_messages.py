@@ -309,3 +309,59 @@ def test_a_weight_computed_in_the_graph_is_named_in_the_refusal():
                                          r"from blocks\.0\.up\.w in the graph"):
         plan(_SlicedWeight(), 2, (tokens, tokens), cluster="cpu-gloo",
              fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})
+
+
+class _EinsumBlock(nn.Module):
+    """Attention over heads written as einsums, its sequence padded to a block of 16 and cut
+    back (LongT5's local attention does both); or, with `flip`, the query's features reversed:
+    an op that reads across heads."""
+
+    def __init__(self, h: int = 16, heads: int = 4, flip: bool = False):
+        super().__init__()
+        self.heads, self.flip = heads, flip
+        self.norm = nn.LayerNorm(h)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.norm(x)
+        q, k, v = (p(y).unflatten(-1, (self.heads, -1)) for p in (self.q, self.k, self.v))
+        if self.flip:
+            q = q.flatten(2).flip(-1).unflatten(-1, (self.heads, -1))
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, 16 - s)) for t in (q, k, v))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", scores, v)[:, :s]
+        return x + self.o(out.reshape(b, s, h))
+
+
+class _EinsumModel(nn.Module):
+    def __init__(self, flip: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(_EinsumBlock(flip=flip) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_einsum_attention_and_a_padded_sequence_are_tensor_parallel():
+    tokens = torch.randint(0, 32, (4, 8))
+    chosen = plan(_EinsumModel(), 2, (tokens, tokens), cluster="cpu-gloo",
+                  fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})[0]
+    assert set(chosen.stages[0].strategies[1:-1]) == {"tp"}, chosen.stages[0].strategies
+
+
+def test_a_refusal_after_gathering_a_projection_says_why_it_was_gathered():
+    """The flip reads across heads: the query projection is gathered whole instead, and then
+    the attention meets whole queries with the keys' heads; the refusal of that says which op
+    had the projection gathered."""
+    tokens = torch.randint(0, 32, (4, 8))
+    with pytest.raises(ValueError, match=r"einsum \(einsum\) combines a sharded value with pad, "
+                                         r"whole .*; checked with blocks_0_q gathered whole, as "
+                                         r"flip \(flip\) reads a value sharded"):
+        plan(_EinsumModel(flip=True), 2, (tokens, tokens), cluster="cpu-gloo",
+             fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})
