@@ -213,10 +213,11 @@ class ViewRules:
         operands = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         if not isinstance(equation, str) or "->" not in equation:
             self.fail(node, "is an einsum without an explicit output ('->'); write it out")
-        specs = [_einsum_spec(s, _val(x).dim()) for s, x in
-                 zip(equation.replace(" ", "").split("->")[0].split(","), operands)]
-        width = max(s.count("_") for s in specs)   # ellipsis dimensions, right-aligned
-        out = _einsum_spec(equation.replace(" ", "").split("->")[1], None, width)
+        inputs, output = equation.replace(" ", "").split("->")
+        inputs = inputs.split(",")
+        width = max(_val(x).dim() - len(s.replace("...", "")) for s, x in zip(inputs, operands))
+        specs = [_einsum_spec(s, _val(x).dim(), width) for s, x in zip(inputs, operands)]
+        out = _einsum_spec(output, None, width)
         letters = {specs[i][self.dim[x]] for i, x in enumerate(operands) if x in self.dim}
         letter = letters.pop() if len(letters) == 1 else None
         if letter is None or any(self.outer.get(x, 1) > 1 for x in operands if x in self.dim):
@@ -230,10 +231,11 @@ class ViewRules:
         self.dim[node] = out.index(letter)
 
 
-def _einsum_spec(spec: str, ndim: int | None, width: int = 0) -> str:
-    """An einsum operand's letters with '...' spelt out as one '_' per dimension, numbered
-    from the right so that broadcast dimensions line up (ndim None: the output, `width` wide)."""
+def _einsum_spec(spec: str, ndim: int | None, width: int) -> str:
+    """An einsum operand's letters with '...' spelt out, one digit per dimension numbered from
+    the right of the widest operand's `width`, so that broadcast dimensions line up (ndim None:
+    the output, `width` wide)."""
     if "..." not in spec:
         return spec
     count = width if ndim is None else ndim - (len(spec) - 3)
-    return spec.replace("...", "_" * count)
+    return spec.replace("...", "".join(str(i) for i in range(width - count, width)))

@@ -329,7 +329,7 @@ class _EinsumBlock(nn.Module):
         if self.flip:
             q = q.flatten(2).flip(-1).unflatten(-1, (self.heads, -1))
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, 16 - s)) for t in (q, k, v))
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+        scores = torch.einsum("...qhd,...khd->...hqk", q, k).softmax(-1)   # LongT5's form
         out = torch.einsum("bhqk,bkhd->bqhd", scores, v)[:, :s]
         return x + self.o(out.reshape(b, s, h))
 
@@ -361,7 +361,7 @@ def test_a_refusal_after_gathering_a_projection_says_why_it_was_gathered():
     had the projection gathered."""
     tokens = torch.randint(0, 32, (4, 8))
     with pytest.raises(ValueError, match=r"einsum \(einsum\) combines a sharded value with pad, "
-                                         r"whole .*; checked with blocks_0_q gathered whole, as "
+                                         r"whole .*'\.\.\.qhd.*; checked with blocks_0_q gathered whole, as "
                                          r"flip \(flip\) reads a value sharded"):
         plan(_EinsumModel(flip=True), 2, (tokens, tokens), cluster="cpu-gloo",
              fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})
