@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture import unsupported
+from passes.capture.size_copies import copy_size_reads
 from passes.capture.capture_errors import (data_dependent, export_failure, first_line, hint,
                                            node_where, quiet_torch, where)
 
@@ -103,7 +104,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     _refuse(unsupported.non_tensor_output(gm, model))
     mark_constants(gm)
     parts = _parts(gm, lists)
-    layers = _group_layers(gm, parts)
+    layers = _read_sizes_where_used(gm, _group_layers(gm, parts))
     inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
     batch = int(first.shape[0]) if first is not None and first.dim() else 1
@@ -363,6 +364,20 @@ def _group_layers(gm: fx.GraphModule, prefixes: tuple[str, ...]) -> tuple[Layer,
     order = (["embed"] if "embed" in assigned.values() else []) + blocks + ["head"]
     return tuple(_make_layer(name, i, [n for n in nodes if assigned[n] == name], blocks)
                  for i, name in enumerate(order) if name in assigned.values())
+
+
+def _read_sizes_where_used(gm: fx.GraphModule, layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
+    """The layers with every size read from another layer read again where it is used
+    (passes.capture.size_copies)."""
+    owner = {name: layer.name for layer in layers for name in layer.nodes}
+    new = copy_size_reads(gm, owner)
+    if new == owner:
+        return layers
+    gm.recompile()
+    blocks = [layer.name for layer in layers if layer.kind == "block"]
+    return tuple(_make_layer(layer.name, layer.index,
+                             [n for n in gm.graph.nodes if new.get(n.name) == layer.name], blocks)
+                 for layer in layers)
 
 
 def _nearest_block(node: fx.Node, assigned: dict, order: dict[str, int], ran: str) -> str:

@@ -12,6 +12,7 @@ from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
 from tests.harness.torch_layers import TorchLayersSpec
 from tests.harness.two_streams import TwoStreamSpec
+from tests.harness.user_dits import UserDiTSpec
 
 STEPS = 2
 
@@ -92,3 +93,19 @@ def test_pytorch_attention_modules_train_exactly_under_tp(kind):
               if layer not in ("embed", "head")}
     assert set(blocks.values()) == {"tp"}, blocks
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["pixart", "adaln"])
+def test_user_diffusion_transformers_train_exactly_under_tp_and_pp(kind):
+    """PixArt's and diffusers' adaLN forms, the batch size read once at the top of forward:
+    every block tensor-parallel, two stages (the head reads the batch size again from its
+    input)."""
+    spec = UserDiTSpec(kind)
+    model, batch = spec.build()
+    chosen = plan(model, 4, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 2, "mb": 4, "strategy": "tp"})[0]
+    blocks = [s for st in chosen.stages for layer, s in zip(st.layers, st.strategies)
+              if layer.startswith("blocks")]
+    assert blocks == ["tp", "tp"], chosen.stages
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(4)), reference_run(spec, STEPS))

@@ -365,3 +365,46 @@ def test_a_refusal_after_gathering_a_projection_says_why_it_was_gathered():
                                          r"flip \(flip\) reads a value sharded"):
         plan(_EinsumModel(flip=True), 2, (tokens, tokens), cluster="cpu-gloo",
              fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})
+
+
+class _SizeFromHidden(nn.Module):
+    """Reads the batch size from a tensor it computed (the embedding's output) and uses it in
+    the head: a size that cannot be read again without that tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        b = x.shape[0]
+        for block in self.blocks:
+            x = x + block(x)
+        return F.cross_entropy(self.head(x).reshape(b, -1, 32).flatten(0, 1), targets.flatten())
+
+
+def test_a_size_read_from_an_input_is_read_again_by_each_layer_using_it():
+    """A user's DiT reads its batch size at the top of forward; the blocks and the head use
+    it. Each of their layers reads it again from the input, so no size crosses a layer."""
+    from tests.harness.user_dits import UserDiTSpec
+    model, batch = UserDiTSpec("pixart").build()
+    captured = capture(model, batch)
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    for layer in captured.layers:
+        inside = set(layer.nodes)
+        for name in layer.nodes:
+            for arg in by_name[name].all_input_nodes:
+                if arg.op != "placeholder" and arg.name not in inside:
+                    assert isinstance(arg.meta.get("val"), torch.Tensor), (layer.name, arg.name)
+    plan(model, 2, batch, cluster="cpu-gloo", fix={"pp": 2, "dp": 1, "tp": 1})
+
+
+def test_a_size_read_from_a_computed_tensor_in_another_layer_is_refused_naming_it():
+    tokens = torch.randint(0, 32, (4, 8))
+    with pytest.raises(ValueError, match=r"reshape, in layer head, reads a size of embed, a "
+                                         r"tensor computed in layer embed: read the size inside "
+                                         r"the layer that uses it"):
+        capture(_SizeFromHidden(), (tokens, tokens))
