@@ -64,6 +64,18 @@ def shard_of(full: torch.Tensor, spec: ShardSpec, name: str, layer: str) -> nn.P
     return full
 
 
+def replace_module(gm: nn.Module, target: str, make, spec: ShardSpec, layer: str) -> None:
+    """The module at `target` replaced by make() (its shard by `spec`) once: a module applied at
+    several places (a list holding one block several times) is cut by the first and kept by the
+    others, which must cut it alike (see shard_of)."""
+    done = getattr(getattr(gm.get_submodule(target), "weight", None), "fxpar_shard", None)
+    if done is None:
+        gm.add_submodule(target, make())
+    elif done != spec:
+        raise ShardingError(f"layer {layer}: {target} is applied at several places that shard "
+                            f"it differently ({done} and {spec}); give them the same strategy")
+
+
 def full_size(param: torch.Tensor, dim: int) -> int:
     """The unsharded size of dim: a parameter another layer sharing it has cut already (see
     shard_of) reports the size the model has, not its shard's."""
@@ -576,7 +588,7 @@ def shard_outputs(gm: fx.GraphModule, site: LinearSite, spec: ShardSpec, module_
     """Cut a linear's output features by `spec`: its module replaced by module_cls(module,
     spec), or its weight replaced by its shard, and its bias by the same cut along dim 0."""
     if site.module is not None:
-        gm.add_submodule(site.node.target, module_cls(site.module, spec))
+        replace_module(gm, site.node.target, lambda: module_cls(site.module, spec), spec, layer)
         return
     replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
                                             layer))

@@ -53,8 +53,8 @@ from passes.rewrite.grad_sums import module_params_summed
 from passes.rewrite.sharding import (_RESHAPES, LAYER, PARTS, LinearSite, ShardingError, ShardSpec,
                              after_views, before_views, call_after, chunk_user, get_param,
                              is_attention, is_sdpa, lift_params, linear_site, localize_shapes,
-                             nodes_by_layer, replace_param, shard_of, shard_outputs, shard_param,
-                             shard_specs, tag_layers)
+                             nodes_by_layer, replace_module, replace_param, shard_of, shard_outputs,
+                             shard_param, shard_specs, tag_layers)
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
@@ -328,7 +328,7 @@ def _make_row(gm, site: LinearSite, layer: str, tp: int, rank: int, group: str) 
                             f"of its weight), not divisible by tp={tp}")
     spec, node = ShardSpec(in_dim, tp, rank), site.node
     if site.module is not None:
-        gm.add_submodule(node.target, RowParallelLinear(site.module, spec))
+        replace_module(gm, node.target, lambda: RowParallelLinear(site.module, spec), spec, layer)
     else:
         replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
                                                 layer))

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.rewrite.sharding import (LAYER, ShardingError, ShardSpec, call_after, full_size, get_param,
-                             linear_site, localize_shapes, nodes_by_layer, replace_param,
-                             shard_of, tag_layers)
+                             linear_site, localize_shapes, nodes_by_layer, replace_module,
+                             replace_param, shard_of, tag_layers)
 from passes.rewrite.tensor_parallel import make_column
 from passes.rewrite.token_mean import cross_entropy_args
 from runtime.comm import collectives
@@ -209,7 +209,8 @@ def _shard_embedding(gm, node, ids, weight, layer, tp, rank, group, pad) -> None
     if node.op == "call_module":  # a new module: the traced one is the user's model's own
         module = gm.get_submodule(node.target)
         _no_max_norm(node, module.max_norm, layer)
-        gm.add_submodule(node.target, _embedding_slice(module, shard, start))
+        replace_module(gm, node.target, lambda: _embedding_slice(module, shard, start),
+                       shard.fxpar_shard, layer)
     else:
         replace_param(gm, weight, shard)
         _localize_padding(node, full_size(full, 0), start, width, layer)

@@ -41,17 +41,34 @@ def _inside(name: str, prefix: str) -> bool:
 
 def structure_notes(model: nn.Module, parts: tuple[str, ...]) -> tuple[str, ...]:
     """The plan's notes on layer lists beside the blocks it splits (`parts`: the captured
-    lists' names, passes.capture.trace.Captured.parts)."""
+    lists' names, passes.capture.trace.Captured.parts), and on lists holding one block several
+    times."""
+    notes = tuple(_repeated_note(model, part) for part in parts if _repeated_note(model, part))
     lists = [(n, k, t) for n, k, t in other_layer_lists(model, parts[0] if parts else "")
              if not any(n == p or p.startswith(n + ".") or _inside(n, p) for p in parts)]
     if not lists:
-        return ()
+        return notes
     named = ", ".join(f"{name} ({count} x {kind})" for name, count, kind in lists)
     split = " and ".join(parts)
     return (f"only {split} {'is' if len(parts) == 1 else 'are'} split into blocks and stages; "
             f"{named} {'runs' if len(lists) == 1 else 'run'} whole inside the layer around "
             f"{'it' if len(lists) == 1 else 'them'} (the embedding, the head or the block "
-            f"before), on its stage, and {'is' if len(lists) == 1 else 'are'} priced there",)
+            f"before), on its stage, and {'is' if len(lists) == 1 else 'are'} priced there",
+            ) + notes
+
+
+def _repeated_note(model: nn.Module, part: str) -> str:
+    """A list that holds one block several times (ALBERT's shared layer): a module is captured
+    under its first name, so every application of it is one layer."""
+    try:  # children() names a module once; the list's own entries name every place
+        blocks = [b for b in model.get_submodule(part)._modules.values() if b is not None]
+    except AttributeError:
+        return ""
+    if len({id(b) for b in blocks}) == len(blocks):
+        return ""
+    return (f"{part} holds {len({id(b) for b in blocks})} distinct of its {len(blocks)} blocks "
+            f"(one module listed several times shares its weights): each module's applications "
+            f"are one layer, priced together, on one stage, under one strategy")
 
 
 

@@ -11,6 +11,7 @@ from planner.api import plan
 from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
 from tests.harness.torch_layers import TorchLayersSpec
+from tests.harness.shared_block import SharedBlocksSpec
 from tests.harness.two_streams import TwoStreamSpec
 from tests.harness.user_dits import UserDiTSpec
 
@@ -109,3 +110,15 @@ def test_user_diffusion_transformers_train_exactly_under_tp_and_pp(kind):
               if layer.startswith("blocks")]
     assert blocks == ["tp", "tp"], chosen.stages
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(4)), reference_run(spec, STEPS))
+
+
+@pytest.mark.dist
+def test_a_block_listed_several_times_is_cut_once_under_tp():
+    """One block applied four times: its linears are made column- and row-parallel at every
+    application, and their weights cut once (cut again, each rank held a quarter of its half)."""
+    spec = SharedBlocksSpec()
+    model, batch = spec.build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 1, "strategy": "tp"})[0]
+    assert chosen.stages[0].strategies == ("none", "tp", "none")
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))

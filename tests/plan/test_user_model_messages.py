@@ -408,3 +408,11 @@ def test_a_size_read_from_a_computed_tensor_in_another_layer_is_refused_naming_i
                                          r"tensor computed in layer embed: read the size inside "
                                          r"the layer that uses it"):
         capture(_SizeFromHidden(), (tokens, tokens))
+
+
+def test_a_block_listed_several_times_is_said_in_the_plan():
+    from tests.harness.shared_block import SharedBlocksSpec
+    model, batch = SharedBlocksSpec().build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo", fix={"pp": 2})[0]
+    assert [layer for st in chosen.stages for layer in st.layers] == ["embed", "blocks.0", "head"]
+    assert any(n.startswith("blocks holds 1 distinct of its 4 blocks") for n in chosen.notes)
