@@ -237,7 +237,7 @@ def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
         return None
     x, weight, bias, out_dim = form
     weight_path = param_path(gm, weight)
-    if weight_path is None:   # a piece of a parameter cut in the graph (passes.rewrite.weight_pieces)
+    if weight_path is None:   # a piece of a parameter cut in the graph (weight_pieces)
         pieces = linear_pieces(gm, weight, bias) if out_dim == 0 else None
         return None if pieces is None else LinearSite(node, x, None, *pieces[:2], 0, pieces[2])
     if get_param(gm, weight_path).dim() != 2:
