@@ -19,12 +19,13 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class SharedBlocks(nn.Module):
-    def __init__(self, depth: int = 4):
+class ChainLM(nn.Module):
+    """Token embedding (32 tokens, 16 wide), `blocks` in one list, a cross-entropy head."""
+
+    def __init__(self, blocks: list[nn.Module]):
         super().__init__()
         self.embed = nn.Embedding(32, 16)
-        shared = Block()
-        self.blocks = nn.ModuleList([shared] * depth)
+        self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(16, 32)
 
     def forward(self, tokens, targets):
@@ -34,9 +35,13 @@ class SharedBlocks(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+def shared_blocks(depth: int = 4) -> ChainLM:
+    return ChainLM([Block()] * depth)
+
+
 @dataclass(frozen=True)
 class SharedBlocksSpec:
     def build(self):
         torch.manual_seed(0)
         tokens = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(1))
-        return SharedBlocks(), (tokens[:, :-1], tokens[:, 1:])
+        return shared_blocks(), (tokens[:, :-1], tokens[:, 1:])

@@ -334,23 +334,14 @@ class _EinsumBlock(nn.Module):
         return x + self.o(out.reshape(b, s, h))
 
 
-class _EinsumModel(nn.Module):
-    def __init__(self, flip: bool = False):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(_EinsumBlock(flip=flip) for _ in range(2))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, tokens, targets):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+def _einsum_model(flip: bool = False) -> nn.Module:
+    from tests.harness.shared_block import ChainLM
+    return ChainLM([_EinsumBlock(flip=flip) for _ in range(2)])
 
 
 def test_einsum_attention_and_a_padded_sequence_are_tensor_parallel():
     tokens = torch.randint(0, 32, (4, 8))
-    chosen = plan(_EinsumModel(), 2, (tokens, tokens), cluster="cpu-gloo",
+    chosen = plan(_einsum_model(), 2, (tokens, tokens), cluster="cpu-gloo",
                   fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})[0]
     assert set(chosen.stages[0].strategies[1:-1]) == {"tp"}, chosen.stages[0].strategies
 
@@ -363,7 +354,7 @@ def test_a_refusal_after_gathering_a_projection_says_why_it_was_gathered():
     with pytest.raises(ValueError, match=r"einsum \(einsum\) combines a sharded value with pad, "
                                          r"whole .*'\.\.\.qhd.*; checked with blocks_0_q gathered whole, as "
                                          r"flip \(flip\) reads a value sharded"):
-        plan(_EinsumModel(flip=True), 2, (tokens, tokens), cluster="cpu-gloo",
+        plan(_einsum_model(flip=True), 2, (tokens, tokens), cluster="cpu-gloo",
              fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp"})
 
 
