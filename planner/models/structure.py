@@ -43,7 +43,7 @@ def structure_notes(model: nn.Module, parts: tuple[str, ...]) -> tuple[str, ...]
     """The plan's notes on layer lists beside the blocks it splits (`parts`: the captured
     lists' names, passes.capture.trace.Captured.parts), and on lists holding one block several
     times."""
-    notes = tuple(_repeated_note(model, part) for part in parts if _repeated_note(model, part))
+    notes = tuple(filter(None, (_repeated_note(model, part) for part in parts)))
     lists = [(n, k, t) for n, k, t in other_layer_lists(model, parts[0] if parts else "")
              if not any(n == p or p.startswith(n + ".") or _inside(n, p) for p in parts)]
     if not lists:

@@ -263,15 +263,16 @@ def _routing(slots: torch.Tensor, experts: int, ep: int):
     """(rows this rank sends to each expert, rows each local expert gets from each rank of the
     EP group: runtime.experts.routing_log's form). A dry run has no values to route by: it
     routes as recorded, or evenly."""
-    me = dist.get_rank(_ep_group(ep)) if ep > 1 else 0
+    group = _ep_group(ep) if ep > 1 else None
     if collectives.dry_running():
+        me = dist.get_rank(group) if group is not None else 0
         return routing_log.dry_routing(slots.shape[0], experts, ep, me)
     counts = torch.bincount(slots, minlength=experts)
-    if ep == 1:
+    if group is None:
         got = counts.view(1, -1)
     else:
         got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts.contiguous(), group=_ep_group(ep))
+        dist.all_to_all_single(got, counts.contiguous(), group=group)
     sent, got = counts.tolist(), got.view(ep, -1).tolist()
     routing_log.record(sent, got)
     return sent, got
