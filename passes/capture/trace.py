@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture import unsupported
+from passes.capture.fused_slices import slices_to_splits
 from passes.capture.size_copies import copy_size_reads
 from passes.capture.capture_errors import (data_dependent, export_failure, first_line, hint,
                                            node_where, quiet_torch, where)
@@ -100,6 +101,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     _refuse(unsupported.state_updates(gm, model, written))
     _refuse(unsupported.functional_batch_norm(gm, model))
     propagate_shapes(gm, example_inputs)
+    slices_to_splits(gm)  # Phi-3's slices of a fused projection: one split, cut per part
     check_loss(gm, model)
     _refuse(unsupported.non_tensor_output(gm, model))
     mark_constants(gm)

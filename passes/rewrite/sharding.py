@@ -14,6 +14,7 @@ rewriting, rewriting literal sizes of views and expands that still name a full (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import operator
@@ -152,8 +153,6 @@ _MM = {torch.mm, torch.matmul, operator.matmul, aten.mm.default, aten.matmul.def
 # rng's is the same attention, its dropout drawn from the tensor-parallel stream (runtime.training.rng).
 SDPA = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default,
         rng.tp_scaled_dot_product_attention}
-_CHUNK = {"chunk", torch.chunk, aten.chunk.default}
-_SPLIT = {"split", torch.split, aten.split.Tensor}
 
 
 def is_sdpa(node: fx.Node) -> bool:
@@ -246,22 +245,6 @@ def linear_site(gm: fx.GraphModule, node: fx.Node) -> LinearSite | None:
     if bias is not None and bias_path is None:
         return None
     return LinearSite(node, x, None, weight_path, bias_path, out_dim)
-
-
-def chunk_user(node: fx.Node):
-    """(user, parts, split size or None) when the output is cut into equal parts (fused QKV),
-    possibly after views that keep the last dimension (Conv1D's reshape back to [b, s, out])."""
-    node = after_views(node)
-    users = list(node.users)
-    if len(users) != 1 or len(users[0].args) < 2 or not isinstance(users[0].args[1], int):
-        return None
-    user, count = users[0], users[0].args[1]
-    if user.target in _CHUNK:
-        return user, count, None
-    width = node.meta["val"].shape[-1]
-    if user.target in _SPLIT and width % count == 0:
-        return user, width // count, count
-    return None
 
 
 def lift_params(gm: fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:
@@ -593,5 +576,5 @@ def shard_outputs(gm: fx.GraphModule, site: LinearSite, spec: ShardSpec, module_
     replace_param(gm, site.weight, shard_of(get_param(gm, site.weight), spec, site.weight,
                                             layer))
     if site.bias is not None:
-        bias = ShardSpec(0, spec.parts, spec.index, spec.chunks, spec.pad)
+        bias = dataclasses.replace(spec, dim=0)
         replace_param(gm, site.bias, shard_of(get_param(gm, site.bias), bias, site.bias, layer))

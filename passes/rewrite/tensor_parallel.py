@@ -51,10 +51,11 @@ import torch.nn.functional as F
 from passes.capture.trace import CONSTANT
 from passes.rewrite.grad_sums import module_params_summed
 from passes.rewrite.sharding import (_RESHAPES, LAYER, PARTS, LinearSite, ShardingError, ShardSpec,
-                             after_views, before_views, call_after, chunk_user, get_param,
+                             after_views, before_views, call_after, get_param,
                              is_attention, is_sdpa, lift_params, linear_site, localize_shapes,
                              nodes_by_layer, replace_module, replace_param, shard_of, shard_outputs,
                              shard_param, shard_specs, tag_layers)
+from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
@@ -280,8 +281,12 @@ def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int =
     a fused projection (its chunk or split, or `parts` its view found) per part."""
     if site.piece is not None:
         return _make_column_piece(gm, site, layer, tp, rank, parts or 1)
-    cut = chunk_user(site.node)
-    chunks = cut[1] if cut else parts or 1
+    cut = fused_cut(site.node)
+    if cut is not None and not cut.equal:  # unequal parts (Phi-3's q, k, v): each cut apart
+        cut.localize(tp, layer)
+        spec = ShardSpec(site.out_dim, tp, rank, sizes=cut.sizes)
+        return shard_outputs(gm, site, spec, ColumnParallelLinear, layer)
+    chunks = cut.parts if cut else parts or 1
     width = site.features(gm, site.out_dim)
     if (width + pad) % (chunks * tp):
         parts = f" in {chunks} parts" if chunks > 1 else ""
@@ -289,8 +294,8 @@ def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int =
                             f"{site.out_dim} of its weight){parts}, not divisible by tp={tp}")
     shard_outputs(gm, site, ShardSpec(site.out_dim, tp, rank, chunks, pad), ColumnParallelLinear,
                   layer)
-    if cut and cut[2] is not None:  # split(size): each part shrinks with the shard
-        cut[0].update_arg(1, cut[2] // tp)
+    if cut:  # each part shrinks with the shard
+        cut.localize(tp, layer)
 
 
 def _make_column_piece(gm, site: LinearSite, layer: str, tp: int, rank: int, parts: int) -> None:

@@ -48,7 +48,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.capture.trace import CONSTANT
-from passes.rewrite.sharding import ShardingError, chunk_user, linear_site, linear_weight
+from passes.rewrite.fused_parts import fused_cut
+from passes.rewrite.sharding import ShardingError, linear_site, linear_weight
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
 
@@ -58,9 +59,14 @@ _ELEMENTWISE = {
     "masked_fill", "to", "type", "type_as", "float", "half", "bfloat16", "contiguous", "clone",
     "detach", "_to_copy", "alias", "native_dropout", "square", "reciprocal", "softplus", "sin",
     "cos", "fill", "zeros_like", "ones_like", "leaky_relu", "elu", "mish", "hardtanh", "sign",
+    # comparisons and more pointwise maths (xIELU's branches, clipping by a threshold)
+    "gt", "lt", "ge", "le", "eq", "ne", "logical_and", "logical_or", "logical_not", "expm1",
+    "log1p", "floor", "ceil", "round", "trunc", "maximum", "minimum", "relu6", "hardsigmoid",
+    "hardswish", "selu", "celu", "logsigmoid", "softsign", "addcmul", "addcdiv", "lerp",
 }
 _ELEMENTWISE_MODULES = (nn.Dropout, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Identity,
-                        nn.Mish, nn.LeakyReLU, nn.ELU, nn.Softplus)
+                        nn.Mish, nn.LeakyReLU, nn.ELU, nn.Softplus, nn.ReLU6, nn.Hardswish,
+                        nn.Hardsigmoid, nn.SELU, nn.CELU, nn.LogSigmoid, nn.Softsign, nn.Hardtanh)
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "norm",
                "logsumexp", "argmax", "argmin", "any", "all", "cumsum", "cumprod", "softmax",
@@ -160,9 +166,9 @@ class _Flow(ViewRules):
             out = _val(node)
             if out is not None:
                 self.dim[node] = out.dim() - 1
-                cut = chunk_user(node)
+                cut = fused_cut(node)
                 if cut:
-                    self.fused_splits.add(cut[0])
+                    self.fused_splits.add(cut.user)
                 elif node not in self.whole_heads:
                     self.blocks.add(node)
             return
@@ -361,8 +367,10 @@ class _Flow(ViewRules):
             self.found.reduced[node] = name  # whole once the rewrite sums it over the group
             return
         if dims is None or d in dims:
-            self.fail(node, f"reduces or normalises over the sharded dimension {d} "
-                            f"(tp={self.tp} ranks would each see a part of it)")
+            why = (f"reduces or normalises over the sharded dimension {d} (tp={self.tp} ranks "
+                   "would each see a part of it)")
+            self._gather_instead([src], split=True, why=(node, why))  # a router's logits
+            self.fail(node, why)
         out = _val(node) if _val(node) is not None else (node.meta.get("val") or [None])[0]
         keep = out is not None and out.dim() == ndim
         self.dim[node] = d if keep else d - sum(1 for x in dims if x < d)

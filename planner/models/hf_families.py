@@ -65,5 +65,12 @@ FAMILIES = (
            "sample's capture cannot show: tp refused as two samples' shows it)",
            refuses=(("tp", "multiplies values whose sharded dimension holds different merged"),
                     ("cp", "no attention to ring"))),
+    Family("codegen", "fused QKV laid out per model-parallel group (viewed as (4, 3 x width) "
+           "and split: under tp each rank holds whole groups), parallel attention + MLP, "
+           "partial interleaved rotary"),
+    Family("phi3", "fused QKV read as slices of unequal parts (q beside fewer kv heads; under "
+           "tp each part cut apart), fused gate/up chunked"),
+    Family("apertus", "xIELU activation (branches chosen by a comparison), q/k RMSNorm, "
+           "a non-gated MLP"),
 )
 BY_ARCH = {f.arch: f for f in FAMILIES}

@@ -37,6 +37,9 @@ DERIVED = {
     "n_group": lambda s: 2,
     "topk_group": lambda s: 1,
     "first_k_dense_replace": lambda s: 1,   # dense first blocks, then MoE, within 2 layers
+    # GPT-Neo's pattern of global and local attention, repeated to the number of layers
+    "attention_types": lambda s: [[["global", "local"], s["num_hidden_layers"] // 2]]
+    + [[["global"], s["num_hidden_layers"] % 2]],
 }
 # Tables and widths a few families size apart from the fields above, lowered to these values
 # (never raised; a default of 0 or None, a part switched off, stays so): BLT's hashed byte

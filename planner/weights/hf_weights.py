@@ -230,10 +230,7 @@ def check_checkpoint(ckpt: Checkpoint, names: NameMap, shapes: Mapping[str, tupl
 def slice_ranges(spec: ShardSpec, size: int) -> list[tuple[int, int]]:
     """The [start, end) ranges of dim spec.dim (full size `size`) that this shard takes, in
     order; a range past `size` is vocabulary padding (zeros)."""
-    chunk = (size + spec.pad) // spec.chunks
-    part = chunk // spec.parts
-    return [(j * chunk + spec.index * part, j * chunk + (spec.index + 1) * part)
-            for j in range(spec.chunks)]
+    return spec.ranges(size)
 
 
 def read_shard(handle, ref: HFTensor, spec: ShardSpec | None, shape: tuple[int, ...],

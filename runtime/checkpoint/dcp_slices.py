@@ -3,9 +3,9 @@ pieces at offsets in the full tensor, so that a checkpoint saved under one mesh 
 other: DCP reads, for every piece a rank holds now, the overlap with every piece saved.
 
 Why DCP's own chunk metadata and not DTensor: fxpar's shards are not what a DTensor placement
-can say. A fused QKV weight cut by runtime.programs.shards.ShardSpec with chunks=3 holds, on each tp rank,
-three separate row ranges of the full weight; a vocabulary-parallel embedding padded to a
-multiple of tp holds zero rows past the full tensor's end on the last rank; under ZeRO an
+can say. A fused QKV weight cut by runtime.programs.shards.ShardSpec with chunks=3 (or part
+sizes) holds, on each tp rank, three separate row ranges of the full weight; a vocabulary-parallel
+embedding padded to a multiple of tp holds zero rows past the full tensor's end on the last rank; under ZeRO an
 optimizer state is a flat range of a parameter. Each of these is a list of boxes (offsets, sizes)
 in the full tensor, which is exactly DCP's ChunkStorageMetadata, with no process group or
 DeviceMesh needed to describe it. Ranks holding the same piece (data-parallel replicas, the copies
@@ -91,49 +91,48 @@ def full_shape(local: torch.Size, spec: ShardSpec) -> torch.Size:
     return torch.Size(shape)
 
 
+def _blocks(local: torch.Size, spec: ShardSpec) -> list[tuple[int, int, int]]:
+    """(start in the shard, start in the full tensor, rows) of each block a shard cut by `spec`
+    holds (ShardSpec.ranges), the rows of vocabulary padding left out."""
+    dim, shape = spec.dim, full_shape(local, spec)
+    blocks, at = [], 0
+    for start, end in spec.ranges(shape[dim]):
+        kept = min(end, shape[dim]) - start
+        if kept > 0:
+            blocks.append((at, start, kept))
+        at += end - start
+    if at != local[dim]:
+        raise ValueError(f"a shard of {local[dim]} along dim {dim} is not the {at} rows {spec} "
+                         f"cuts")
+    return blocks
+
+
 def shard_pieces(local: torch.Tensor, spec: ShardSpec) -> Slices:
-    """The pieces of a shard cut by `spec` (runtime.programs.shards.ShardSpec.take): one per chunk of a
-    fused weight, each a row range of the full tensor; rows of vocabulary padding are left out."""
-    dim, shape = spec.dim, full_shape(local.shape, spec)
-    if local.shape[dim] % spec.chunks:
-        raise ValueError(f"a shard of {local.shape[dim]} along dim {dim} does not split into "
-                         f"{spec.chunks} chunks")
-    per_chunk = local.shape[dim] // spec.chunks          # rows of one chunk on this rank
-    chunk_rows = per_chunk * spec.parts                  # rows of one chunk of the padded tensor
+    """The pieces of a shard cut by `spec` (runtime.programs.shards.ShardSpec.take): one per block
+    of the full tensor it holds (one per part of a fused weight); padding rows left out."""
     pieces = []
-    for c in range(spec.chunks):
-        start = c * chunk_rows + spec.index * per_chunk
-        rows = min(per_chunk, shape[dim] - start)        # the padding past the end is dropped
-        if rows <= 0:
-            continue
+    for at, start, rows in _blocks(local.shape, spec):
         offsets = [0] * local.dim()
-        offsets[dim] = start
-        pieces.append(Piece(tuple(offsets), local.narrow(dim, c * per_chunk, rows)))
-    return Slices(shape, pieces)
+        offsets[spec.dim] = start
+        pieces.append(Piece(tuple(offsets), local.narrow(spec.dim, at, rows)))
+    return Slices(full_shape(local.shape, spec), pieces)
 
 
 def to_full(local: Slices, spec: ShardSpec) -> Slices:
     """Pieces given in the coordinates of a shard cut by `spec` (a ZeRO range of a tp shard) in
-    the coordinates of the full tensor: each piece split where the shard's chunks meet, the
+    the coordinates of the full tensor: each piece split where the shard's blocks meet, the
     padding rows left out."""
-    dim, shape = spec.dim, full_shape(local.shape, spec)
-    per_chunk = local.shape[dim] // spec.chunks
-    chunk_rows = per_chunk * spec.parts
+    dim, blocks = spec.dim, _blocks(local.shape, spec)
     pieces = []
     for p in local.pieces:
-        at, end = p.offsets[dim], p.offsets[dim] + p.sizes[dim]
-        while at < end:
-            c, within = divmod(at, per_chunk)
-            rows = min(end, (c + 1) * per_chunk) - at
-            start = c * chunk_rows + spec.index * per_chunk + within
-            kept = min(rows, shape[dim] - start)
-            if kept > 0:
+        lo, hi = p.offsets[dim], p.offsets[dim] + p.sizes[dim]
+        for at, start, rows in blocks:
+            a, b = max(lo, at), min(hi, at + rows)
+            if a < b:
                 offsets = list(p.offsets)
-                offsets[dim] = start
-                view = p.tensor.narrow(dim, at - p.offsets[dim], kept)
-                pieces.append(Piece(tuple(offsets), view))
-            at += rows
-    return Slices(shape, pieces)
+                offsets[dim] = start + a - at
+                pieces.append(Piece(tuple(offsets), p.tensor.narrow(dim, a - lo, b - a)))
+    return Slices(full_shape(local.shape, spec), pieces)
 
 
 def flat_range_pieces(flat: torch.Tensor, shape: Sequence[int], start: int) -> Slices:

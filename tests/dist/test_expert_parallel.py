@@ -172,6 +172,22 @@ def test_hugging_face_moe_ep2_pp2_matches_one_process(pool4, arch):  # a dense f
     assert_same_run(run_parallel(spec, chosen, STEPS, pool4), reference_run(spec, STEPS))
 
 
+@pytest.mark.dist
+def test_hugging_face_moe_tp2_ep2_matches_one_process(pool4):
+    """Mixtral's router under tensor parallelism: its softmax over the experts reads the
+    router's output whole, so the router is cut by output features and all-gathered, attention
+    is column- and row-parallel, the experts are spread over ep."""
+    pytest.importorskip("transformers")
+    from planner.models.hf_moe import HFMoESpec
+    spec = HFMoESpec("mixtral")
+    model, batch = spec.build()
+    fix = {"dp": 2, "tp": 2, "pp": 1, "ep": 2, "strategy": "tp"}
+    chosen = plan(model, 4, batch, cluster="cpu-gloo", fix=fix)[0]
+    assert (chosen.tp, chosen.ep, chosen.dp) == (2, 2, 2)
+    assert "tp" in chosen.stages[0].strategies
+    assert_same_run(run_parallel(spec, chosen, STEPS, pool4), reference_run(spec, STEPS))
+
+
 GPT_OSS_TINY = (("hidden_size", 32), ("intermediate_size", 48), ("num_local_experts", 4),
                 ("num_experts_per_tok", 2), ("num_hidden_layers", 2), ("num_attention_heads", 4),
                 ("num_key_value_heads", 2), ("head_dim", 8))

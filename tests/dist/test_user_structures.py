@@ -55,14 +55,16 @@ def test_user_structure_matches_one_process(layout):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("split", ["unflatten-heads", "view-heads", "fused-parts"])
+@pytest.mark.parametrize("split", ["unflatten-heads", "view-heads", "fused-parts",
+                                   "per-head-fused"])
 def test_a_head_count_held_by_the_module_trains_exactly_under_tp(split):
     """A diffusion-transformer-like model (patch features, a timestep vector every block reads,
     cross-attention, an MSE loss) whose attention splits heads with a constant head count: each
     rank must cut its features into heads/tp heads as wide as in one process. "fused-parts" is
     timm's attention (DiT, PixArt, ViT): qkv.reshape(B, N, 3, heads, d).permute(...).unbind(0),
     kv as (2, heads, d), q/k RMSNorms over head_dim - the fused weight cut per part, the norms'
-    gradients summed over the group."""
+    gradients summed over the group. "per-head-fused" chunks each head's (q, k, v): the
+    fused weight cut by whole heads, not per part."""
     st = Structure(inputs="features", loss="mse", head_split=split, condition=True, cross=True)
     for gpus, fix in ((2, {"tp": 2}), (4, {"tp": 4}), (4, {"tp": 2, "dp": 2})):
         assert check_structure(st, gpus, {"dp": 1, "pp": 1, "mb": 2, "strategy": "tp", **fix})

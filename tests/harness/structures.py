@@ -76,14 +76,16 @@ class Structure:
 
 class Attention(nn.Module):
     """Heads split as `head_split` says; "fused-parts" is timm's: one fused projection viewed as
-    (parts, heads, head_dim), permuted and unbound, with q/k RMSNorms over head_dim."""
+    (parts, heads, head_dim), permuted and unbound, with q/k RMSNorms over head_dim;
+    "per-head-fused" is Megatron's and GPT-NeoX's: one fused projection viewed as
+    (heads, parts x head_dim) and chunked, each head's q, k and v side by side."""
 
     def __init__(self, st: Structure, cross: bool = False):
         super().__init__()
         h = st.heads * st.head_dim
         self.heads, self.head_dim, self.split = st.heads, st.head_dim, st.head_split
         self.o = nn.Linear(h, h)
-        if self.split != "fused-parts":
+        if self.split not in ("fused-parts", "per-head-fused"):
             self.q, self.k, self.v = (nn.Linear(h, h) for _ in range(3))
         elif cross:
             self.q, self.kv = nn.Linear(h, h), nn.Linear(h, 2 * h)
@@ -96,7 +98,16 @@ class Attention(nn.Module):
         b, s, _ = t.shape
         return t.reshape(b, s, n, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
+    def per_head(self, t, n: int):
+        b, s, _ = t.shape
+        return [p.transpose(1, 2) for p in
+                t.view(b, s, self.heads, n * self.head_dim).chunk(n, dim=-1)]
+
     def fused(self, x, context):
+        if self.split == "per-head-fused":
+            if context is None:
+                return self.per_head(self.qkv(x), 3)
+            return (*self.per_head(self.q(x), 1), *self.per_head(self.kv(context), 2))
         if context is None:
             q, k, v = self.parts(self.qkv(x), 3)
         else:
@@ -118,7 +129,7 @@ class Attention(nn.Module):
 
     def forward(self, x, context=None):
         source = x if context is None else context
-        if self.split == "fused-parts":
+        if self.split in ("fused-parts", "per-head-fused"):
             q, k, v = self.fused(x, context)
         else:
             q, k, v = self.to_heads(self.q(x)), self.to_heads(self.k(source)), self.to_heads(

@@ -25,18 +25,30 @@ def paint(slices: Slices) -> torch.Tensor:
     return out
 
 
+# chunks: a count of equal parts, or the relative sizes of unequal ones (Phi-3's q, k, v)
 SPECS = [(dim, parts, chunks, pad) for dim in (0, 1) for parts in (1, 2, 4)
-         for chunks in (1, 3) for pad in (0, 2) if not (pad and chunks > 1)]
+         for chunks in (1, 3, (2, 1, 1)) for pad in (0, 2) if not (pad and chunks != 1)]
+
+
+def _spec(dim: int, parts: int, index: int, chunks, pad: int) -> ShardSpec:
+    if isinstance(chunks, tuple):
+        return ShardSpec(dim, parts, index, sizes=tuple(c * parts * 2 for c in chunks))
+    return ShardSpec(dim, parts, index, chunks, pad)
+
+
+def _length(parts: int, chunks, pad: int) -> int:
+    """Rows along the cut dimension: two per part and rank, less the padding."""
+    return (sum(chunks) if isinstance(chunks, tuple) else chunks) * parts * 2 - pad
 
 
 @pytest.mark.parametrize("dim,parts,chunks,pad", SPECS)
 def test_shard_pieces_are_where_the_shard_came_from(dim, parts, chunks, pad):
     shape = [6, 6]
-    shape[dim] = chunks * parts * 2 - pad
+    shape[dim] = _length(parts, chunks, pad)
     full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
     covered = torch.zeros(shape, dtype=torch.bool)
     for index in range(parts):
-        spec = ShardSpec(dim, parts, index, chunks, pad)
+        spec = _spec(dim, parts, index, chunks, pad)
         local = spec.take(full)
         slices = shard_pieces(local, spec)
         assert slices.size() == full.shape == full_shape(local.shape, spec)
@@ -75,7 +87,8 @@ def test_dcp_writes_one_layout_and_reads_another(tmp_path):
         both = Slices(full.shape, pieces)  # one process writing both shards
         dcp.save({"a": both, "extra": {"step": 3}}, storage_writer=FileSystemWriter(tmp_path),
                  planner=SlicesSavePlanner(), no_dist=True)
-        for spec in [ShardSpec(0, 3, 1, chunks=2), ShardSpec(0, 1, 0)]:
+        for spec in [ShardSpec(0, 3, 1, chunks=2), ShardSpec(0, 1, 0),
+                     ShardSpec(0, 2, 1, sizes=(6, 2, 4))]:
             local = torch.zeros_like(spec.take(full))
             target = {"a": shard_pieces(local, spec), "extra": None}
             dcp.load(target, storage_reader=FileSystemReader(tmp_path),
@@ -92,10 +105,10 @@ def test_dcp_writes_one_layout_and_reads_another(tmp_path):
 def test_flat_ranges_of_a_shard_land_where_the_shard_came_from(dim, parts, chunks, pad):
     """A ZeRO range of a tensor-parallel shard, mapped to the full tensor (to_full)."""
     shape = [4, 3] if dim == 0 else [3, 4]
-    shape[dim] = chunks * parts * 2 - pad
+    shape[dim] = _length(parts, chunks, pad)
     full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
     for index in range(parts):
-        spec = ShardSpec(dim, parts, index, chunks, pad)
+        spec = _spec(dim, parts, index, chunks, pad)
         local = spec.take(full)
         n = local.numel()
         for start, stop in [(0, n), (1, n - 2), (n // 3, n // 3 + 5), (n - 1, n)]:

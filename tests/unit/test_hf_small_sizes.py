@@ -77,9 +77,17 @@ def test_parts_beside_the_decoder_are_small(arch, part):
 
 
 def test_a_family_transformers_cannot_build_small_is_refused_in_one_line():
-    """gpt_neo's attention pattern lists 24 layers, more than the small 2: transformers' own
-    validator rejects it, said in one line naming the family and what to give instead."""
-    with pytest.raises(ValueError, match=r"^gpt_neo: transformers cannot build it at fxpar's "
+    """DBRX's attention config lacks a field its model reads at any size: what transformers
+    raises is said in one line naming the family and what to give instead."""
+    with pytest.raises(ValueError, match=r"^dbrx: transformers cannot build it at fxpar's "
                                          r"small sizes \(.*\); plan its config.json with "
                                          r"--hf-config$"):
-        hf.build_hf("gpt_neo")
+        hf.build_hf("dbrx")
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_gpt_neo_repeats_its_attention_pattern_to_the_small_layer_count(layers):
+    """GPT-Neo lists its global/local attention pattern per layer; transformers refuses a pattern
+    of another length, so the small sizes repeat it to the layer count."""
+    model = hf.build_hf("gpt_neo", num_hidden_layers=layers)
+    assert len(model.model.config.attention_layers) == layers

@@ -190,6 +190,17 @@ def test_shard_spec_padding_round_trip():
     torch.testing.assert_close(specs[0].join(shards), full, rtol=0, atol=0)
 
 
+def test_shard_spec_of_unequal_parts_round_trip():
+    """Phi-3's fused q, k, v of 8, 4 and 4 rows: each rank holds its block of every part."""
+    full = torch.arange(16.0).view(16, 1)
+    specs = [ShardSpec(0, 2, i, sizes=(8, 4, 4)) for i in range(2)]
+    shards = [s.take(full) for s in specs]
+    assert shards[1].flatten().tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    torch.testing.assert_close(specs[0].join(shards), full, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="takes no chunks or padding"):
+        ShardSpec(0, 2, 0, pad=2, sizes=(8, 8))
+
+
 def test_sequence_that_does_not_divide_is_an_error():
     _, captured = _captured("gpt-tiny", seq=30)
     with pytest.raises(ShardingError, match=r"layer blocks\.0: sequence length 30 \(dim 1 of .*\) "

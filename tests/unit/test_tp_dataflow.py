@@ -47,6 +47,19 @@ class RoutedBlock(nn.Module):
         return out
 
 
+class GatedSoftmaxBlock(nn.Module):
+    """A softmax over hidden features that two column-parallel linears make together: no one
+    linear to gather whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.gate = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.down(F.softmax(self.up(x) * self.gate(x), dim=-1))
+
+
 class HalfBlock(nn.Module):
     """A column-parallel linear whose output leaves the block unreduced."""
 
@@ -194,7 +207,7 @@ def _costs(model) -> ModelCosts:
 
 
 @pytest.mark.parametrize("block,words", [
-    (RoutedBlock, "reduces or normalises over the sharded dimension"),
+    (GatedSoftmaxBlock, "reduces or normalises over the sharded dimension"),
     (HalfBlock, "leaves the layer"),
     (NormedHiddenBlock, "normalises over the sharded dimension"),
 ])
@@ -204,8 +217,22 @@ def test_layers_that_tp_would_get_wrong_are_refused(block, words):
     assert words in costs.tp_errors[2] and "not tensor-parallel" in costs.tp_errors[2]
 
 
+def test_a_routers_logits_are_gathered_whole():
+    """A router's softmax over the experts reads its linear's output whole: the router is cut
+    by output features and all-gathered ([1, SEQ, 4] fp32), the experts' linears stay
+    column- and row-parallel; experts that tp does not divide are refused, saying so."""
+    costs = _costs(_Chain(lambda: RoutedBlock(experts=4)))
+    for tp in (2, 4):
+        assert costs.block_profile(tp) is not None, costs.tp_errors.get(tp)
+    fwd = [(c.kind, c.nbytes) for c in costs.block_profile(2).collectives if c.phase == "fwd"]
+    assert ("all_gather", 4 * SEQ * 4) in fwd, fwd
+    costs = _costs(_Chain(lambda: RoutedBlock(experts=2)))
+    assert costs.block_profile(4) is None
+    assert "2 output features" in costs.tp_errors[4], costs.tp_errors[4]
+
+
 def test_refused_tp_names_the_reason_when_fixed_and_in_the_notes_when_free():
-    model = _Chain(RoutedBlock)
+    model = _Chain(GatedSoftmaxBlock)
     batch = tuple(torch.randint(0, VOCAB, (8, SEQ)) for _ in "xy")
     with pytest.raises(PlanningError, match="softmax"):
         plan(model, 2, batch, cluster="cpu-gloo", fix={"tp": 2})

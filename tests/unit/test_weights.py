@@ -21,7 +21,8 @@ from runtime.training.tied import canonical_names
 
 SPECS = [ShardSpec(d, p, i, c, pad) for d, p, c, pad in
          [(0, 2, 1, 0), (1, 2, 1, 0), (0, 4, 1, 0), (0, 2, 3, 0), (1, 2, 3, 0), (0, 4, 1, 2),
-          (0, 2, 1, 2)] for i in range(p)]
+          (0, 2, 1, 2)] for i in range(p)] + [ShardSpec(d, 2, i, sizes=(6, 2, 4))
+                                              for d in (0, 1) for i in range(2)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
