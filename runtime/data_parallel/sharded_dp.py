@@ -286,12 +286,17 @@ class _Bucket:
 
     def finish_reduce(self) -> None:
         if self.inflight is not None:
-            work, out, _ = self.inflight
+            work, out, flat = self.inflight
             work.wait()
             if self.grad_full is not None:
                 self.shard.grad.copy_(out)
             else:
                 self.shard.grad.add_(out)
+                # Levels 2-3 made `flat` for this reduction: free it now. Left to reference
+                # counting, it lives on while the backend's worker thread still holds the
+                # finished work (gloo drops it only after wait() has returned), a whole unit's
+                # gradient more at a moment that varies from run to run.
+                flat.untyped_storage().resize_(0)
             self.inflight = None
 
 
@@ -473,10 +478,11 @@ class ShardedDP:
             works = []
             for b in self.buckets:
                 _count("all_gather", b.nbytes, self.n)
-                works.append(_all_gather(b.full, b.shard.detach().clone(),
-                                                         group=self.group, async_op=True))
-            for work in works:
+                sent = b.shard.detach().clone()
+                works.append((_all_gather(b.full, sent, group=self.group, async_op=True), sent))
+            for work, sent in works:
                 work.wait()
+                sent.untyped_storage().resize_(0)  # freed now, as in finish_reduce
 
     # -- level 3: gathering around uses ------------------------------------------------------
     def gather_unit(self, stage: int, unit: str, prefetch: int = 1) -> None:
