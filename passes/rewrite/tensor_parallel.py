@@ -59,6 +59,7 @@ from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.tables import table
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
+from passes.rewrite.value_sources import trained_param
 from passes.rewrite.weight_pieces import cut_splits
 from runtime.comm import collectives
 from runtime.training import rng
@@ -168,6 +169,9 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
             else:
                 _check_heads(node, layer, tp)
             node = _sum_replicated_grads(gm, node, layer, group, set(found.cut_params))
+            for user, whole in found.broadcast:  # parameters' were summed just above
+                if user is node and whole in node.all_input_nodes:
+                    _copy_once(gm, node, whole, copies, layer, group)
             _own_dropout(gm, node)
             sharded.add(node)
 
@@ -264,15 +268,9 @@ def _from_params_only(gm, node: fx.Node) -> bool:
         if current.target is collectives.tp_copy:  # each rank's part: its gradient summed there
             return False
         if current.op == "get_attr":
-            trained = trained or _is_trained_param(gm, str(current.target))
+            trained = trained or trained_param(gm, current)
         stack.extend(current.all_input_nodes)
     return trained
-
-
-def _is_trained_param(gm, target: str) -> bool:
-    prefix, _, name = target.rpartition(".")
-    value = getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
-    return isinstance(value, nn.Parameter) and value.requires_grad
 
 
 def make_column(gm, site: LinearSite, layer: str, tp: int, rank: int, pad: int = 0,

@@ -47,11 +47,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from passes.capture.trace import CONSTANT
 from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.sharding import ShardingError, linear_site, linear_weight
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
+from passes.rewrite.value_sources import carries_grad, is_constant, trained_param
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "truediv", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
@@ -92,6 +92,10 @@ class Findings:
     gathered: set[fx.Node] = field(default_factory=set)
     # those of `sliced` that carry a gradient: read through tp_copy before their part is taken
     copied: set[tuple[fx.Node, fx.Node]] = field(default_factory=set)
+    # (node, whole operand with a gradient) broadcast along the sharded dimension (a router's
+    # gate, a scale computed from the block's input): read through tp_copy, since each rank's
+    # part of the output gives it only that part's share of its gradient
+    broadcast: set[tuple[fx.Node, fx.Node]] = field(default_factory=set)
     # a fused projection viewed as (parts, heads, head_dim) (timm's qkv.reshape(B, N, 3, H, d)):
     # linear -> parts, cut per part like a fused QKV; and the view -> parts
     parted: dict[fx.Node, int] = field(default_factory=dict)
@@ -251,6 +255,9 @@ class _Flow(ViewRules):
                 if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
                     continue
                 self.fail(node, why)
+            elif a not in self.dim and v is not None and carries_grad(self.gm, a) and \
+                    not self._after_reduction(a):
+                self.found.broadcast.add((node, a))
         self.dim[node] = d
         if in_blocks:
             self.blocks.add(node)
@@ -268,42 +275,30 @@ class _Flow(ViewRules):
             self.fail(node, f"meets {a.name}, whole along {heads} heads, which tp={self.tp} "
                             f"does not divide")
         self.found.sliced[(node, a)] = (dim, heads)
-        if not self._constant(a):
+        if not is_constant(self.gm, a):
             self.found.copied.add((node, a))
         return True
 
-    def _constant(self, value: fx.Node, limit: int = 256) -> bool:
-        """Whether `value` and what it is computed from, as far as the graph shows, are marked
-        constant by the capture (a placeholder of a layer cut out of the graph keeps its mark)
-        and read no trained parameter."""
+    def _after_reduction(self, value: fx.Node, limit: int = 64) -> bool:
+        """Whether `value` is computed from a sum over the sharded dimension (the statistics of
+        a norm over all heads): the rewrite's tp_sum sums the gradient there already."""
         seen, stack = set(), [value]
-        while stack:
+        while stack and len(seen) < limit:
             node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            if len(seen) > limit:
-                return False
-            if node.op == "get_attr":
-                prefix, _, name = str(node.target).rpartition(".")
-                param = getattr(self.gm.get_submodule(prefix) if prefix else self.gm, name, None)
-                if isinstance(param, nn.Parameter) and param.requires_grad:
-                    return False
-                continue
-            if not node.meta.get(CONSTANT):
-                return False
-            stack.extend(node.all_input_nodes)
-        return True
+            if node in self.found.reduced:
+                return True
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        return False
 
     def _param_of_full_size(self, a: fx.Node, v: torch.Tensor, dim: int, size: int) -> bool:
         """A trained parameter read as is, as long along `dim` as the sharded dimension: it can
         be cut like the value it meets (a norm's weight over all heads' features)."""
         if a.op != "get_attr" or v.shape[dim] != size:
             return False
-        prefix, _, name = str(a.target).rpartition(".")
-        param = getattr(self.gm.get_submodule(prefix) if prefix else self.gm, name, None)
         cut = self.found.cut_params.get(str(a.target), dim)
-        return isinstance(param, nn.Parameter) and param.requires_grad and cut == dim
+        return trained_param(self.gm, a) and cut == dim
 
     def _keep(self, node, src, d) -> None:
         self.dim[node] = d

@@ -11,7 +11,7 @@ from planner.api import plan
 from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
 from tests.harness.torch_layers import TorchLayersSpec
-from tests.harness.shared_block import SharedBlocksSpec
+from tests.harness.shared_block import ScaledBlocksSpec, SharedBlocksSpec
 from tests.harness.two_streams import TwoStreamSpec
 from tests.harness.user_dits import UserDiTSpec
 
@@ -123,4 +123,19 @@ def test_a_block_listed_several_times_is_cut_once_under_tp():
     chosen = plan(model, 2, batch, cluster="cpu-gloo",
                   fix={"dp": 1, "tp": 2, "pp": 1, "strategy": "tp"})[0]
     assert chosen.stages[0].strategies == ("none", "tp", "none")
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("scale", ["rms", "gate"])
+def test_whole_values_scaling_sharded_features_train_exactly_under_tp(scale):
+    """A value whole on every rank that scales the sharded hidden features (broadcast over
+    them) gets on each rank only its features' share of its gradient: it is read through
+    tp_copy, whose backward sums the shares (a router's gate inside its experts, the inverse
+    RMS of the block's input; both trained to other numbers before)."""
+    spec = ScaledBlocksSpec(scale)
+    model, batch = spec.build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "tp": 2, "pp": 1, "strategy": "tp"})[0]
+    assert chosen.stages[0].strategies == ("none", "tp", "tp", "none")
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))

@@ -45,3 +45,37 @@ class SharedBlocksSpec:
         torch.manual_seed(0)
         tokens = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(1))
         return shared_blocks(), (tokens[:, :-1], tokens[:, 1:])
+
+
+class ScaledBlock(nn.Module):
+    """An MLP whose hidden features are scaled by a value that is whole on every tp rank and
+    broadcast over them: the inverse RMS of the block's input, or a router's gate per expert
+    (gates inside the experts). Each rank's part of the output gives it only its share of that
+    value's gradient."""
+
+    def __init__(self, scale: str, h: int = 16, experts: int = 2):
+        super().__init__()
+        self.scale = scale
+        self.router = nn.Linear(h, experts) if scale == "gate" else None
+        self.up = nn.ModuleList(nn.Linear(h, 4 * h) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(4 * h, h) for _ in range(experts))
+
+    def forward(self, x):
+        if self.router is not None:
+            gates = F.softmax(self.router(x), dim=-1)
+        else:
+            gates = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6).expand(-1, -1, 2)
+        out = x
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            out = out + down(F.gelu(up(x)) * gates[..., e:e + 1])
+        return out
+
+
+@dataclass(frozen=True)
+class ScaledBlocksSpec:
+    scale: str  # "rms" or "gate"
+
+    def build(self):
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(1))
+        return ChainLM([ScaledBlock(self.scale) for _ in range(2)]), (tokens[:, :-1], tokens[:, 1:])
