@@ -281,13 +281,14 @@ class _Flow(ViewRules):
 
     def _after_reduction(self, value: fx.Node, limit: int = 64) -> bool:
         """Whether `value` is computed from a sum over the sharded dimension (the statistics of
-        a norm over all heads): the rewrite's tp_sum sums the gradient there already."""
+        a norm over all heads), not across a linear: the rewrite's tp_sum sums the gradient
+        there already."""
         seen, stack = set(), [value]
         while stack and len(seen) < limit:
             node = stack.pop()
             if node in self.found.reduced:
                 return True
-            if node not in seen:
+            if node not in seen and linear_site(self.gm, node) is None:
                 seen.add(node)
                 stack.extend(node.all_input_nodes)
         return False
