@@ -62,8 +62,7 @@ from runtime.data_parallel.zero3_graph import (insert_gathers, param_units, rega
 from runtime.programs.saved import without_graph
 
 LEVELS = (0, 1, 2, 3)
-# torch 2.13 renames the tensor collectives (*_single) and deprecates the old names; 2.11 has
-# only the old ones.
+# torch 2.13 renames the tensor collectives (*_single), deprecating the old; 2.11 has the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -292,11 +291,7 @@ class _Bucket:
                 self.shard.grad.copy_(out)
             else:
                 self.shard.grad.add_(out)
-                # Levels 2-3 made `flat` for this reduction: free it now. Left to reference
-                # counting, it lives on while the backend's worker thread still holds the
-                # finished work (gloo drops it only after wait() has returned), a whole unit's
-                # gradient more at a moment that varies from run to run.
-                flat.untyped_storage().resize_(0)
+                flat.untyped_storage().resize_(0)  # now: gloo's thread may still hold the work
             self.inflight = None
 
 
