@@ -168,9 +168,10 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
                 selected.add(node)
             else:
                 _check_heads(node, layer, tp)
+            wholes = found.broadcast.get(node, ())
             node = _sum_replicated_grads(gm, node, layer, group, set(found.cut_params))
-            for user, whole in found.broadcast:  # parameters' were summed just above
-                if user is node and whole in node.all_input_nodes:
+            for whole in wholes:  # those from parameters alone were summed just above
+                if whole in node.all_input_nodes:
                     _copy_once(gm, node, whole, copies, layer, group)
             _own_dropout(gm, node)
             sharded.add(node)

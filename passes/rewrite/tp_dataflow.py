@@ -92,10 +92,10 @@ class Findings:
     gathered: set[fx.Node] = field(default_factory=set)
     # those of `sliced` that carry a gradient: read through tp_copy before their part is taken
     copied: set[tuple[fx.Node, fx.Node]] = field(default_factory=set)
-    # (node, whole operand with a gradient) broadcast along the sharded dimension (a router's
-    # gate, a scale computed from the block's input): read through tp_copy, since each rank's
-    # part of the output gives it only that part's share of its gradient
-    broadcast: set[tuple[fx.Node, fx.Node]] = field(default_factory=set)
+    # node -> its whole operands with a gradient, broadcast along the sharded dimension (a
+    # router's gate, a scale computed from the block's input): read through tp_copy, since each
+    # rank's part of the output gives them only that part's share of their gradient
+    broadcast: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     # a fused projection viewed as (parts, heads, head_dim) (timm's qkv.reshape(B, N, 3, H, d)):
     # linear -> parts, cut per part like a fused QKV; and the view -> parts
     parted: dict[fx.Node, int] = field(default_factory=dict)
@@ -257,7 +257,7 @@ class _Flow(ViewRules):
                 self.fail(node, why)
             elif a not in self.dim and v is not None and carries_grad(self.gm, a) and \
                     not self._after_reduction(a):
-                self.found.broadcast.add((node, a))
+                self.found.broadcast.setdefault(node, []).append(a)
         self.dim[node] = d
         if in_blocks:
             self.blocks.add(node)
