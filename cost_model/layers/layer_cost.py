@@ -324,6 +324,7 @@ _MOVES = {
     C.tp_all_reduce: ("all_reduce", None),
     C.tp_grad_sum: (None, "all_reduce"),
     C.tp_sum: ("all_reduce", "all_reduce"),
+    C.tp_grad_share: (None, None),
     C.sp_all_gather: ("all_gather", "reduce_scatter"),
     C.sp_reduce_scatter: ("reduce_scatter", "all_gather"),
     C.sp_scatter: (None, "all_gather"),

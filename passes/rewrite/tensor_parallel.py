@@ -133,6 +133,13 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
         if (user, whole) in found.copied:
             whole = _copy_once(gm, user, whole, copies, layer, group)
         _take_heads(gm, user, whole, dim, heads, tp, rank, layer)
+    for reader, operand in found.shares.copies:  # passes.rewrite.tp_grad_paths
+        _copy_once(gm, reader, operand, copies, layer, group)
+    for reader, operand in found.shares.shares:
+        with gm.graph.inserting_before(reader):
+            share = gm.graph.call_function(collectives.tp_grad_share, (operand, group, layer))
+        share.meta = {**operand.meta, LAYER: layer}
+        reader.replace_input_with(operand, share)
     sharded: set[fx.Node] = set()
     selected: set[fx.Node] = set()  # kv heads taken from a replicated projection: already local
     entries: dict[fx.Node, fx.Node] = {}
@@ -225,8 +232,21 @@ def _copy_once(gm, user: fx.Node, whole: fx.Node, copies: dict, layer: str,
         with gm.graph.inserting_before(user):
             copies[whole] = gm.graph.call_function(collectives.tp_copy, (whole, group, layer))
         copies[whole].meta = {**whole.meta, LAYER: layer}
+    elif not _comes_before(copies[whole], user):  # made for a later reader first
+        user.prepend(copies[whole])
     user.replace_input_with(whole, copies[whole])
     return copies[whole]
+
+
+def _comes_before(node: fx.Node, other: fx.Node) -> bool:
+    """Whether `node` precedes `other` in their graph."""
+    while node.op != "root":
+        if node is other:
+            return False
+        node = node.next
+        if node is other:
+            return True
+    return False
 
 
 def _sum_over_group(gm, node: fx.Node, op: str, layer: str, tp: int, group: str) -> None:

@@ -50,6 +50,7 @@ import torch.nn as nn
 from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.sharding import ShardingError, linear_site, linear_weight
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
+from passes.rewrite.tp_grad_paths import ShareFixes, from_statistics, share_fixes
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
 from passes.rewrite.value_sources import carries_grad, is_constant, trained_param
 
@@ -96,6 +97,9 @@ class Findings:
     # router's gate, a scale computed from the block's input): read through tp_copy, since each
     # rank's part of the output gives them only that part's share of their gradient
     broadcast: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    # reads to convert around values computed from the statistics of `reduced`, so that each
+    # gets one kind of gradient share (passes.rewrite.tp_grad_paths)
+    shares: ShareFixes = field(default_factory=ShareFixes)
     # a fused projection viewed as (parts, heads, head_dim) (timm's qkv.reshape(B, N, 3, H, d)):
     # linear -> parts, cut per part like a fused QKV; and the view -> parts
     parted: dict[fx.Node, int] = field(default_factory=dict)
@@ -160,6 +164,12 @@ class _Flow(ViewRules):
             if outside:
                 self.fail(node, f"is sharded over tp={self.tp} and leaves the layer (read by "
                                 f"{outside[0].name}) without reaching a row-parallel linear")
+        self.found.shares = share_fixes(self.gm, self.nodes, self.found.reduced, self.dim)
+        if self.found.shares.module is not None:
+            self.fail(self.found.shares.module, "applies a module with parameters of its own to "
+                      "the statistics of a norm over the sharded features, so each rank would "
+                      "hold only its share of their gradient; apply it as functions of its "
+                      "parameters, or before the norm")
         return self.found
 
     def _linear(self, node: fx.Node, site) -> None:
@@ -255,9 +265,9 @@ class _Flow(ViewRules):
                 if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
                     continue
                 self.fail(node, why)
-            elif a not in self.dim and v is not None and carries_grad(self.gm, a) and \
-                    not self._after_reduction(a):
-                self.found.broadcast.setdefault(node, []).append(a)
+            elif a not in self.dim and v is not None and carries_grad(self.gm, a) and not \
+                    from_statistics(self.gm, a, self.found.reduced, self.inside, self.dim):
+                self.found.broadcast.setdefault(node, []).append(a)  # else: share_fixes
         self.dim[node] = d
         if in_blocks:
             self.blocks.add(node)
@@ -278,20 +288,6 @@ class _Flow(ViewRules):
         if not is_constant(self.gm, a):
             self.found.copied.add((node, a))
         return True
-
-    def _after_reduction(self, value: fx.Node, limit: int = 64) -> bool:
-        """Whether `value` is computed from a sum over the sharded dimension (the statistics of
-        a norm over all heads), not across a linear: the rewrite's tp_sum sums the gradient
-        there already."""
-        seen, stack = set(), [value]
-        while stack and len(seen) < limit:
-            node = stack.pop()
-            if node in self.found.reduced:
-                return True
-            if node not in seen and linear_site(self.gm, node) is None:
-                seen.add(node)
-                stack.extend(node.all_input_nodes)
-        return False
 
     def _param_of_full_size(self, a: fx.Node, v: torch.Tensor, dim: int, size: int) -> bool:
         """A trained parameter read as is, as long along `dim` as the sharded dimension: it can

@@ -15,6 +15,8 @@ Tensor-parallel (Megatron f / g):
   tp_copy        identity forward, all-reduce of the gradient backward (enter a TP region)
   tp_all_reduce  all-reduce forward, identity backward (leave it: sum row-parallel partials)
   tp_grad_sum    as tp_copy, for a replicated weight whose gradient each rank holds only in part
+  tp_grad_share  identity forward, the gradient divided by the group's size backward (no
+                 communication): a full gradient made a share for a tp_sum to sum
   tp_gather      all-gather forward, this rank's block of the (replicated) gradient backward:
                  a column-parallel output needed whole (passes.rewrite.tp_gather)
   tp_sum         all-reduce forward and all-reduce of the gradient backward: a sum over the
@@ -218,6 +220,25 @@ def tp_grad_sum(w: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
     return _CopyToRegion.apply(w, group, tag) if _active(w, group) else w
 
 
+class _ShareGrad(torch.autograd.Function):
+    """identity forward, the gradient divided by the group's size backward."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.parts = group_size(name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.parts, None
+
+
+def tp_grad_share(x: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
+    """A whole value's full gradient made this rank's share, for a tp_sum further back to sum:
+    the statistics of a norm over the sharded features also read whole (no communication)."""
+    return _ShareGrad.apply(x, group) if _active(x, group) else x
+
+
 def tp_sum(x: torch.Tensor, group: str, tag: str = "") -> torch.Tensor:
     """The sum of the ranks' partial sums over the sharded features, differentiable: Megatron's
     f then g, so the gradient is summed over the group too."""
@@ -360,6 +381,7 @@ tp_copy._fxpar_collective = "all_reduce_backward"
 tp_all_reduce._fxpar_collective = "all_reduce"
 tp_grad_sum._fxpar_collective = "all_reduce_backward"
 tp_sum._fxpar_collective = "all_reduce"
+tp_grad_share._fxpar_collective = "scale_backward"
 sp_all_gather._fxpar_collective = "all_gather"
 sp_reduce_scatter._fxpar_collective = "reduce_scatter"
 sp_scatter._fxpar_collective = "all_gather_backward"

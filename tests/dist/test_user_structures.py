@@ -127,15 +127,22 @@ def test_a_block_listed_several_times_is_cut_once_under_tp():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("scale", ["rms", "gate"])
+@pytest.mark.parametrize("scale", ["rms", "gate", "alpha", "alpha+input", "added",
+                                   "alpha+added"])
 def test_whole_values_scaling_sharded_features_train_exactly_under_tp(scale):
     """A value whole on every rank that scales the sharded hidden features (broadcast over
     them) gets on each rank only its features' share of its gradient: it is read through
     tp_copy, whose backward sums the shares (a router's gate inside its experts, the inverse
-    RMS of the block's input; both trained to other numbers before)."""
+    RMS of the block's input). One computed from the hidden features' own statistics, whose
+    tp_sum sums the shares already, and from a trained scalar or the input's statistics, or
+    read whole again (passes.rewrite.tp_grad_paths): all trained to other numbers before."""
     spec = ScaledBlocksSpec(scale)
     model, batch = spec.build()
     chosen = plan(model, 2, batch, cluster="cpu-gloo",
                   fix={"dp": 1, "tp": 2, "pp": 1, "strategy": "tp"})[0]
     assert chosen.stages[0].strategies == ("none", "tp", "tp", "none")
-    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
+    # alpha+added: Adam turns float noise of the first step's gradients (2e-7 of each tensor's
+    # largest) into 1e-5 by the third; unfixed, they were off by 70% from the first step
+    tol = {"rtol": 1e-4, "atol": 1e-5} if scale == "alpha+added" else {}
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS),
+                    **tol)

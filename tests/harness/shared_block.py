@@ -71,11 +71,39 @@ class ScaledBlock(nn.Module):
         return out
 
 
+def _inverse_rms(x):
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class StatsScaledBlock(nn.Module):
+    """An MLP whose hidden features are scaled by their own inverse RMS (statistics summed over
+    the sharded features under tp), combined with other values that carry a gradient: a trained
+    scalar, the inverse RMS of the block's input, and/or read whole again by the residual add.
+    `scale`: words joined by "+" among "alpha", "input", "added"."""
+
+    def __init__(self, scale: str, h: int = 16):
+        super().__init__()
+        self.parts = set(scale.split("+"))
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.alpha = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        hidden = F.gelu(self.up(x))
+        scale = _inverse_rms(hidden)
+        if "alpha" in self.parts:
+            scale = self.alpha * scale
+        if "input" in self.parts:
+            scale = scale * _inverse_rms(x)
+        out = x + self.down(hidden * scale)
+        return out + scale if "added" in self.parts else out
+
+
 @dataclass(frozen=True)
 class ScaledBlocksSpec:
-    scale: str  # "rms" or "gate"
+    scale: str  # "rms" or "gate" (ScaledBlock), else StatsScaledBlock's
 
     def build(self):
         torch.manual_seed(0)
         tokens = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(1))
-        return ChainLM([ScaledBlock(self.scale) for _ in range(2)]), (tokens[:, :-1], tokens[:, 1:])
+        kind = ScaledBlock if self.scale in ("rms", "gate") else StatsScaledBlock
+        return ChainLM([kind(self.scale) for _ in range(2)]), (tokens[:, :-1], tokens[:, 1:])
