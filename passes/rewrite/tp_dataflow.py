@@ -375,7 +375,10 @@ class _Flow(ViewRules):
 
     def _check_norm(self, node, src, d, trailing: int) -> None:
         if d >= _val(src).dim() - trailing:
-            self.fail(node, f"normalises over the sharded dimension {d} (tp={self.tp})")
+            self.fail(node, f"normalises over the sharded dimension {d} (tp={self.tp}), of "
+                            f"which each rank holds a part; a norm written with means "
+                            f"(x.pow(2).mean(-1, keepdim=True), as Hugging Face's RMSNorm "
+                            f"classes are) has its statistics summed over the group")
         self.dim[node] = d
 
     def _slice(self, node, src, d) -> None:

@@ -25,6 +25,9 @@ import torch.nn.functional as F
 HEAD_SPLITS = ("unflatten-heads", "unflatten-width", "view-heads", "view-width", "view-shape",
                "fused-parts")
 INPUTS = ("tokens", "features")
+# the MLP's hidden features as they are, normalised by a LayerNorm over them written with means
+# (NormFormer's), or scaled by a trained scalar times their inverse RMS, also added to the residual
+MLPS = ("plain", "hidden-norm", "hidden-stats")
 LOSSES = ("cross-entropy", "mse", "pooled")
 # (gpus, fix): each mixes tensor, sequence and pipeline parallelism differently
 PLANS = ((2, {"tp": 2, "strategy": "tp"}),
@@ -50,11 +53,13 @@ class Structure:
     condition: bool = False      # a vector every block reads (timestep embedding, adaLN-like)
     cross: bool = False          # a context every block cross-attends to
     norm: str = "layer"
+    mlp: str = "plain"
 
     def line(self) -> str:
         extras = [x for x, on in (("cond", self.condition), ("cross", self.cross)) if on]
         return (f"{self.inputs}->{self.loss} L{self.layers} heads{self.heads}x{self.head_dim} "
-                f"{self.head_split} s{self.seq} {self.norm}-norm {'+'.join(extras) or 'plain'}")
+                f"{self.head_split} s{self.seq} {self.norm}-norm {'+'.join(extras) or 'plain'} "
+                f"{self.mlp}-mlp")
 
     def build(self):
         torch.manual_seed(0)
@@ -150,6 +155,23 @@ class Block(nn.Module):
         self.attn = Attention(st)
         self.n2, self.cross = (norm(), Attention(st, cross=True)) if st.cross else (None, None)
         self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+        self.mlp_kind = st.mlp
+        if st.mlp == "hidden-norm":
+            self.norm_weight, self.norm_bias = nn.Parameter(torch.ones(2 * h)), nn.Parameter(
+                torch.zeros(2 * h))
+        elif st.mlp == "hidden-stats":
+            self.alpha = nn.Parameter(torch.tensor(1.3))
+
+    def mlp(self, x):
+        hidden = F.gelu(self.up(x))
+        if self.mlp_kind == "hidden-norm":
+            centred = hidden - hidden.mean(-1, keepdim=True)
+            scale = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return self.down(centred * scale * self.norm_weight + self.norm_bias)
+        if self.mlp_kind == "hidden-stats":
+            scale = self.alpha * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.down(hidden * scale) + scale
+        return self.down(hidden)
 
     def forward(self, x, cond=None, context=None):
         y = self.n1(x)
@@ -158,7 +180,7 @@ class Block(nn.Module):
         x = x + self.attn(y)
         if self.cross is not None:
             x = x + self.cross(self.n2(x), context)
-        return x + self.down(F.gelu(self.up(self.n3(x))))
+        return x + self.mlp(self.n3(x))
 
 
 class UserModel(nn.Module):
@@ -202,7 +224,7 @@ def build_structure(choose: Choose, plan: tuple[int, dict] | None = None
     st = Structure(inputs=choose(INPUTS), loss=choose(LOSSES), head_split=choose(HEAD_SPLITS),
                    heads=heads, head_dim=choose((4, 8)), layers=choose((2, 3)),
                    seq=tp * choose((4, 3)), condition=choose((False, True)),
-                   cross=choose((False, True)), norm=choose(("layer", "rms")))
+                   cross=choose((False, True)), norm=choose(("layer", "rms")), mlp=choose(MLPS))
     return st, gpus, {"dp": 1, "tp": 1, "pp": 1, "mb": 2, "schedule": "1f1b", **fix}
 
 
