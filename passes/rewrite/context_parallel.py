@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture.trace import CONSTANT, propagate_shapes
+from passes.rewrite.cp_tokens import SequenceMixError, check_per_token
 from passes.rewrite.cp_masks import WHOLE, MaskError, builders, drop_unused, mask_rows
 from passes.rewrite.expert_parallel import split_balance
 from passes.rewrite.sharding import LAYER, get_param, is_sdpa, is_sink_attention
@@ -123,6 +124,11 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
                 f"attention {node.name} is in no layer given to context_parallel; with the "
                 f"sequence sharded every attention must become a ring attention")
         found.append((attention, layer_of[node.name]))
+    if found:  # else none to ring: said as such (why_not)
+        try:
+            check_per_token(gm, _sequence_length(gm), [attention for attention, _ in found])
+        except SequenceMixError as err:
+            raise ContextParallelError(str(err)) from None
     return found
 
 

@@ -1,0 +1,205 @@
+"""Does the model work token by token outside its attention? Checked before context parallelism.
+
+Under context parallelism each rank holds a slice of every sequence, and everything but attention
+(made a ring) runs on the rank's tokens alone. An op that reads across the sequence elsewhere - a
+classifier's mean over the tokens, the first token taken as the sequence's summary (BERT's and
+ViT's [CLS]), the last token (a reward model's), a softmax, cumulative sum, flip or convolution
+along the sequence, a linear or matmul contracting it - would run on a slice and train to other
+numbers without an error. `check_per_token` follows the sequence dimension from the inputs (dim 1
+of each input as long as the sequence) through the graph, as views and transposes move it, and
+raises ContextParallelError naming the first op that works along it, reduces it or changes its
+length. Attention's own ops (found by passes.rewrite.context_parallel) and losses (ops giving a
+scalar, averaged over the group) are where reading across tokens is made exact.
+
+What it cannot see it lets pass: once the sequence is merged with another dimension (batch and
+sequence flattened into rows, as before a cross-entropy), it is no longer followed.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from passes.capture.trace import CONSTANT
+from passes.rewrite.tp_views import _arg, _val, op_name
+
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze",
+          "contiguous", "clone", "to", "_to_copy", "type_as", "float",
+          "alias", "detach", "getitem"}
+# ops that work along a dimension they are given, keeping its length
+_ALONG = {"softmax": 1, "log_softmax": 1, "_softmax": 1, "_log_softmax": 1, "cumsum": 1,
+          "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 1, "flip": 1, "sort": 1,
+          "argsort": 1, "roll": 2}
+# reductions, and where their dimension argument is
+_REDUCE = {**dict.fromkeys(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std",
+                            "any", "all", "logsumexp", "argmax", "argmin", "median", "var_mean",
+                            "std_mean", "count_nonzero"), 1),
+           **dict.fromkeys(("topk", "kthvalue", "norm", "linalg_vector_norm"), 2)}
+# ops that take positions along a dimension they are given
+_TAKE = {"select": 1, "narrow": 1, "slice": 1, "index_select": 1, "gather": 1,
+         "take_along_dim": 2}
+_CONTRACT_LAST = {"linear", "Linear", "addmm"}
+_MATMUL = {"matmul", "bmm", "mm", "baddbmm"}
+_CONV = {"conv1d", "conv2d", "conv3d", "convolution", "Conv1d", "Conv2d", "Conv3d"}
+
+
+class SequenceMixError(ValueError):
+    """An op outside attention reads across the sequence (see the module docstring)."""
+
+
+def attention_nodes(output: fx.Node, inputs: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of one attention: `output` and what it is computed from, back to `inputs`
+    (its q, k, v and mask)."""
+    found, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        if node in found or node in inputs or node.op in ("placeholder", "get_attr"):
+            continue
+        found.add(node)
+        stack.extend(node.all_input_nodes)
+    return found
+
+
+def check_per_token(gm: fx.GraphModule, seq: int, attentions: list) -> None:
+    """Raise SequenceMixError unless every op of `gm` but those of `attentions` (found by
+    passes.rewrite.context_parallel, each with .output, .q, .k, .v, .mask) works token by token on
+    the sequence of `seq` positions. An attention's output keeps its query's sequence dimension."""
+    exempt: set[fx.Node] = set()
+    for a in attentions:
+        exempt |= attention_nodes(a.output, {a.q, a.k, a.v} | ({a.mask} if a.mask else set()))
+    outputs = {a.output: a.q for a in attentions}
+    pos: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        out = _val(node)
+        if node.op == "placeholder":
+            if out is not None and out.dim() >= 2 and out.shape[1] == seq and \
+                    not node.meta.get(CONSTANT):
+                pos[node] = 1
+            continue
+        if node in outputs and outputs[node] in pos:
+            pos[node] = pos[outputs[node]]
+            continue
+        carried = [a for a in node.all_input_nodes if a in pos]
+        if not carried or node in exempt or node.op == "output" or node.meta.get(CONSTANT):
+            continue
+        if out is None and node.target is not operator.getitem and not _tuple_of_tensors(node):
+            continue
+        found = _follow(gm, node, carried[0], pos)
+        if isinstance(found, str):
+            raise SequenceMixError(
+                f"{node.name} ({op_name(gm, node)}) {found}: under context parallelism each rank "
+                f"holds a slice of every sequence, so it would see only its own tokens; plan "
+                f"with cp=1")
+        if found is not None:
+            pos[node] = found
+
+
+def _tuple_of_tensors(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
+    """Where `node` keeps the sequence dimension of `src`, one of its inputs (None: merged
+    away, no longer followed), or what it does across it."""
+    name = op_name(gm, node)
+    p = pos[src]
+    if _val(src) is None:  # a part of a tuple taken by getitem: as long, it keeps the place
+        out = _val(node)
+        keeps = node.target is operator.getitem and out is not None and out.dim() > p
+        return p if keeps else None
+    shape = _val(src).shape
+    ndim = len(shape)
+    if p >= ndim:
+        return None
+    if name in _ALONG and _dims(node, _ALONG[name], ndim, p):
+        return f"works along the sequence (dim {p} of {src.name})"
+    if name in _REDUCE and _dims(node, _REDUCE[name], ndim, p, whole=True):
+        return f"reduces over the sequence (dim {p} of {src.name})"
+    if name in _TAKE and _dims(node, _TAKE[name], ndim, p):
+        out = _val(node)
+        if out is None or out.dim() <= p or out.shape[p] != shape[p] or name == "select":
+            return f"takes some positions of the sequence (dim {p} of {src.name})"
+        return p
+    if node.target is operator.getitem and _picks(node.args[1], p):
+        return f"takes some positions of the sequence (dim {p} of {src.name})"
+    if name == "index" and _indexes(node, p):
+        return f"takes some positions of the sequence (dim {p} of {src.name})"
+    first = node.args[0] if node.args else None
+    if name in _CONTRACT_LAST and first in pos and pos[first] == _val(first).dim() - 1:
+        return f"contracts the sequence (the last dim of {first.name})"
+    if name in _MATMUL and _contracts(node, pos):
+        return "contracts the sequence in a matrix product"
+    if name in _CONV and p >= 2:
+        return f"convolves along the sequence (dim {p} of {src.name})"
+    if name in ("transpose", "swapaxes"):
+        d0, d1 = (int(d) % ndim for d in node.args[1:3])
+        return d1 if p == d0 else d0 if p == d1 else p
+    if name == "t":
+        return 1 - p
+    if name == "permute":
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return [int(d) % ndim for d in dims].index(p)
+    return _kept(node, shape, p, view=name in _VIEWS)
+
+
+def _dims(node: fx.Node, index: int, ndim: int, p: int, whole: bool = False) -> bool:
+    """Whether the dimension argument of `node` (at `index`, or dim/dims) names dim p; `whole`:
+    no dimension means every one (a full reduction)."""
+    given = node.kwargs.get("dim", node.kwargs.get("dims", _arg(node, index, "dim")))
+    if given is None:
+        return whole and _val(node) is not None and _val(node).dim() > 0
+    given = given if isinstance(given, (list, tuple)) else [given]
+    return any(isinstance(d, int) and not isinstance(d, bool) and d % ndim == p for d in given)
+
+
+def _picks(index, p: int) -> bool:
+    """Whether a Python index (x[:, 0], x[:, -1], x[:, :k]) takes part of dim p."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        return False  # dims counted from the end: not followed
+    consumed = [i for i in index if i is not None]
+    return len(consumed) > p and consumed[p] != slice(None)
+
+
+def _indexes(node: fx.Node, p: int) -> bool:
+    """aten.index(x, indices): whether an index tensor stands at dim p."""
+    indices = _arg(node, 1, "indices")
+    return isinstance(indices, (list, tuple)) and len(indices) > p and indices[p] is not None
+
+
+def _contracts(node: fx.Node, pos: dict) -> bool:
+    """Whether a matrix product contracts the sequence: the last dim of its first factor, the
+    next-to-last of its second."""
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    a, b = (args[-2:] if len(args) >= 2 else args + [None])[:2]
+    if a in pos and _val(a) is not None and pos[a] == _val(a).dim() - 1:
+        return True
+    return b in pos and _val(b) is not None and _val(b).dim() >= 2 and \
+        pos[b] == _val(b).dim() - 2
+
+
+def _kept(node: fx.Node, shape, p: int, view: bool) -> int | str | None:
+    """The sequence's place in `node`'s output: after as many elements as before (a view), or
+    left- or right-aligned (reductions over later dims, elementwise ops that broadcast)."""
+    out = _val(node)
+    if out is None:  # a tuple (split, chunk along another dimension): its parts keep it
+        return p
+    seq = shape[p]
+    if view:  # followed where it stays in place: moved by a view, it may be merged (b = 1)
+        if out.dim() > p and math.prod(out.shape[:p]) == math.prod(shape[:p]) and \
+                out.shape[p] == seq:
+            return p
+        if out.numel() == math.prod(shape):
+            return None  # merged with another dimension
+        return f"takes some positions of the sequence ({seq} in, {tuple(out.shape)} out)"
+    if out.dim() > p and tuple(out.shape[:p + 1]) == tuple(shape[:p + 1]):
+        return p  # the same leading dimensions (an embedding, a reduction over later ones)
+    right = p + out.dim() - len(shape)  # broadcast against a value of more dimensions
+    if 0 <= right < out.dim() and out.shape[right] == seq:
+        return right
+    if out.dim() == 0:
+        return None  # a loss, averaged over the group
+    return f"changes the sequence's length ({seq} positions in, {tuple(out.shape)} out)"
