@@ -12,7 +12,8 @@ length. Attention's own ops (found by passes.rewrite.context_parallel) and losse
 scalar, averaged over the group) are where reading across tokens is made exact.
 
 What it cannot see it lets pass: once the sequence is merged with another dimension (batch and
-sequence flattened into rows, as before a cross-entropy), it is no longer followed.
+sequence flattened into rows, as before a cross-entropy), it is no longer followed; nor are the
+parts of a split or chunk along it, nor ops inside an attention the ring replaces.
 """
 from __future__ import annotations
 
