@@ -70,6 +70,8 @@ def check_per_token(gm: fx.GraphModule, seq: int, attentions: list) -> None:
     exempt: set[fx.Node] = set()
     for a in attentions:
         exempt |= attention_nodes(a.output, {a.q, a.k, a.v} | ({a.mask} if a.mask else set()))
+        if a.mask is not None:  # built from the whole sequence's inputs (passes.rewrite.cp_masks)
+            exempt |= attention_nodes(a.mask, set())
     outputs = {a.output: a.q for a in attentions}
     pos: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
