@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.rewrite.sharding import LAYER, ancestors
+from passes.rewrite.sum_losses import sum_terms
 from passes.rewrite.tables import table
 from runtime.training.loss_tokens import LossCount, count_targets, per_token
 
@@ -60,12 +61,16 @@ def cross_entropy_args(gm: fx.GraphModule, node: fx.Node) -> dict | None:
 
 
 def token_mean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite every mean or sum cross-entropy as described above; in place."""
+    """Rewrite every mean or sum cross-entropy as described above, and read every other loss
+    function of reduction "sum" through per_token with a count of 1; in place."""
     found = [(node, args) for node in gm.graph.nodes
              for args in [cross_entropy_args(gm, node)] if args and args["reduction"] != "none"]
+    sums = sum_terms(gm)
     for index, (node, args) in enumerate(found):
         _rewrite(gm, node, args, BUFFER + (f"_{index}" if index else ""))
-    if found:
+    for index, node in enumerate(sums, len(found)):
+        _undo_average(gm, node, BUFFER + (f"_{index}" if index else ""))
+    if found or sums:
         gm.graph.lint()
         gm.recompile()
     return gm
@@ -92,6 +97,24 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, args: dict, buffer: str) -> None
         new.meta = {k: v for k, v in node.meta.items() if k in ("val", LAYER)}
     node.replace_all_uses_with(loss)
     graph.erase_node(node)
+
+
+def _undo_average(gm: fx.GraphModule, node: fx.Node, buffer: str) -> None:
+    """A loss function of reduction "sum" (passes.rewrite.sum_losses), read through per_token with
+    a count of 1: the trainer then sets `buffer` to 1 / (m·R), undoing its average."""
+    device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
+    gm.register_buffer(buffer, table(torch.zeros(()), device), persistent=False)
+    graph = gm.graph
+    with graph.inserting_after(node):
+        count = graph.call_function(count_targets, (node, -100, None, False))
+    with graph.inserting_after(count):
+        tokens = graph.get_attr(buffer)
+    with graph.inserting_after(tokens):
+        loss = graph.call_function(per_token, (node, count, tokens))
+    for new in (count, tokens, loss):
+        new.meta = {k: v for k, v in node.meta.items() if k in ("val", LAYER)}
+    node.replace_all_uses_with(loss, delete_user_cb=lambda user: user is not loss and
+                               user is not count)
 
 
 def loss_counts(gm: fx.GraphModule) -> tuple[LossCount, ...]:

@@ -48,8 +48,24 @@ class TinyLM(torch.nn.Module):
         return self.loss(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class _SummedRegression(torch.nn.Module):
+    """Squared and absolute errors of the probabilities against one-hot targets, both summed:
+    an nn module's (MSELoss) and a function's (F.l1_loss) reduction "sum"."""
+
+    def __init__(self):
+        super().__init__()
+        self.squared = torch.nn.MSELoss(reduction="sum")
+
+    def forward(self, logits, targets):
+        probs = logits.softmax(-1)
+        onehot = torch.nn.functional.one_hot(targets.clamp_min(0), probs.shape[-1]).float()
+        absolute = torch.nn.functional.l1_loss(probs, onehot, reduction="sum")
+        return self.squared(probs, onehot) + 0.5 * absolute
+
+
 class _Custom:
-    """TinyLM with a loss of its own: a sum, or a mean with class weights and label smoothing."""
+    """TinyLM with a loss of its own: a sum, a mean with class weights and label smoothing, or
+    summed errors other than a cross-entropy."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -58,6 +74,8 @@ class _Custom:
         gen = torch.Generator().manual_seed(0)
         if self.kind == "sum":
             loss = torch.nn.CrossEntropyLoss(reduction="sum")
+        elif self.kind == "summed-errors":
+            loss = _SummedRegression()
         else:
             weight = torch.rand(64, generator=gen) + 0.5
             loss = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
@@ -99,6 +117,16 @@ def test_a_summed_loss_and_a_weighted_smoothed_mean(pool4, kind):
     # A sum's gradients are a batch's worth larger: one SGD step of them already moves every
     # weight far, and a second would compare summation-order noise grown by that step.
     _train(pool4, _Custom(kind), {"dp": 2, "pp": 2}, steps=1 if kind == "sum" else STEPS)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", [{"dp": 2, "pp": 2}, {"dp": 4, "mb": 1}],
+                         ids=["dp2-pp2", "dp4-mb1"])
+def test_loss_functions_that_sum_train_like_one_process(pool4, mesh):
+    """Loss functions of reduction "sum" other than cross-entropy (passes.rewrite.sum_losses):
+    the trainer's average over micro-batches and replicas is undone, as for a summed
+    cross-entropy. Before, the loss and its gradients came out divided by m·R (4 and 8 here)."""
+    _train(pool4, _Custom("summed-errors"), mesh)
 
 
 @pytest.mark.dist

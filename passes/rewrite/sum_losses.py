@@ -1,0 +1,99 @@
+"""Loss functions of reduction "sum" other than cross-entropy's.
+
+The trainer averages the losses of a step's m micro-batches and R replicas with equal weights,
+which is one process's loss over the whole batch when the loss is a mean. A loss that sums
+(`F.mse_loss(..., reduction="sum")`, `nn.L1Loss(reduction="sum")`) would come out divided by m·R,
+and so would its gradients: training would differ from one process without an error. `sum_terms`
+finds every such loss function applied to the inputs' values whose result the graph's output
+adds up (through sums, differences, and products or quotients - as the dividend - with values
+not computed from the inputs); passes.rewrite.token_mean reads each through per_token with a
+count of 1, as it does a sum cross-entropy, so that the trainer's average is undone. One divided
+by a value computed from the inputs (a count of tokens) is a mean already, and left as it is.
+
+A sum written out (`(out - y).pow(2).sum()`) is not recognised: whether it sums over the batch or
+over something else (a mixture of experts' balance loss sums batch means over the experts) is
+not read from the graph; docs/training.md says to write such a loss as a mean or with a loss
+function.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from passes.capture.trace import CONSTANT
+from passes.rewrite.tp_views import op_name
+
+_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss",
+           "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+           "soft_margin_loss", "poisson_nll_loss", "gaussian_nll_loss", "margin_ranking_loss",
+           "hinge_embedding_loss", "cosine_embedding_loss", "multilabel_soft_margin_loss",
+           "multi_margin_loss", "multilabel_margin_loss", "triplet_margin_loss"}
+_LINEAR = {"add", "sub", "neg", "mul", "div", "truediv"}
+_SUM = 2  # aten's reduction enum: none, mean, sum
+
+
+def sum_terms(gm: fx.GraphModule) -> list[fx.Node]:
+    """The loss functions of reduction "sum" that the loss adds up (module docstring)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return [node for node in gm.graph.nodes
+            if _sum_loss(gm, node) and _reads_inputs(node) and _summed_into(gm, node, output)]
+
+
+def _sum_loss(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A loss function (F.*, aten's, an nn module) of reduction "sum"."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return isinstance(module, nn.modules.loss._Loss) and module.reduction == "sum" and \
+            not isinstance(module, nn.CrossEntropyLoss)
+    if node.op != "call_function" or op_name(gm, node) not in _LOSSES:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        names = [a.name for a in node.target._schema.arguments]
+    else:
+        try:
+            names = list(inspect.signature(node.target).parameters)
+        except (TypeError, ValueError):
+            return False
+    given = {**dict(zip(names, node.args)), **node.kwargs}
+    return given.get("reduction") in ("sum", _SUM)
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Computed from an input of the graph (not constants and parameters alone)."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen or current.meta.get(CONSTANT):
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def _summed_into(gm: fx.GraphModule, node: fx.Node, output: fx.Node) -> bool:
+    """Whether every path from `node` to the output adds it into the loss: through sums and
+    differences, and products or quotients (as the dividend) with values not from the inputs."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user is output:
+                continue
+            name = op_name(gm, user)
+            others = [a for a in user.all_input_nodes if a is not current]
+            if name not in _LINEAR or any(_reads_inputs(a) for a in others if
+                                          name in ("mul", "div", "truediv")):
+                return False
+            if name in ("div", "truediv") and user.args[0] is not current:
+                return False
+            stack.append(user)
+    return True
+
