@@ -50,7 +50,7 @@ import torch.nn as nn
 from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.sharding import ShardingError, linear_site, linear_weight
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
-from passes.rewrite.tp_grad_paths import ShareFixes, from_statistics, share_fixes
+from passes.rewrite.tp_grad_paths import ShareFixes, share_fixes
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
 from passes.rewrite.value_sources import carries_grad, is_constant, trained_param
 
@@ -165,6 +165,8 @@ class _Flow(ViewRules):
                 self.fail(node, f"is sharded over tp={self.tp} and leaves the layer (read by "
                                 f"{outside[0].name}) without reaching a row-parallel linear")
         self.found.shares = share_fixes(self.gm, self.nodes, self.found.reduced, self.dim)
+        for node, wholes in self.found.broadcast.items():  # those from statistics: share_fixes
+            wholes[:] = [a for a in wholes if a not in self.found.shares.region]
         if self.found.shares.module is not None:
             self.fail(self.found.shares.module, "applies a module with parameters of its own to "
                       "the statistics of a norm over the sharded features, so each rank would "
@@ -265,9 +267,8 @@ class _Flow(ViewRules):
                 if in_blocks and self._slices(node, a, v, aligned, out.shape[d], sharded):
                     continue
                 self.fail(node, why)
-            elif a not in self.dim and v is not None and carries_grad(self.gm, a) and not \
-                    from_statistics(self.gm, a, self.found.reduced, self.inside, self.dim):
-                self.found.broadcast.setdefault(node, []).append(a)  # else: share_fixes
+            elif a not in self.dim and v is not None and carries_grad(self.gm, a):
+                self.found.broadcast.setdefault(node, []).append(a)
         self.dim[node] = d
         if in_blocks:
             self.blocks.add(node)

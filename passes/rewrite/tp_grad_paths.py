@@ -42,22 +42,9 @@ class ShareFixes:
     # a module with parameters of its own applied to such values: its parameters would get
     # each rank's share of their gradient, summed nowhere (the layer is refused)
     module: fx.Node | None = None
-
-
-def from_statistics(gm, value: fx.Node, reduced, inside: set, sharded) -> bool:
-    """Whether `value` is computed, inside the layer and short of a linear, from a norm's
-    statistics summed over the sharded features."""
-    seen, stack = set(), [value]
-    while stack:
-        node = stack.pop()
-        if node in reduced:
-            return True
-        if node in seen or node in sharded or node not in inside or node.op not in _COMPUTE \
-                or linear_site(gm, node) is not None:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return False
+    # the whole values computed from the statistics (the rest are read through tp_copy where
+    # they meet sharded values: Findings.broadcast)
+    region: set[fx.Node] = field(default_factory=set)
 
 
 def _region(gm, nodes: list[fx.Node], reduced, sharded) -> tuple[set, set]:
@@ -87,7 +74,7 @@ def share_fixes(gm: fx.GraphModule, nodes: list[fx.Node], reduced, sharded) -> S
         if node in mixed and all(u in sharded or u in partial for u in node.users):
             partial.add(node)
     fixes = ShareFixes(module=next((n for n in region if n.op == "call_module" and any(
-        True for _ in gm.get_submodule(n.target).parameters())), None))
+        True for _ in gm.get_submodule(n.target).parameters())), None), region=region)
     for node in region:
         for reader in node.users:
             if is_size(reader):
