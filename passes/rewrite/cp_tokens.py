@@ -11,9 +11,10 @@ raises ContextParallelError naming the first op that works along it, reduces it 
 length. Attention's own ops (found by passes.rewrite.context_parallel) and losses (ops giving a
 scalar, averaged over the group) are where reading across tokens is made exact.
 
-What it cannot see it lets pass: once the sequence is merged with another dimension (batch and
+What it cannot see it lets pass: once the sequence is merged with a dimension before it (batch and
 sequence flattened into rows, as before a cross-entropy), it is no longer followed; nor are the
-parts of a split or chunk along it, nor ops inside an attention the ring replaces.
+parts of a split or chunk along it, nor ops inside an attention the ring replaces. Merged with
+the dimensions after it, it is followed as their outermost part.
 """
 from __future__ import annotations
 
@@ -72,14 +73,29 @@ def check_per_token(gm: fx.GraphModule, seq: int, attentions: list) -> None:
         exempt |= attention_nodes(a.output, {a.q, a.k, a.v} | ({a.mask} if a.mask else set()))
         if a.mask is not None:  # built from the whole sequence's inputs (passes.rewrite.cp_masks)
             exempt |= attention_nodes(a.mask, set())
-    outputs = {a.output: a.q for a in attentions}
+
+    def refuse(node: fx.Node, what: str) -> None:
+        raise SequenceMixError(
+            f"{node.name} ({op_name(gm, node)}) {what}: under context parallelism each rank holds "
+            f"a slice of every sequence, so it would see only its own tokens; plan with cp=1")
+    follow_dim(gm, 1, seq, refuse, exempt, {a.output: a.q for a in attentions})
+
+
+def follow_dim(gm: fx.GraphModule, dim: int, size: int, across, exempt=frozenset(),
+               outputs=None) -> dict[fx.Node, int]:
+    """Where dimension `dim` of the inputs as long as `size` lies in each value computed from
+    them (node -> its position), as views, transposes and ops that keep it move it. An op that
+    works across it (reduces it, takes some of its positions, ...) is reported to
+    `across(node, what)`, and not followed beyond; nor are `exempt` nodes, and `outputs` maps a
+    node to the one whose position it keeps."""
+    outputs = outputs or {}
     pos: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         out = _val(node)
         if node.op == "placeholder":
-            if out is not None and out.dim() >= 2 and out.shape[1] == seq and \
+            if out is not None and out.dim() > dim and out.shape[dim] == size and \
                     not node.meta.get(CONSTANT):
-                pos[node] = 1
+                pos[node] = dim
             continue
         if node in outputs and outputs[node] in pos:
             pos[node] = pos[outputs[node]]
@@ -91,12 +107,10 @@ def check_per_token(gm: fx.GraphModule, seq: int, attentions: list) -> None:
             continue
         found = _follow(gm, node, carried[0], pos)
         if isinstance(found, str):
-            raise SequenceMixError(
-                f"{node.name} ({op_name(gm, node)}) {found}: under context parallelism each rank "
-                f"holds a slice of every sequence, so it would see only its own tokens; plan "
-                f"with cp=1")
-        if found is not None:
+            across(node, found)
+        elif found is not None:
             pos[node] = found
+    return pos
 
 
 def _tuple_of_tensors(node: fx.Node) -> bool:
@@ -191,9 +205,9 @@ def _kept(node: fx.Node, shape, p: int, view: bool) -> int | str | None:
     if out is None:  # a tuple (split, chunk along another dimension): its parts keep it
         return p
     seq = shape[p]
-    if view:  # followed where it stays in place: moved by a view, it may be merged (b = 1)
+    if view:  # followed where it stays in place, alone or merged with the dims after it
         if out.dim() > p and math.prod(out.shape[:p]) == math.prod(shape[:p]) and \
-                out.shape[p] == seq:
+                out.shape[p] % seq == 0:
             return p
         if out.numel() == math.prod(shape):
             return None  # merged with another dimension

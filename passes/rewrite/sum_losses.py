@@ -1,19 +1,19 @@
-"""Loss functions of reduction "sum" other than cross-entropy's.
+"""Losses that sum over the batch rather than average it, other than cross-entropy's.
 
 The trainer averages the losses of a step's m micro-batches and R replicas with equal weights,
 which is one process's loss over the whole batch when the loss is a mean. A loss that sums
-(`F.mse_loss(..., reduction="sum")`, `nn.L1Loss(reduction="sum")`) would come out divided by m·R,
-and so would its gradients: training would differ from one process without an error. `sum_terms`
-finds every such loss function applied to the inputs' values whose result the graph's output
-adds up (through sums, differences, and products or quotients - as the dividend - with values
-not computed from the inputs); passes.rewrite.token_mean reads each through per_token with a
-count of 1, as it does a sum cross-entropy, so that the trainer's average is undone. One divided
-by a value computed from the inputs (a count of tokens) is a mean already, and left as it is.
-
-A sum written out (`(out - y).pow(2).sum()`) is not recognised: whether it sums over the batch or
-over something else (a mixture of experts' balance loss sums batch means over the experts) is
-not read from the graph; docs/training.md says to write such a loss as a mean or with a loss
-function.
+(`F.mse_loss(..., reduction="sum")`, `nn.L1Loss(reduction="sum")`, `(out - y).pow(2).sum()`,
+`0.5 * err.sum() / 64`) would come out divided by m·R, and so would its gradients: training
+would differ from one process without an error. `sum_terms` finds every such term of the loss:
+a loss function of reduction "sum" applied to the inputs' values, or a sum over every dimension
+of a value that still holds the batch's dimension (followed from the inputs' dim 0 by
+passes.rewrite.cp_tokens.follow_dim), from which the graph's output is reached only through sums,
+differences, and products or quotients (as the dividend) with values not computed from the inputs.
+passes.rewrite.token_mean reads each through per_token with a count of 1, as it does a sum
+cross-entropy, so that the trainer's average is undone. One divided by a value computed from the
+inputs (`x.sum() / x.shape[0]`, a mask's count) is a mean already, and left as it is; so is a sum
+of values the batch was averaged or merged away from (a mixture of experts' balance loss sums
+means over the tokens).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.capture.trace import CONSTANT
+from passes.rewrite.cp_tokens import follow_dim
 from passes.rewrite.tp_views import op_name
 
 _LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss",
@@ -36,10 +37,14 @@ _SUM = 2  # aten's reduction enum: none, mean, sum
 
 
 def sum_terms(gm: fx.GraphModule) -> list[fx.Node]:
-    """The loss functions of reduction "sum" that the loss adds up (module docstring)."""
+    """The sums over the batch that the loss adds up (module docstring)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
+    first = next((n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"), None)
+    batched = follow_dim(gm, 0, first.shape[0], lambda node, what: None) \
+        if isinstance(first, torch.Tensor) and first.dim() else {}
     return [node for node in gm.graph.nodes
-            if _sum_loss(gm, node) and _reads_inputs(node) and _summed_into(gm, node, output)]
+            if (_sum_loss(gm, node) or _full_sum(node, batched)) and _reads_inputs(node)
+            and _summed_into(gm, node, output)]
 
 
 def _sum_loss(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -59,6 +64,17 @@ def _sum_loss(gm: fx.GraphModule, node: fx.Node) -> bool:
             return False
     given = {**dict(zip(names, node.args)), **node.kwargs}
     return given.get("reduction") in ("sum", _SUM)
+
+
+def _full_sum(node: fx.Node, batched: dict) -> bool:
+    """A sum over every dimension of a value that holds the batch's (a 0-d result)."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return False
+    name = str(getattr(node.target, "__name__", node.target)).split(".")[0]
+    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    value = node.meta.get("val")
+    return name == "sum" and dims in (None, [], ()) and node.args[0] in batched and \
+        isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def _reads_inputs(node: fx.Node) -> bool:

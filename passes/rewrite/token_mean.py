@@ -131,12 +131,28 @@ def loss_counts(gm: fx.GraphModule) -> tuple[LossCount, ...]:
     return tuple(counts)
 
 
+def targets_from_modules(gm: fx.GraphModule) -> str | None:
+    """Why the targets of a mean cross-entropy cannot be counted apart from the model (the
+    trainer counts each micro-batch's from its inputs alone, `_counter`), or None. Asked at plan
+    time too, so that such a model is refused there, not at its first step."""
+    for node in gm.graph.nodes:
+        args = cross_entropy_args(gm, node)
+        if args is None or args["reduction"] != "mean" or not isinstance(args["target"], fx.Node):
+            continue
+        modules = [n.name for n in ancestors(args["target"]) if n.op == "call_module"]
+        if modules:
+            return (f"the targets of loss {node.name} are computed by modules "
+                    f"({', '.join(sorted(modules))}), or from the size of their output "
+                    f"(torch.arange(logits.shape[0])): pass them to the model as an input")
+    return None
+
+
 def _counter(gm: fx.GraphModule, count: fx.Node) -> tuple[fx.GraphModule, tuple[str, ...]]:
     needed = ancestors(count)
     modules = [n.name for n in needed if n.op == "call_module"]
     if modules:
         raise ValueError(f"the targets of loss {count.name} are computed by modules "
-                         f"({', '.join(modules)}): pass them to the model as an input")
+                         f"({', '.join(sorted(modules))}): pass them to the model as an input")
     graph, env = fx.Graph(), {}
     for node in gm.graph.nodes:
         if node in needed:

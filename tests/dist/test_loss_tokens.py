@@ -49,8 +49,10 @@ class TinyLM(torch.nn.Module):
 
 
 class _SummedRegression(torch.nn.Module):
-    """Squared and absolute errors of the probabilities against one-hot targets, both summed:
-    an nn module's (MSELoss) and a function's (F.l1_loss) reduction "sum"."""
+    """Errors of the probabilities against one-hot targets, summed over the batch: by an nn
+    module's reduction "sum" (MSELoss), a function's (F.l1_loss) and written out (`.sum()` of
+    the rows); beside them a sum that is not over the batch (of the batch's mean per class, as a
+    mixture of experts' balance loss sums means over the tokens), which must stay as it is."""
 
     def __init__(self):
         super().__init__()
@@ -60,7 +62,9 @@ class _SummedRegression(torch.nn.Module):
         probs = logits.softmax(-1)
         onehot = torch.nn.functional.one_hot(targets.clamp_min(0), probs.shape[-1]).float()
         absolute = torch.nn.functional.l1_loss(probs, onehot, reduction="sum")
-        return self.squared(probs, onehot) + 0.5 * absolute
+        cubed = (probs - onehot).abs().pow(3).sum()
+        batch_mean = (probs * onehot).mean(0).sum()  # a mean over the batch, summed over classes
+        return self.squared(probs, onehot) + 0.5 * absolute + 0.25 * cubed - batch_mean
 
 
 class _Custom:
@@ -123,10 +127,11 @@ def test_a_summed_loss_and_a_weighted_smoothed_mean(pool4, kind):
 @pytest.mark.parametrize("mesh", [{"dp": 2, "pp": 2}, {"dp": 4, "mb": 1}],
                          ids=["dp2-pp2", "dp4-mb1"])
 def test_loss_functions_that_sum_train_like_one_process(pool4, mesh):
-    """Loss functions of reduction "sum" other than cross-entropy (passes.rewrite.sum_losses):
-    the trainer's average over micro-batches and replicas is undone, as for a summed
-    cross-entropy. Before, the loss and its gradients came out divided by m·R (4 and 8 here)."""
-    _train(pool4, _Custom("summed-errors"), mesh)
+    """Sums over the batch other than cross-entropy's (passes.rewrite.sum_losses): the trainer's
+    average over micro-batches and replicas is undone, as for a summed cross-entropy, and only
+    for them. Before, the loss and its gradients came out divided by m·R (4 and 8 here). One
+    step, as for the summed cross-entropy above."""
+    _train(pool4, _Custom("summed-errors"), mesh, steps=1)
 
 
 @pytest.mark.dist

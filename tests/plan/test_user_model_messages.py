@@ -407,3 +407,25 @@ def test_a_block_listed_several_times_is_said_in_the_plan():
     chosen = plan(model, 2, batch, cluster="cpu-gloo", fix={"pp": 2})[0]
     assert [layer for st in chosen.stages for layer in st.layers] == ["embed", "blocks.0", "head"]
     assert any(n.startswith("blocks holds 1 distinct of its 4 blocks") for n in chosen.notes)
+
+
+class InBatchPairs(nn.Module):
+    """A contrastive loss whose targets are computed from the logits' size: the trainer counts
+    each micro-batch's targets from its inputs alone, which it cannot do here."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+
+    def forward(self, x, y):
+        logits = F.normalize(self.a(x), dim=-1) @ F.normalize(self.b(y), dim=-1).T
+        return F.cross_entropy(logits, torch.arange(logits.shape[0]))
+
+
+def test_targets_computed_from_the_model_are_refused_at_plan_time():
+    """Before, every rank failed at the first step with this reason; now the plan says it."""
+    with pytest.raises(ValueError) as err:
+        plan(InBatchPairs(), 2, (torch.randn(8, 8), torch.randn(8, 8)), cluster="cpu-gloo")
+    message = str(err.value)
+    assert "targets of loss" in message and "pass them to the model as an input" in message
+    assert "\n" not in message
