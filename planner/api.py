@@ -16,6 +16,7 @@ from cost_model.hardware.cluster import Cluster, get_cluster
 from cost_model.layers.memory import TrainingMemory
 from cost_model.layers.strategy import Strategy
 from passes.capture.trace import capture
+from passes.rewrite.sum_losses import baked_batch
 from passes.rewrite.token_mean import targets_from_modules
 from passes.stages.program import rank_programs
 from planner.search.experts import search_experts
@@ -270,11 +271,14 @@ def _capture(model: torch.nn.Module, inputs: tuple, parts=None):
     """capture, with a vision-language model's count of image tokens checked per sample in the
     graph (planner.models.hf_vlm.fixed_image_merge: transformers counts them from the tokens'
     values, which cannot be captured); the ranks run the captured graph, check included. A loss
-    whose targets the trainer cannot count apart from the model is refused here."""
+    whose targets the trainer cannot count apart from the model, or that export baked a batch
+    size into, is refused here."""
     from planner.models.hf_vlm import fixed_image_merge
     with fixed_image_merge(model):
         captured = capture(model, inputs, parts=parts)
     why = targets_from_modules(captured.gm)  # else every rank would fail at the first step
+    if captured.method == "export":  # sizes read from tensors are constants there
+        why = why or baked_batch(captured.gm, captured.batch)
     if why:
         raise ValueError(why)
     return captured

@@ -39,12 +39,31 @@ _SUM = 2  # aten's reduction enum: none, mean, sum
 def sum_terms(gm: fx.GraphModule) -> list[fx.Node]:
     """The sums over the batch that the loss adds up (module docstring)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
+    return [node for node in _sums(gm) if _summed_into(gm, node, output)]
+
+
+def _sums(gm: fx.GraphModule) -> list[fx.Node]:
+    """Loss functions of reduction "sum" and full sums of values holding the batch's dim."""
     first = next((n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"), None)
     batched = follow_dim(gm, 0, first.shape[0], lambda node, what: None) \
         if isinstance(first, torch.Tensor) and first.dim() else {}
     return [node for node in gm.graph.nodes
-            if (_sum_loss(gm, node) or _full_sum(node, batched)) and _reads_inputs(node)
-            and _summed_into(gm, node, output)]
+            if (_sum_loss(gm, node) or _full_sum(node, batched)) and _reads_inputs(node)]
+
+
+def baked_batch(gm: fx.GraphModule, batch: int) -> str | None:
+    """Why a graph captured by torch.export, from an example of `batch` samples, divides a sum
+    over the batch by `batch` written as a constant (`err.sum() / err.shape[0]`, a size export
+    does not keep), or None: run on other micro-batches it would divide by the wrong count."""
+    for node in _sums(gm):
+        for user in node.users:
+            if op_name(gm, user) in ("div", "truediv") and user.args[0] is node and \
+                    user.args[1] == batch and not isinstance(user.args[1], bool):
+                return (f"{user.name} divides the sum {node.name} over the batch by {batch}, "
+                        f"the captured example's batch size read from a tensor's shape, which "
+                        f"torch.export keeps as a constant: every micro-batch would be divided "
+                        f"by it; write the loss with .mean() instead")
+    return None
 
 
 def _sum_loss(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -429,3 +429,28 @@ def test_targets_computed_from_the_model_are_refused_at_plan_time():
     message = str(err.value)
     assert "targets of loss" in message and "pass them to the model as an input" in message
     assert "\n" not in message
+
+
+class BatchSizeMean(nn.Module):
+    """A mean written as a sum divided by the batch size read from a shape; iterating over the
+    chunks of a projection makes symbolic_trace fail, so the capture falls back to torch.export,
+    which keeps that size as the example's constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, y):
+        a, b = (torch.tanh(part) for part in self.proj(x).chunk(2, -1))
+        for block in self.blocks:
+            a = a + torch.tanh(block(a))
+        err = (a * torch.sigmoid(b) - y).pow(2)
+        return err.sum() / err.shape[0]
+
+
+def test_a_batch_size_export_baked_into_the_loss_is_refused():
+    """Before, every micro-batch's loss was divided by the captured example's batch (1)."""
+    with pytest.raises(ValueError) as err:
+        plan(BatchSizeMean(), 2, (torch.randn(8, 8), torch.randn(8, 8)), cluster="cpu-gloo")
+    assert "torch.export keeps as a constant" in str(err.value) and ".mean()" in str(err.value)
