@@ -12,7 +12,10 @@ Each such loss becomes, in place (runtime.training.loss_tokens):
     loss   = per_token(summed, count, tokens)                      # tokens: a 0-d buffer
 
 and `loss_counts` reads, from the rewritten graph at its local shapes, the nodes that lead to each
-`count`: the trainer runs them on every micro-batch before a step to set `tokens`.
+`count`: the trainer runs them on every micro-batch before a step to set `tokens`. Any other sum
+over the batch that the loss adds up (passes.rewrite.sum_losses: `F.mse_loss(reduction="sum")`,
+`err.sum()`) becomes per_token(sum, 1, tokens), the trainer's average undone as for a summed
+cross-entropy.
 """
 from __future__ import annotations
 
@@ -61,8 +64,9 @@ def cross_entropy_args(gm: fx.GraphModule, node: fx.Node) -> dict | None:
 
 
 def token_mean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite every mean or sum cross-entropy as described above, and read every other loss
-    function of reduction "sum" through per_token with a count of 1; in place."""
+    """Rewrite every mean or sum cross-entropy as described above, and read every other sum over
+    the batch that the loss adds up (passes.rewrite.sum_losses) through per_token with a count
+    of 1; in place."""
     found = [(node, args) for node in gm.graph.nodes
              for args in [cross_entropy_args(gm, node)] if args and args["reduction"] != "none"]
     sums = sum_terms(gm)
@@ -76,9 +80,14 @@ def token_mean(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node, args: dict, buffer: str) -> None:
+def _add_buffer(gm: fx.GraphModule, buffer: str) -> None:
+    """The 0-d buffer the trainer sets before each step (runtime.training.loss_tokens)."""
     device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
     gm.register_buffer(buffer, table(torch.zeros(()), device), persistent=False)
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, args: dict, buffer: str) -> None:
+    _add_buffer(gm, buffer)
     graph = gm.graph
     with graph.inserting_before(node):
         weight = args["weight"]
@@ -100,10 +109,9 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, args: dict, buffer: str) -> None
 
 
 def _undo_average(gm: fx.GraphModule, node: fx.Node, buffer: str) -> None:
-    """A loss function of reduction "sum" (passes.rewrite.sum_losses), read through per_token with
-    a count of 1: the trainer then sets `buffer` to 1 / (m·R), undoing its average."""
-    device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
-    gm.register_buffer(buffer, table(torch.zeros(()), device), persistent=False)
+    """A sum over the batch (passes.rewrite.sum_losses), read through per_token with a count of
+    1: the trainer then sets `buffer` to 1 / (m·R), undoing its average."""
+    _add_buffer(gm, buffer)
     graph = gm.graph
     with graph.inserting_after(node):
         count = graph.call_function(count_targets, (node, -100, None, False))
