@@ -222,7 +222,8 @@ class _Flow(ViewRules):
                  "sink_attention": self._sink_attention,
                  "matmul": self._matmul, "bmm": self._matmul, "mm": self._matmul,
                  "pad": self._pad, "constant_pad_nd": self._pad, "einsum": self._einsum,
-                 "baddbmm": self._baddbmm}
+                 "baddbmm": self._baddbmm, "view_as_complex": self._complex,
+                 "view_as_real": self._complex}
         rule = rules.get(name)
         if rule is None:
             why = (f"reads a value sharded over tp={self.tp} (dimension {d} of {src.name}) and "

@@ -194,6 +194,16 @@ class ViewRules:
             self.fail(node, "unbinds the sharded dimension")
         self.dim[node] = d - (dim < d)
 
+    def _complex(self, node, src, d) -> None:
+        """view_as_complex / view_as_real (rotary embeddings as complex products, Meta's Llama
+        and torchtitan): pairs of the last dimension as one complex number, the other
+        dimensions in place; the pair itself must not be the sharded dimension."""
+        if d == _val(src).dim() - 1 and op_name(self.gm, node) == "view_as_complex":
+            self.fail(node, "makes complex numbers of pairs along the sharded dimension")
+        self.dim[node] = d
+        if src in self.blocks:
+            self.blocks.add(node)
+
     def _pad(self, node, src, d) -> None:
         """F.pad: pairs of sizes from the last dimension back; the sharded one must get none."""
         pads = _arg(node, 1, "pad")

@@ -71,6 +71,15 @@ def test_a_head_count_held_by_the_module_trains_exactly_under_tp(split):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["tp", "tp+sp"])
+def test_rotary_positions_as_complex_products_train_exactly_under_tp(strategy):
+    """Meta's Llama and torchtitan rotate q and k as complex numbers (view_as_complex of pairs
+    within each head, times a complex table, view_as_real): followed per rank, not refused."""
+    st = Structure(rope="complex", heads=4, seq=8)
+    assert check_structure(st, 2, {"dp": 1, "pp": 1, "tp": 2, "mb": 2, "strategy": strategy})
+
+
+@pytest.mark.dist
 def test_two_streams_joined_for_attention_train_exactly_under_sequence_parallel():
     """Flux-like blocks (tests.harness.two_streams): both streams enter and leave each block
     split along the sequence, the joint attention sees them whole."""

@@ -29,6 +29,9 @@ INPUTS = ("tokens", "features")
 # (NormFormer's), or scaled by a trained scalar times their inverse RMS, also added to the residual
 MLPS = ("plain", "hidden-norm", "hidden-stats")
 LOSSES = ("cross-entropy", "mse", "pooled")
+# rotary positions on self-attention's q and k: none, rotate-half over real cos/sin tables
+# (Hugging Face's), or complex products of a complex table (Meta's Llama, torchtitan)
+ROPES = ("none", "rotate-half", "complex")
 # (gpus, fix): each mixes tensor, sequence and pipeline parallelism differently
 PLANS = ((2, {"tp": 2, "strategy": "tp"}),
          (2, {"tp": 2, "strategy": "tp+sp"}),
@@ -54,12 +57,13 @@ class Structure:
     cross: bool = False          # a context every block cross-attends to
     norm: str = "layer"
     mlp: str = "plain"
+    rope: str = "none"
 
     def line(self) -> str:
         extras = [x for x, on in (("cond", self.condition), ("cross", self.cross)) if on]
         return (f"{self.inputs}->{self.loss} L{self.layers} heads{self.heads}x{self.head_dim} "
                 f"{self.head_split} s{self.seq} {self.norm}-norm {'+'.join(extras) or 'plain'} "
-                f"{self.mlp}-mlp")
+                f"{self.mlp}-mlp {self.rope}-rope")
 
     def build(self):
         torch.manual_seed(0)
@@ -98,6 +102,24 @@ class Attention(nn.Module):
             self.qkv = nn.Linear(h, 3 * h)
         if self.split == "fused-parts":
             self.q_norm, self.k_norm = nn.RMSNorm(st.head_dim), nn.RMSNorm(st.head_dim)
+        self.rope = "none" if cross else st.rope
+        angles = torch.outer(torch.arange(st.seq).float(),
+                             0.5 ** torch.arange(0, st.head_dim, 2).float())
+        self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
+        self.register_buffer("sin", angles.sin().repeat(1, 2), persistent=False)
+        self.register_buffer("turns", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def rotate(self, t):
+        """t: [batch, heads, seq, head_dim], rotated by its positions as `rope` says."""
+        if self.rope == "complex":
+            pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * self.turns).flatten(-2).type_as(t)
+        if self.rope == "rotate-half":
+            half = t.shape[-1] // 2
+            turned = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+            return t * self.cos + turned * self.sin
+        return t
 
     def parts(self, t, n: int):
         b, s, _ = t.shape
@@ -139,6 +161,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.to_heads(self.q(x)), self.to_heads(self.k(source)), self.to_heads(
                 self.v(source))
+        q, k = self.rotate(q), self.rotate(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=context is None)
         if self.split == "fused-parts":  # timm merges the heads to the width read from x
             b, s, c = x.shape
@@ -224,7 +247,8 @@ def build_structure(choose: Choose, plan: tuple[int, dict] | None = None
     st = Structure(inputs=choose(INPUTS), loss=choose(LOSSES), head_split=choose(HEAD_SPLITS),
                    heads=heads, head_dim=choose((4, 8)), layers=choose((2, 3)),
                    seq=tp * choose((4, 3)), condition=choose((False, True)),
-                   cross=choose((False, True)), norm=choose(("layer", "rms")), mlp=choose(MLPS))
+                   cross=choose((False, True)), norm=choose(("layer", "rms")), mlp=choose(MLPS),
+                   rope=choose(ROPES))
     return st, gpus, {"dp": 1, "tp": 1, "pp": 1, "mb": 2, "schedule": "1f1b", **fix}
 
 
