@@ -274,7 +274,7 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
     modules = dict(sub.named_modules())
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     core = core_nodes(sub, seq)
-    ring = _ring_load(sub, layer)
+    ring = _ring_load(sub, layer, seq)
     # what the context-parallel rewrite replaces by ring attention: the attention's output node
     # (a fused SDPA or the attention-over-values matmul) and the score ops before it
     outputs = ring.pop("outputs")
@@ -465,14 +465,14 @@ def price(profile: LayerProfile, strategy: Strategy, micro_batch: int, cluster: 
                      else 0.0)
 
 
-def _ring_load(sub: fx.GraphModule, layer: Layer) -> dict:
+def _ring_load(sub: fx.GraphModule, layer: Layer, seq: int) -> dict:
     """kv_bytes and kv_grad_bytes: the keys and values ring attention would pass around (as
     passes.rewrite.context_parallel finds them: fused or written out, GQA blocks unrepeated), and their
     fp32 gradient accumulators; rings: the shapes ring attention would take; outputs: the
     attentions' output nodes. Zero and empty when the layer cannot run context-parallel."""
     try:
         every = {layer.name: [n.name for n in sub.graph.nodes]}
-        found = [a for a, _ in find_attentions(sub, every)]
+        found = [a for a, _ in find_attentions(sub, every, seq)]
     except ContextParallelError:
         found = []
     kv = [x.meta["val"] for a in found for x in (a.k, a.v)]

@@ -43,7 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture.trace import CONSTANT, propagate_shapes
-from passes.rewrite.cp_tokens import SequenceMixError, check_per_token
+from passes.rewrite import cp_sizes
+from passes.rewrite.cp_tokens import (SequenceMixError, check_per_token, follow_dim,
+                                     outside_attention)
 from passes.rewrite.cp_masks import WHOLE, MaskError, builders, drop_unused, mask_rows
 from passes.rewrite.expert_parallel import split_balance
 from passes.rewrite.sharding import LAYER, get_param, is_sdpa, is_sink_attention
@@ -88,7 +90,10 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
     seq = _sequence_length(gm)
     check_sequence(seq, cp, layout)
     masks: dict[fx.Node, fx.Node] = {}   # a mask shared by every layer is built once
-    for found, layer in find_attentions(gm, layers):
+    attentions = find_attentions(gm, layers)
+    meets = cp_sizes.find(gm, seq, *outside_attention([a for a, _ in attentions]),
+                          seeds=_position_seeds(gm, seq))
+    for found, layer in attentions:
         if found.mask is not None and found.mask not in masks:
             _positions_buffer(gm, seq, cp, rank, layout)
             masks[found.mask] = mask_rows(gm, found.mask, POSITIONS_BUFFER, cp, group, layout,
@@ -100,6 +105,9 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
         drop_unused(gm)
     _fix_positions(gm, seq, cp, rank, layout)
     _select_whole_constants(gm, seq, cp, rank, layout)
+    if meets:
+        _positions_buffer(gm, seq, cp, rank, layout)
+        cp_sizes.localise(gm, meets, POSITIONS_BUFFER)
     gm.graph.lint()
     gm.recompile()
     if localize:
@@ -107,12 +115,16 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
     return gm
 
 
-def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
-                    ) -> list[tuple[Attention, str]]:
-    """Every attention of the graph with its layer; ContextParallelError when the graph cannot run
-    with its sequence split (an attention in an unknown form or outside `layers`, labels shifted
-    inside the graph). Reads the graph only."""
-    _check_no_shift(gm, _sequence_length(gm))
+def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
+                    seq: int | None = None) -> list[tuple[Attention, str]]:
+    """Every attention of the graph whose keys and values hold the sequence, with its layer;
+    ContextParallelError when the graph cannot run with its sequence split (an attention in an
+    unknown form or outside `layers`, labels shifted inside the graph). An attention over keys
+    and values every rank holds whole (cross-attention to a context of another length) is
+    exact on the rank's queries as it stands. `seq`: the model's sequence length (default: dim
+    1 of the graph's first input, which a layer's graph may not hold). Reads the graph only."""
+    seq = seq or _sequence_length(gm)
+    _check_no_shift(gm, seq)
     layer_of = {name: layer for layer, names in layers.items() for name in names}
     found = []
     for node in gm.graph.nodes:
@@ -125,8 +137,11 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]
                 f"sequence sharded every attention must become a ring attention")
         found.append((attention, layer_of[node.name]))
     if found:  # else none to ring: said as such (why_not)
+        pos = follow_dim(gm, 1, seq, lambda node, what: None,
+                         *outside_attention([a for a, _ in found]))
+        found = [(a, layer) for a, layer in found if a.k in pos or a.v in pos]
         try:
-            check_per_token(gm, _sequence_length(gm), [attention for attention, _ in found])
+            check_per_token(gm, seq, [attention for attention, _ in found])
         except SequenceMixError as err:
             raise ContextParallelError(str(err)) from None
     return found
@@ -356,6 +371,7 @@ def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str
                 if node.meta["val"].dtype != torch.int64:
                     positions = gm.graph.call_method("to", (positions, node.meta["val"].dtype))
             _tag_like(node, positions)
+            positions.meta["val"] = node.meta["val"]  # the whole sequence's: views localised
             node.replace_all_uses_with(positions)
             gm.graph.erase_node(node)
             continue
@@ -370,9 +386,18 @@ def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str
             positions = gm.graph.get_attr(POSITIONS_BUFFER)
             rows = gm.graph.call_function(torch.index_select, (node.args[0], dim, positions))
         _tag_like(node, rows)
+        rows.meta["val"] = node.meta["val"]  # the whole sequence's: views of it localised
         node.replace_all_uses_with(rows)
         gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()  # the size reads that fed them
+
+
+def _position_seeds(gm: fx.GraphModule, seq: int) -> dict[fx.Node, int]:
+    """The aranges and table cuts _fix_positions makes the rank's positions: node -> the dim
+    of its positions."""
+    seeds = {node: 0 for node in gm.graph.nodes if _is_position_range(node, seq)}
+    return seeds | {node: dim for node in gm.graph.nodes
+                    if (dim := _position_prefix(node, seq)) is not None}
 
 
 def _check_not_positions(node: fx.Node, seq: int) -> None:

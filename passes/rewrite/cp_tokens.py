@@ -68,30 +68,38 @@ def check_per_token(gm: fx.GraphModule, seq: int, attentions: list) -> None:
     """Raise SequenceMixError unless every op of `gm` but those of `attentions` (found by
     passes.rewrite.context_parallel, each with .output, .q, .k, .v, .mask) works token by token on
     the sequence of `seq` positions. An attention's output keeps its query's sequence dimension."""
+    def refuse(node: fx.Node, what: str) -> None:
+        raise SequenceMixError(
+            f"{node.name} ({op_name(gm, node)}) {what}: under context parallelism each rank holds "
+            f"a slice of every sequence, so it would see only its own tokens; plan with cp=1")
+    follow_dim(gm, 1, seq, refuse, *outside_attention(attentions))
+
+
+def outside_attention(attentions: list) -> tuple[set[fx.Node], dict[fx.Node, fx.Node]]:
+    """(exempt, outputs) of follow_dim for `attentions`: their own nodes and the mask's
+    builders are not followed, and each output keeps its query's sequence dimension."""
     exempt: set[fx.Node] = set()
     for a in attentions:
         exempt |= attention_nodes(a.output, {a.q, a.k, a.v} | ({a.mask} if a.mask else set()))
         if a.mask is not None:  # built from the whole sequence's inputs (passes.rewrite.cp_masks)
             exempt |= attention_nodes(a.mask, set())
-
-    def refuse(node: fx.Node, what: str) -> None:
-        raise SequenceMixError(
-            f"{node.name} ({op_name(gm, node)}) {what}: under context parallelism each rank holds "
-            f"a slice of every sequence, so it would see only its own tokens; plan with cp=1")
-    follow_dim(gm, 1, seq, refuse, exempt, {a.output: a.q for a in attentions})
+    return exempt, {a.output: a.q for a in attentions}
 
 
 def follow_dim(gm: fx.GraphModule, dim: int, size: int, across, exempt=frozenset(),
-               outputs=None) -> dict[fx.Node, int]:
+               outputs=None, seeds=None) -> dict[fx.Node, int]:
     """Where dimension `dim` of the inputs as long as `size` lies in each value computed from
     them (node -> its position), as views, transposes and ops that keep it move it. An op that
     works across it (reduces it, takes some of its positions, ...) is reported to
     `across(node, what)`, and not followed beyond; nor are `exempt` nodes, and `outputs` maps a
-    node to the one whose position it keeps."""
+    node to the one whose position it keeps. `seeds` (node -> position) are followed too, and
+    the values computed from no input that they lead to (a table's rows by position)."""
     outputs = outputs or {}
-    pos: dict[fx.Node, int] = {}
+    pos: dict[fx.Node, int] = dict(seeds or {})
     for node in gm.graph.nodes:
         out = _val(node)
+        if node in pos:
+            continue
         if node.op == "placeholder":
             if out is not None and out.dim() > dim and out.shape[dim] == size and \
                     not node.meta.get(CONSTANT):
@@ -101,7 +109,8 @@ def follow_dim(gm: fx.GraphModule, dim: int, size: int, across, exempt=frozenset
             pos[node] = pos[outputs[node]]
             continue
         carried = [a for a in node.all_input_nodes if a in pos]
-        if not carried or node in exempt or node.op == "output" or node.meta.get(CONSTANT):
+        if not carried or node in exempt or node.op == "output" or (
+                node.meta.get(CONSTANT) and not seeds):
             continue
         if out is None and node.target is not operator.getitem and not _tuple_of_tensors(node):
             continue
@@ -156,6 +165,10 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
         return d1 if p == d0 else d0 if p == d1 else p
     if name == "t":
         return 1 - p
+    if name == "unbind":  # its parts lose the dimension unbound (timm's q, k, v)
+        unbound = int(_arg(node, 1, "dim", 0)) % ndim
+        return (f"takes some positions of the sequence (dim {p} of {src.name})"
+                if unbound == p else p - (unbound < p))
     if name == "permute":
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         return [int(d) % ndim for d in dims].index(p)
@@ -205,10 +218,14 @@ def _kept(node: fx.Node, shape, p: int, view: bool) -> int | str | None:
     if out is None:  # a tuple (split, chunk along another dimension): its parts keep it
         return p
     seq = shape[p]
-    if view:  # followed where it stays in place, alone or merged with the dims after it
-        if out.dim() > p and math.prod(out.shape[:p]) == math.prod(shape[:p]) and \
-                out.shape[p] % seq == 0:
-            return p
+    if view:  # followed where it stays in place, alone or merged with the dims after it,
+        # past dims of size 1 put before it (a table of rows viewed as [1, seq, 1, d])
+        before = math.prod(shape[:p])
+        for q in range(out.dim()):
+            if math.prod(out.shape[:q]) == before and out.shape[q] % seq == 0 and out.shape[q]:
+                return q
+            if math.prod(out.shape[:q + 1]) > before:
+                break
         if out.numel() == math.prod(shape):
             return None  # merged with another dimension
         return f"takes some positions of the sequence ({seq} in, {tuple(out.shape)} out)"

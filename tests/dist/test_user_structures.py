@@ -1,6 +1,6 @@
-"""Models written as users write them (tests.harness.structures) under fixed tensor, sequence and
-pipeline parallel plans, on 2 or 4 gloo ranks against one process: losses, every gradient of every
-step and the final parameters (rtol 1e-5). Three structures per plan of PLANS (21 in all); a plan
+"""Models written as users write them (tests.harness.structures) under fixed tensor, sequence,
+pipeline and context parallel plans, on 2 or 4 gloo ranks against one process: losses, every gradient of every
+step and the final parameters (rtol 1e-5). Three structures per plan of PLANS (24 in all); a plan
 the planner refuses is discarded, not failed; seeded and bounded, so the same cases run every
 time."""
 import pytest
@@ -77,6 +77,21 @@ def test_rotary_positions_as_complex_products_train_exactly_under_tp(strategy):
     within each head, times a complex table, view_as_real): followed per rank, not refused."""
     st = Structure(rope="complex", heads=4, seq=8)
     assert check_structure(st, 2, {"dp": 1, "pp": 1, "tp": 2, "mb": 2, "strategy": strategy})
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("gpus, mesh", [(2, {"cp": 2}), (4, {"cp": 2, "pp": 2})],
+                         ids=["cp2", "cp2-pp2"])
+def test_context_parallel_reads_whole_tables_at_each_ranks_positions(gpus, mesh):
+    """A model torch.export captures (sizes as numbers): patches with a learned position
+    parameter, a rotary table read whole as complex numbers, a timestep every block reads and a
+    context of another length every block cross-attends to. Under cp each rank reads the
+    parameter and the table at its positions, takes the timestep and the context whole, and
+    keeps the cross-attention local (its keys are every rank's): exact, not refused."""
+    st = Structure(inputs="features", loss="mse", rope="complex", condition=True, cross=True,
+                   seq=8)
+    assert check_structure(st, gpus, {"dp": 1, "tp": 1, "pp": 1, "mb": 2, "strategy": "none",
+                                      **mesh})
 
 
 @pytest.mark.dist

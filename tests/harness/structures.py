@@ -1,13 +1,14 @@
-"""Random model *structures* written as users write them, × tensor / sequence / pipeline parallel
-plans, trained on gloo ranks and compared with one process.
+"""Random model *structures* written as users write them, × tensor / sequence / pipeline / context
+parallel plans, trained on gloo ranks and compared with one process.
 
 tests.harness.fuzzing draws presets (GPT, Llama) whose code fxpar's authors wrote. These are
-models of the kind a user brings: inputs that are tokens or features (patches), heads that end in
-a cross-entropy over a vocabulary, an MSE against a target or a pooled classification; heads
-split from features in each way code does it (`unflatten(-1, (heads, -1))` with a head count
-held by the module, `(-1, head_dim)`, `view(b, s, heads, -1)`, sizes read from the input);
-a conditioning vector computed once and read by every block (a diffusion transformer's
-timestep), a context every block cross-attends to, and blocks given extra inputs.
+models of the kind a user brings: inputs that are tokens or features (patches, with a learned
+position parameter as ViT's and DiT's), heads that end in a cross-entropy over a vocabulary, an
+MSE against a target or a pooled classification; heads split from features in each way code
+does it (`unflatten(-1, (heads, -1))` with a head count held by the module, `(-1, head_dim)`,
+`view(b, s, heads, -1)`, sizes read from the input), rotary positions in two forms; a
+conditioning vector computed once and read by every block (a diffusion transformer's timestep),
+a context every block cross-attends to, and blocks given extra inputs.
 
 A case's plan is fixed (mesh and block strategy); the planner may refuse it (a
 `PlanningError` / `ValueError` is `Refused`, not a failure): what must never happen is a plan it
@@ -39,7 +40,8 @@ PLANS = ((2, {"tp": 2, "strategy": "tp"}),
          (4, {"tp": 2, "pp": 2, "strategy": "tp"}),
          (4, {"tp": 2, "pp": 2, "strategy": "tp+sp"}),
          (4, {"tp": 2, "dp": 2, "strategy": "tp+sp"}),
-         (4, {"tp": 4, "strategy": "tp"}))
+         (4, {"tp": 4, "strategy": "tp"}),
+         (2, {"cp": 2, "strategy": "none"}))
 VOCAB, WIDTH, BATCH = 32, 6, 4
 
 
@@ -212,6 +214,9 @@ class UserModel(nn.Module):
         h = st.heads * st.head_dim
         self.st = st
         self.embed = nn.Embedding(VOCAB, h) if st.inputs == "tokens" else nn.Linear(WIDTH, h)
+        # patches get a learned position per place, as ViT's and DiT's do
+        self.pos = nn.Parameter(torch.randn(1, st.seq, h) * 0.1) if st.inputs == "features" \
+            else None
         self.time = nn.Sequential(nn.Linear(1, h), nn.SiLU()) if st.condition else None
         self.blocks = nn.ModuleList(Block(st) for _ in range(st.layers))
         self.norm = nn.LayerNorm(h)
@@ -221,7 +226,7 @@ class UserModel(nn.Module):
         *extra, target = rest
         cond = self.time(extra.pop(0)) if self.st.condition else None
         context = extra.pop(0) if self.st.cross else None
-        h = self.embed(x)
+        h = self.embed(x) if self.pos is None else self.embed(x) + self.pos
         for block in self.blocks:
             h = block(h, cond, context)
         h = self.norm(h)
@@ -244,9 +249,10 @@ def build_structure(choose: Choose, plan: tuple[int, dict] | None = None
     # widths of 8 or more: a norm over fewer features is so ill-conditioned that summation
     # order alone moves gradients past rtol (as in tests.harness.fuzzing)
     heads = tp * choose((2, 1)) if tp > 1 else choose((2, 4))
+    chunks = 2 * fix["cp"] if fix.get("cp", 1) > 1 else 1  # zig-zag: 2 chunks per cp rank
     st = Structure(inputs=choose(INPUTS), loss=choose(LOSSES), head_split=choose(HEAD_SPLITS),
                    heads=heads, head_dim=choose((4, 8)), layers=choose((2, 3)),
-                   seq=tp * choose((4, 3)), condition=choose((False, True)),
+                   seq=tp * chunks * choose((4, 3)), condition=choose((False, True)),
                    cross=choose((False, True)), norm=choose(("layer", "rms")), mlp=choose(MLPS),
                    rope=choose(ROPES))
     return st, gpus, {"dp": 1, "tp": 1, "pp": 1, "mb": 2, "schedule": "1f1b", **fix}

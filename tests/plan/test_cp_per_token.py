@@ -37,8 +37,12 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = self.mixed(x)
-        q, k, v = (t.unflatten(-1, (4, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.mix == "unbound":  # timm's split: q, k, v [batch, heads, seq, d] after unbind
+            q, k, v = self.qkv(x).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True) + q.mean(2, True)
+        else:
+            q, k, v = (t.unflatten(-1, (4, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).flatten(2))
 
 
@@ -72,6 +76,7 @@ def _plan(model, cp: int):
     ("cumsum", "none", "cumsum (cumsum) works along the sequence"),
     ("conv", "none", "convolves along the sequence"),
     ("linear", "none", "contracts the sequence"),
+    ("unbound", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("none", "mean", "reduces over the sequence"),
     ("none", "cls", "takes some positions of the sequence"),
     ("none", "last", "takes some positions of the sequence"),
