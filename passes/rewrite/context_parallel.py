@@ -11,23 +11,22 @@ rewritten, in place:
              becomes a call of `runtime.context.ring_attention.ring_attention(q, k, v, group, causal=...,
              layout=..., scale=..., tag=layer)`; a grouped k/v repeated by repeat_interleave on the
              head dimension is passed unrepeated (the ring sends the smaller blocks).
-  positions  torch.narrow(table, 0, 0, seq) or table[:seq] of a table indexed by position (GPT's
-             position ids, Llama's rotary cos/sin) becomes torch.index_select(table, 0,
-             cp_positions), where the buffer `cp_positions` holds this rank's global token
-             positions; arange(seq) becomes those positions; seq may be written out or read off
-             the input's shape (nanoGPT's arange(0, tokens.shape[1])). An arange or a table cut
-             computed from the sequence length in another way (arange(1, t + 1), pos[1:t + 1]) is
-             refused. A value built from constants over the whole sequence ([batch, seq, ...],
-             OPT's cumulative sum of ones) is read at them where per-token values meet it.
-             The graph is thereby specialised to the sequence length it was captured with.
+  positions  what the graph indexes by position is read at this rank's global positions
+             (passes.rewrite.cp_positions): a table's first seq rows, arange(seq), values built
+             from constants over the whole sequence, and values computed from no input that span
+             it where they meet the rank's tokens (a rotary table read whole, a learned position
+             parameter). The graph is thereby specialised to the sequence length it was
+             captured with.
 
 The loss needs no rewrite here: passes.rewrite.token_mean divides it by the whole step's count of targets,
 over every rank of the group. A mixture-of-experts balance loss is formed from per-sequence
 statistics (expert counts, mean router scores): `passes.rewrite.expert_parallel.split_balance` makes each
 MoE node sum them over the group first.
 
-Every attention of the graph must be converted (a plain attention over local tokens would be
-silently wrong), so attention outside `layers` or in a form not recognised is an error.
+Every attention whose keys and values hold the sequence must be converted (a plain attention
+over local tokens would be silently wrong), so such attention outside `layers` or in a form not
+recognised is an error. Inputs of another length than the first (a timestep, a context) are whole
+on every rank, and an attention over keys and values made from them stays as it is.
 Run it on the whole captured graph (after tensor_parallel, before the pipeline split): node
 meta["val"] is recomputed afterwards for the local sequence length, which the split and pricing use.
 """
@@ -42,28 +41,24 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.capture.trace import CONSTANT, propagate_shapes
-from passes.rewrite import cp_sizes
+from passes.capture.trace import propagate_shapes
+from passes.rewrite.cp_positions import (POSITIONS_BUFFER, ContextParallelError, fix_positions,
+                                         is_call as _is_call, is_method as _is_method,
+                                         position_seeds, positions_buffer, read_at_positions,
+                                         select_whole_constants, whole_meets)
 from passes.rewrite.cp_tokens import (SequenceMixError, check_per_token, follow_dim,
                                      outside_attention)
-from passes.rewrite.cp_masks import WHOLE, MaskError, builders, drop_unused, mask_rows
+from passes.rewrite.cp_masks import MaskError, builders, drop_unused, mask_rows
 from passes.rewrite.expert_parallel import split_balance
-from passes.rewrite.sharding import LAYER, get_param, is_sdpa, is_sink_attention
-from passes.rewrite.tables import table
+from passes.rewrite.sharding import get_param, is_sdpa, is_sink_attention
 from runtime.training import rng
-from runtime.programs.token_split import check_sequence, global_positions
+from runtime.programs.token_split import check_sequence
 from runtime.context.ring_attention import ring_attention
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _SOFTMAX = {F.softmax, torch.softmax, "softmax"}
 _MATMUL = {operator.matmul, torch.matmul, "matmul"}
-POSITIONS_BUFFER = "cp_positions"
-
-
-class ContextParallelError(ValueError):
-    """The graph cannot be run context-parallel; names the attention node and the reason."""
-
 
 @dataclass(frozen=True)
 class Attention:
@@ -91,11 +86,11 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
     check_sequence(seq, cp, layout)
     masks: dict[fx.Node, fx.Node] = {}   # a mask shared by every layer is built once
     attentions = find_attentions(gm, layers)
-    meets = cp_sizes.find(gm, seq, *outside_attention([a for a, _ in attentions]),
-                          seeds=_position_seeds(gm, seq))
+    meets = whole_meets(gm, seq, *outside_attention([a for a, _ in attentions]),
+                          seeds=position_seeds(gm, seq))
     for found, layer in attentions:
         if found.mask is not None and found.mask not in masks:
-            _positions_buffer(gm, seq, cp, rank, layout)
+            positions_buffer(gm, seq, cp, rank, layout)
             masks[found.mask] = mask_rows(gm, found.mask, POSITIONS_BUFFER, cp, group, layout,
                                           found.output)
         _replace(gm, found, group, layout, layer, masks.get(found.mask))
@@ -103,11 +98,11 @@ def context_parallel(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]], cp
     gm.graph.eliminate_dead_code()
     if masks:
         drop_unused(gm)
-    _fix_positions(gm, seq, cp, rank, layout)
-    _select_whole_constants(gm, seq, cp, rank, layout)
+    fix_positions(gm, seq, cp, rank, layout)
+    select_whole_constants(gm, seq, cp, rank, layout)
     if meets:
-        _positions_buffer(gm, seq, cp, rank, layout)
-        cp_sizes.localise(gm, meets, POSITIONS_BUFFER)
+        positions_buffer(gm, seq, cp, rank, layout)
+        read_at_positions(gm, meets)
     gm.graph.lint()
     gm.recompile()
     if localize:
@@ -350,268 +345,7 @@ def _replace(gm: fx.GraphModule, found: Attention, group: str, layout: str, laye
     gm.graph.erase_node(found.output)  # dead-code elimination keeps an sdpa (it may draw dropout)
 
 
-# ---------------------------------------------------------------- positions
-
-
-def _fix_positions(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
-    """A table's first seq entries along a dim (narrow(table, d, 0, seq), table[:seq]) ->
-    index_select(table, d, this rank's global positions); arange(seq) (position ids built in the
-    graph, as Hugging Face and nanoGPT models do) -> those positions. seq written out is the
-    captured length; read off the input's shape (tokens.shape[1]) it is, at run time, this rank's
-    length: both are rewritten. An arange or a table cut that the sequence length sizes or places
-    in any other way (arange(1, t + 1), pos[1:t + 1]) is refused: left as it is it would
-    silently be computed from this rank's token count."""
-    for node in list(gm.graph.nodes):
-        if node.meta.get(WHOLE):  # builds a mask on the whole sequence (passes.rewrite.cp_masks)
-            continue
-        if _is_position_range(node, seq):
-            _positions_buffer(gm, seq, cp, rank, layout)
-            with gm.graph.inserting_before(node):
-                positions = gm.graph.get_attr(POSITIONS_BUFFER)
-                if node.meta["val"].dtype != torch.int64:
-                    positions = gm.graph.call_method("to", (positions, node.meta["val"].dtype))
-            _tag_like(node, positions)
-            positions.meta["val"] = node.meta["val"]  # the whole sequence's: views localised
-            node.replace_all_uses_with(positions)
-            gm.graph.erase_node(node)
-            continue
-        dim = _position_prefix(node, seq)
-        if dim is None:
-            _check_not_positions(node, seq)
-            continue
-        _positions_buffer(gm, seq, cp, rank, layout)
-        # One read of the buffer per use, next to it, like the model's own tables: a pipeline
-        # split then keeps it in the stage of its user instead of sending it across stages.
-        with gm.graph.inserting_before(node):
-            positions = gm.graph.get_attr(POSITIONS_BUFFER)
-            rows = gm.graph.call_function(torch.index_select, (node.args[0], dim, positions))
-        _tag_like(node, rows)
-        rows.meta["val"] = node.meta["val"]  # the whole sequence's: views of it localised
-        node.replace_all_uses_with(rows)
-        gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()  # the size reads that fed them
-
-
-def _position_seeds(gm: fx.GraphModule, seq: int) -> dict[fx.Node, int]:
-    """The aranges and table cuts _fix_positions makes the rank's positions: node -> the dim
-    of its positions."""
-    seeds = {node: 0 for node in gm.graph.nodes if _is_position_range(node, seq)}
-    return seeds | {node: dim for node in gm.graph.nodes
-                    if (dim := _position_prefix(node, seq)) is not None}
-
-
-def _check_not_positions(node: fx.Node, seq: int) -> None:
-    """Refuse an arange or a table cut, not rewritten, whose bounds are computed from the
-    sequence length: on each rank they would be computed from that rank's share of tokens."""
-    if _takes_positions(node) and _from_sequence(node.all_input_nodes, seq):
-        raise ContextParallelError(
-            f"node {node.name} = {_form(node)} is computed from the sequence length t but is "
-            f"not a form context parallel rewrites to this rank's positions (arange(t), "
-            f"table[:t], narrow(table, dim, 0, t), t read off the input as tokens.shape[1] or "
-            f"off a value whose only dim of that size is the sequence): each rank would "
-            f"silently compute it from its t/cp tokens as if they were the whole sequence")
-
-
-def _tag_like(node: fx.Node, new: fx.Node) -> None:
-    """Put `new` and the nodes it reads that were just inserted (the buffer read) in `node`'s
-    layer: an arange of positions may be the graph's first node once the size reads it took
-    are gone, and an untagged node there has no neighbour to take a pipeline stage from."""
-    if LAYER in node.meta:
-        for inserted in (new, *new.all_input_nodes):
-            if inserted is new or (inserted.op, inserted.target) == ("get_attr", POSITIONS_BUFFER):
-                inserted.meta[LAYER] = node.meta[LAYER]
-
-
-def _select_whole_constants(gm: fx.GraphModule, seq: int, cp: int, rank: int,
-                            layout: str) -> None:
-    """A value built in the graph from constants alone over the whole sequence ([batch, seq,
-    ...]: OPT's positions, a cumulative sum of ones) is read at this rank's tokens
-    (index_select on dim 1) where per-token values meet it. Values computed from this rank's
-    positions are local already, and the whole-sequence mask builders stay whole."""
-    local = set()
-    for node in gm.graph.nodes:
-        if (node.op == "get_attr" and node.target == POSITIONS_BUFFER) or any(
-                a in local for a in node.all_input_nodes):
-            local.add(node)
-    for node in list(gm.graph.nodes):
-        val = node.meta.get("val")
-        if not (node.meta.get(CONSTANT) and not node.meta.get(WHOLE) and node not in local
-                and isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq):
-            continue
-        readers = [u for u in node.users if not u.meta.get(CONSTANT) or u in local]
-        if not readers:
-            continue
-        _positions_buffer(gm, seq, cp, rank, layout)
-        with gm.graph.inserting_after(node):
-            positions = gm.graph.get_attr(POSITIONS_BUFFER)
-        with gm.graph.inserting_after(positions):
-            mine = gm.graph.call_function(torch.index_select, (node, 1, positions))
-        mine.meta = {k: v for k, v in node.meta.items() if k == LAYER}
-        for reader in readers:
-            reader.replace_input_with(node, mine)
-
-
-def _positions_buffer(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
-    if not hasattr(gm, POSITIONS_BUFFER):
-        device = next((t.device for t in gm.state_dict().values()), torch.device("cpu"))
-        gm.register_buffer(POSITIONS_BUFFER, table(global_positions(seq, cp, rank, layout, "cpu"),
-                                                   device),
-                           persistent=False)
-
-
-_ARANGE = {torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
-           torch.ops.aten.arange.start_step}
-_CUTS = {torch.narrow, "narrow", operator.getitem, torch.ops.aten.slice.Tensor}
-
-
-def _is_position_range(node: fx.Node, seq: int) -> bool:
-    """arange(0, seq, 1): the positions of a whole sequence. With seq written out only of
-    integers (a float range of that length may as well be frequencies over a head dimension);
-    with seq read off the sequence dim of a shape, of any dtype (sinusoidal positions)."""
-    if not _is_call(node, _ARANGE):
-        return False
-    start, end, step = _range_bounds(node)
-    val = node.meta.get("val")
-    if (start, step) != (0, 1) or not isinstance(val, torch.Tensor):
-        return False
-    written = not any(isinstance(a, fx.Node) for a in (*node.args, start, end, step))
-    return (written and end == seq and not val.dtype.is_floating_point) or \
-        _reads_sequence(end, seq)
-
-
-def _range_bounds(node: fx.Node) -> tuple:
-    """(start, end, step) of an arange, passed by position (arange(end), arange(start, end[,
-    step])) or by keyword."""
-    names = ("end",) if len(node.args) == 1 else ("start", "end", "step")
-    bounds = {"start": 0, "step": 1} | dict(zip(names, node.args)) | dict(node.kwargs)
-    return bounds["start"], bounds.get("end"), bounds["step"]
-
-
-def _position_prefix(node: fx.Node, seq: int) -> int | None:
-    """The dim d when `node` is a parameter's or buffer's first seq entries along d; else None.
-    Along any dim when seq is read off the sequence dim of a shape; along dim 0 also whenever
-    seq rows are taken, however the length is written (a table's rows by position: seq written
-    out, torch.export's slice, the presets' narrow whose length is read off q in the attention,
-    where heads or head_dim may equal seq)."""
-    cut = _cut(node)
-    if cut is None:
-        return None
-    dim, start, length, step = cut
-    val = node.meta.get("val")
-    rows = dim == 0 and isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[0] == seq
-    if start in (0, None) and step in (1, None) and (rows or _reads_sequence(length, seq)):
-        return dim
-    return None
-
-
-def _cut(node: fx.Node) -> tuple | None:
-    """(dim, start, length, step) of a parameter or buffer cut along one dim: narrow(table, dim,
-    start, length), or table[start:stop:step] on one dim and whole on the others (the length is
-    stop when start is 0, all _position_prefix needs) - torch.export writes it aten.slice(table,
-    dim, start, stop, step); None for anything else."""
-    if not (_is_call(node, _CUTS) and _is_table(node.args[0])):
-        return None
-    if node.target is torch.ops.aten.slice.Tensor:
-        return (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1:])
-    if node.target != operator.getitem:
-        return (*node.args[1:4], 1) if len(node.args) == 4 else None
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    cuts = [d for d, part in enumerate(index) if part != slice(None)]
-    if len(cuts) != 1 or not all(isinstance(part, slice) for part in index):
-        return None
-    part = index[cuts[0]]
-    return cuts[0], part.start, part.stop, part.step
-
-
-def _takes_positions(node: fx.Node) -> bool:
-    """An arange, or a part of a parameter or buffer: what positions are made of."""
-    return _is_call(node, _ARANGE) or (_is_call(node, _CUTS) and _is_table(node.args[0]))
-
-
-def _is_table(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "get_attr"
-
-
-def _reads_sequence(node, seq: int) -> bool:
-    """`node` is the sequence length read off a shape: of an input at dim 1 (the dim every
-    input is cut on), or of another value at its only dim of seq entries."""
-    read = _size_read(node)
-    return read is not None and _sequence_dim(*read, seq) is True
-
-
-def _from_sequence(nodes, seq: int) -> bool:
-    """Whether one of the numbers `nodes` is computed from a size of seq read off a shape."""
-    todo, seen = list(nodes), set()
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        read = _size_read(node)
-        if read is not None:
-            if _sequence_dim(*read, seq) is not False:
-                return True
-        elif isinstance(node.meta.get("val"), (int, float, torch.SymInt)):  # arithmetic on sizes
-            todo.extend(node.all_input_nodes)
-    return False
-
-
-def _size_read(node) -> tuple[fx.Node, int] | None:
-    """(x, d) of x.shape[d], x.size(d), x.size()[d] or aten.sym_size.int(x, d); else None."""
-    if _is_method(node, "size") or _is_call(node, {torch.ops.aten.sym_size.int}):
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        return (node.args[0], dim) if isinstance(dim, int) else None
-    if not (_is_call(node, {operator.getitem}) and isinstance(node.args[1], int)):
-        return None
-    shape = node.args[0]
-    if (_is_method(shape, "size") and len(shape.args) == 1 and not shape.kwargs) or \
-            (_is_call(shape, {getattr}) and shape.args[1] == "shape"):
-        return shape.args[0], node.args[1]
-    return None
-
-
-def _sequence_dim(x, dim: int, seq: int) -> bool | None:
-    """Whether dim `dim` of x is the sequence: True at dim 1 of an input and at the only dim of
-    seq entries of any other value; None where other dims hold seq entries too (they cannot be
-    told apart: [batch, seq, hidden] with batch = seq); False where it holds another size."""
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if not (isinstance(val, torch.Tensor) and -val.dim() <= dim < val.dim()
-            and val.shape[dim] == seq):
-        return False
-    if x.op == "placeholder":
-        return dim % val.dim() == 1
-    return True if list(val.shape).count(seq) == 1 else None
-
-
-def _form(node: fx.Node) -> str:
-    """The call as code with its arguments named: "arange(0, sub, 1)", "pos[1:add]"."""
-    if node.target == operator.getitem:
-        return f"{_source(node.args[0])}[{_source(node.args[1])}]"
-    name = getattr(node.target, "__name__", node.target)
-    return f"{name}({', '.join(map(_source, node.args))})"
-
-
-def _source(arg) -> str:
-    if isinstance(arg, fx.Node):
-        return arg.name
-    if isinstance(arg, slice):
-        parts = (arg.start, arg.stop) if arg.step is None else (arg.start, arg.stop, arg.step)
-        return ":".join("" if a is None else _source(a) for a in parts)
-    if isinstance(arg, tuple):
-        return ", ".join(map(_source, arg))
-    return repr(arg)
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def _is_call(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and \
-        node.target in targets
-
-
-def _is_method(node, name: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
 
 
 def _dim_arg(softmax: fx.Node):
