@@ -1,6 +1,6 @@
 """Models written as users write them (tests.harness.structures) under fixed tensor, sequence,
-pipeline and context parallel plans, on 2 or 4 gloo ranks against one process: losses, every gradient of every
-step and the final parameters (rtol 1e-5). Three structures per plan of PLANS (24 in all); a plan
+pipeline and context parallel plans, on 2 or 4 gloo ranks against one process: losses, every
+gradient of every step and the final parameters (rtol 1e-5). Three structures per plan of PLANS (24 in all); a plan
 the planner refuses is discarded, not failed; seeded and bounded, so the same cases run every
 time."""
 import pytest
