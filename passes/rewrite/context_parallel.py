@@ -46,8 +46,7 @@ from passes.rewrite.cp_positions import (POSITIONS_BUFFER, ContextParallelError,
                                          is_call as _is_call, is_method as _is_method,
                                          position_seeds, positions_buffer, read_at_positions,
                                          select_whole_constants, whole_meets)
-from passes.rewrite.cp_tokens import (SequenceMixError, check_per_token, follow_dim,
-                                     outside_attention)
+from passes.rewrite.cp_tokens import SequenceMixError, check_per_token, outside_attention
 from passes.rewrite.cp_masks import MaskError, builders, drop_unused, mask_rows
 from passes.rewrite.expert_parallel import split_balance
 from passes.rewrite.sharding import get_param, is_sdpa, is_sink_attention
@@ -132,13 +131,26 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
                 f"sequence sharded every attention must become a ring attention")
         found.append((attention, layer_of[node.name]))
     if found:  # else none to ring: said as such (why_not)
-        pos = follow_dim(gm, 1, seq, lambda node, what: None,
-                         *outside_attention([a for a, _ in found]))
-        found = [(a, layer) for a, layer in found if a.k in pos or a.v in pos]
+        tokens = _from_tokens(gm, seq)
+        found = [(a, layer) for a, layer in found if a.k in tokens or a.v in tokens]
         try:
             check_per_token(gm, seq, [attention for attention, _ in found])
         except SequenceMixError as err:
             raise ContextParallelError(str(err)) from None
+    return found
+
+
+def _from_tokens(gm: fx.GraphModule, seq: int) -> set[fx.Node]:
+    """The nodes computed from an input that is cut along the sequence (local_inputs' rule):
+    an attention whose keys and values are not among them reads what every rank holds whole.
+    (Ancestry, not where follow_dim finds the sequence: a sequence merged with the batch and
+    viewed back is still the rank's tokens, and must go round the ring.)"""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if (node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2
+                and val.shape[1] == seq) or any(a in found for a in node.all_input_nodes):
+            found.add(node)
     return found
 
 

@@ -119,9 +119,7 @@ def select_whole_constants(gm: fx.GraphModule, seq: int, cp: int, rank: int,
                 a in local for a in node.all_input_nodes):
             local.add(node)
     for node in list(gm.graph.nodes):
-        val = node.meta.get("val")
-        if not (node.meta.get(CONSTANT) and not node.meta.get(WHOLE) and node not in local
-                and isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == seq):
+        if not (_over_sequence(node, seq) and not node.meta.get(WHOLE) and node not in local):
             continue
         readers = [u for u in node.users if not u.meta.get(CONSTANT) or u in local]
         if not readers:
@@ -134,6 +132,13 @@ def select_whole_constants(gm: fx.GraphModule, seq: int, cp: int, rank: int,
         mine.meta = {k: v for k, v in node.meta.items() if k == LAYER}
         for reader in readers:
             reader.replace_input_with(node, mine)
+
+
+def _over_sequence(node: fx.Node, seq: int) -> bool:
+    """A value computed from constants alone as [batch, seq, ...] (select_whole_constants')."""
+    val = node.meta.get("val")
+    return bool(node.meta.get(CONSTANT)) and isinstance(val, torch.Tensor) and val.dim() >= 2 \
+        and val.shape[1] == seq
 
 
 def positions_buffer(gm: fx.GraphModule, seq: int, cp: int, rank: int, layout: str) -> None:
@@ -310,7 +315,8 @@ def whole_meets(gm: fx.GraphModule, seq: int, exempt: set, outputs: dict,
     `exempt` and `outputs` as for follow_dim (attention's own nodes, which the ring replaces),
     `seeds` the position tables and ranges context_parallel cuts (node -> dim of positions)."""
     pos = follow_dim(gm, 1, seq, lambda node, what: None, exempt, outputs, seeds)
-    from_inputs = _from_inputs(gm)
+    local = {*seeds, *(n for n in gm.graph.nodes if _over_sequence(n, seq))}
+    from_inputs = _from_inputs(gm, local)
     meets = []
     for node, p in pos.items():
         out = _val(node)
@@ -341,11 +347,14 @@ def read_at_positions(gm: fx.GraphModule, meets: list[Meet]) -> None:
         reader.replace_input_with(whole, mine)
 
 
-def _from_inputs(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes computed from an input of the graph (the others: constants and parameters)."""
+def _from_inputs(gm: fx.GraphModule, seeds) -> set[fx.Node]:
+    """Nodes computed from an input of the graph or from `seeds` (what fix_positions and
+    select_whole_constants make the rank's: what follows from them is local however
+    follow_dim lost them); the others are computed from constants and parameters alone."""
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder" or any(a in found for a in node.all_input_nodes):
+        if node.op == "placeholder" or node in seeds or any(
+                a in found for a in node.all_input_nodes):
             found.add(node)
     return found
 

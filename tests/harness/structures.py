@@ -250,8 +250,11 @@ def build_structure(choose: Choose, plan: tuple[int, dict] | None = None
     # order alone moves gradients past rtol (as in tests.harness.fuzzing)
     heads = tp * choose((2, 1)) if tp > 1 else choose((2, 4))
     chunks = 2 * fix["cp"] if fix.get("cp", 1) > 1 else 1  # zig-zag: 2 chunks per cp rank
-    st = Structure(inputs=choose(INPUTS), loss=choose(LOSSES), head_split=choose(HEAD_SPLITS),
-                   heads=heads, head_dim=choose((4, 8)), layers=choose((2, 3)),
+    split, head_dim = choose(HEAD_SPLITS), choose((4, 8))
+    if split == "fused-parts":  # its q/k norms are over head_dim: 8 features at least
+        head_dim = 8
+    st = Structure(inputs=choose(INPUTS), loss=choose(LOSSES), head_split=split,
+                   heads=heads, head_dim=head_dim, layers=choose((2, 3)),
                    seq=tp * chunks * choose((4, 3)), condition=choose((False, True)),
                    cross=choose((False, True)), norm=choose(("layer", "rms")), mlp=choose(MLPS),
                    rope=choose(ROPES))
