@@ -42,8 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from passes.capture.trace import propagate_shapes
-from passes.rewrite.cp_positions import (POSITIONS_BUFFER, ContextParallelError, fix_positions,
-                                         is_call as _is_call, is_method as _is_method,
+from passes.rewrite.cp_positions import (POSITIONS_BUFFER, ContextParallelError, computed_from,
+                                         fix_positions, is_call as _is_call, is_method as _is_method,
                                          position_seeds, positions_buffer, read_at_positions,
                                          select_whole_constants, whole_meets)
 from passes.rewrite.cp_tokens import SequenceMixError, check_per_token, outside_attention
@@ -145,13 +145,11 @@ def _from_tokens(gm: fx.GraphModule, seq: int) -> set[fx.Node]:
     an attention whose keys and values are not among them reads what every rank holds whole.
     (Ancestry, not where follow_dim finds the sequence: a sequence merged with the batch and
     viewed back is still the rank's tokens, and must go round the ring.)"""
-    found: set[fx.Node] = set()
-    for node in gm.graph.nodes:
+    def cut(node: fx.Node) -> bool:
         val = node.meta.get("val")
-        if (node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2
-                and val.shape[1] == seq) or any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found
+        return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
+            and val.shape[1] == seq
+    return computed_from(gm, {node for node in gm.graph.nodes if cut(node)})
 
 
 def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | None:

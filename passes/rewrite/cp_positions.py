@@ -113,11 +113,8 @@ def select_whole_constants(gm: fx.GraphModule, seq: int, cp: int, rank: int,
     ...]: OPT's positions, a cumulative sum of ones) is read at this rank's tokens
     (index_select on dim 1) where per-token values meet it. Values computed from this rank's
     positions are local already, and the whole-sequence mask builders stay whole."""
-    local = set()
-    for node in gm.graph.nodes:
-        if (node.op == "get_attr" and node.target == POSITIONS_BUFFER) or any(
-                a in local for a in node.all_input_nodes):
-            local.add(node)
+    local = computed_from(gm, {node for node in gm.graph.nodes
+                               if (node.op, node.target) == ("get_attr", POSITIONS_BUFFER)})
     for node in list(gm.graph.nodes):
         if not (_over_sequence(node, seq) and not node.meta.get(WHOLE) and node not in local):
             continue
@@ -315,8 +312,10 @@ def whole_meets(gm: fx.GraphModule, seq: int, exempt: set, outputs: dict,
     `exempt` and `outputs` as for follow_dim (attention's own nodes, which the ring replaces),
     `seeds` the position tables and ranges context_parallel cuts (node -> dim of positions)."""
     pos = follow_dim(gm, 1, seq, lambda node, what: None, exempt, outputs, seeds)
-    local = {*seeds, *(n for n in gm.graph.nodes if _over_sequence(n, seq))}
-    from_inputs = _from_inputs(gm, local)
+    # computed from an input, or from what fix_positions and select_whole_constants make the
+    # rank's: local however follow_dim lost them
+    from_inputs = computed_from(gm, {*seeds, *(n for n in gm.graph.nodes if n.op == "placeholder"
+                                               or _over_sequence(n, seq))})
     meets = []
     for node, p in pos.items():
         out = _val(node)
@@ -347,14 +346,11 @@ def read_at_positions(gm: fx.GraphModule, meets: list[Meet]) -> None:
         reader.replace_input_with(whole, mine)
 
 
-def _from_inputs(gm: fx.GraphModule, seeds) -> set[fx.Node]:
-    """Nodes computed from an input of the graph or from `seeds` (what fix_positions and
-    select_whole_constants make the rank's: what follows from them is local however
-    follow_dim lost them); the others are computed from constants and parameters alone."""
+def computed_from(gm: fx.GraphModule, starts) -> set[fx.Node]:
+    """`starts` and every node computed from one of them."""
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder" or node in seeds or any(
-                a in found for a in node.all_input_nodes):
+        if node in starts or any(a in found for a in node.all_input_nodes):
             found.add(node)
     return found
 
