@@ -51,7 +51,7 @@ from passes.rewrite.cp_masks import MaskError, builders, drop_unused, mask_rows
 from passes.rewrite.expert_parallel import split_balance
 from passes.rewrite.sharding import get_param, is_sdpa, is_sink_attention
 from runtime.training import rng
-from runtime.programs.token_split import check_sequence
+from runtime.programs.token_split import check_sequence, holds_sequence
 from runtime.context.ring_attention import ring_attention
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -141,15 +141,12 @@ def find_attentions(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]],
 
 
 def _from_tokens(gm: fx.GraphModule, seq: int) -> set[fx.Node]:
-    """The nodes computed from an input that is cut along the sequence (local_inputs' rule):
+    """The nodes computed from an input that is cut along the sequence (holds_sequence):
     an attention whose keys and values are not among them reads what every rank holds whole.
     (Ancestry, not where follow_dim finds the sequence: a sequence merged with the batch and
     viewed back is still the rank's tokens, and must go round the ring.)"""
-    def cut(node: fx.Node) -> bool:
-        val = node.meta.get("val")
-        return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
-            and val.shape[1] == seq
-    return computed_from(gm, {node for node in gm.graph.nodes if cut(node)})
+    return computed_from(gm, {node for node in gm.graph.nodes if node.op == "placeholder"
+                              and holds_sequence(node.meta.get("val"), seq)})
 
 
 def why_not(gm: fx.GraphModule, layers: Mapping[str, Sequence[str]]) -> str | None:
@@ -208,7 +205,7 @@ def local_inputs(gm: fx.GraphModule, cp: int) -> tuple:
         if node.op == "placeholder":
             val = node.meta["val"]
             shape = list(val.shape)
-            if len(shape) >= 2 and shape[1] == seq:
+            if holds_sequence(val, seq):
                 shape[1] = seq // cp
             inputs.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
     return tuple(inputs)

@@ -42,6 +42,13 @@ def check_sequence(seq: int, cp: int, layout: str = "zigzag") -> None:
                          f"(context parallel, {layout} layout)")
 
 
+def holds_sequence(tensor, seq: int) -> bool:
+    """Whether an input is cut along the sequence under context parallelism: two or more dims,
+    dim 1 as long as the sequence (the first such input's). The others - a timestep, a context of
+    another length - are whole on every rank; the trainer and the rewrite agree on this rule."""
+    return isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[1] == seq
+
+
 def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1,
                    layout: str = "zigzag") -> torch.Tensor:
     """This rank's tokens of `tensor` (sequence on `dim`), contiguous in memory."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from runtime.launch import activity
 from runtime.training import rng
 from runtime.training.batch import BatchSpec, compare_batches
-from runtime.programs.token_split import shard_sequence
+from runtime.programs.token_split import holds_sequence, shard_sequence
 from runtime.pipeline.executor import StageExecutor, explained, wait_or_explain
 from runtime.pipeline.split_backward import SPLIT_BACKWARDS
 from runtime.training.loss_tokens import StepTokens
@@ -97,9 +97,7 @@ def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp
                 microbatches: int, cp: int = 1, cp_index: int = 0) -> list[dict[str, torch.Tensor]]:
     """This rank's share of the global batch, cut into equal micro-batches: rows of its
     data-parallel index and, under context parallelism, the tokens of its cp index (the zig-zag
-    layout of runtime.programs.token_split, on dim 1 of every input as long there as the first
-    input of two or more dims: passes.rewrite.context_parallel.local_inputs' rule; the others,
-    a timestep or a context of another length, are whole on every rank)."""
+    layout of runtime.programs.token_split, on dim 1 of each input that holds_sequence)."""
     size = batch[0].shape[0]
     if size % (dp * microbatches):
         raise ValueError(f"global batch {size} is not divisible by dp={dp} x "
@@ -107,7 +105,7 @@ def split_batch(batch: Sequence[torch.Tensor], names: Sequence[str], dp: int, dp
     local = [t.chunk(dp)[dp_index] for t in batch]
     if cp > 1:
         seq = next((t.shape[1] for t in local if t.dim() >= 2), None)
-        local = [shard_sequence(t, cp, cp_index) if t.dim() >= 2 and t.shape[1] == seq else t
+        local = [shard_sequence(t, cp, cp_index) if holds_sequence(t, seq) else t
                  for t in local]
     return [dict(zip(names, parts)) for parts in zip(*(t.chunk(microbatches) for t in local))]
 
