@@ -151,6 +151,8 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
         return p
     if node.target is operator.getitem and _picks(node.args[1], p):
         return f"takes some positions of the sequence (dim {p} of {src.name})"
+    if node.target is operator.getitem and _after_index(node.args[1], p) is not None:
+        return _after_index(node.args[1], p)
     if name == "index" and _indexes(node, p):
         return f"takes some positions of the sequence (dim {p} of {src.name})"
     first = node.args[0] if node.args else None
@@ -192,6 +194,24 @@ def _picks(index, p: int) -> bool:
         return False  # dims counted from the end: not followed
     consumed = [i for i in index if i is not None]
     return len(consumed) > p and consumed[p] != slice(None)
+
+
+def _after_index(index, p: int) -> int | None:
+    """Where dim p lands after a basic index that keeps it whole: integers before it drop their
+    dims (`qkv[0]` of [3, b, h, seq, d], `q, k, v = qkv`), None adds one; None where the index
+    holds a tensor or an Ellipsis (followed as a view)."""
+    index = index if isinstance(index, tuple) else (index,)
+    into = out = 0
+    for i in index:
+        if i is None:
+            out += 1
+            continue
+        if into == p:
+            return out
+        if isinstance(i, bool) or not isinstance(i, (int, slice)):
+            return None
+        into, out = into + 1, out + isinstance(i, slice)
+    return out + p - into
 
 
 def _indexes(node: fx.Node, p: int) -> bool:

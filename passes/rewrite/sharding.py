@@ -360,7 +360,7 @@ class _Localize(FakeTensorProp):
             return
         new = _local_sizes(n, *shapes, list(sizes), n.target in _EXPANDS, literal, self.batch)
         if not computed and n.target in _VIEWS:
-            given = self._width_read_whole(n, given, new, shapes)
+            given = self._sizes_read_elsewhere(n, given, new, shapes)
         if new == list(sizes):
             return
         if computed:
@@ -370,18 +370,25 @@ class _Localize(FakeTensorProp):
             new = [new[i] if i in literal else s for i, s in enumerate(given)]
             n.args = (source, type(given)(new)) if len(rest) == 1 else (source, *new)
 
-    def _width_read_whole(self, n: fx.Node, given, sizes: list, shapes) -> list:
-        """A size read at run time from a value every rank holds whole - timm's
-        `reshape(B, N, C)` of the heads merged back, C from the block's input - is the full
-        width where the cut holds 1/tp of it: that size becomes the local one (the cut output's,
-        as a literal); the others stay as read."""
+    def _sizes_read_elsewhere(self, n: fx.Node, given, sizes: list, shapes) -> list:
+        """Sizes read at run time from another value than the one reshaped, where the cut output
+        has another size: timm's `reshape(B, N, C)` of the heads merged back, C read from the
+        block's input every rank holds whole (the full width, where the cut holds 1/tp of it);
+        under sequence parallelism nanoGPT's `B, T, C = x.size()`, T read from the rank's
+        sequence shard, where the reshaped value holds the whole sequence. Such a size becomes
+        the cut output's (a literal); the others stay as read."""
         expected = _cut_output(*shapes, self.batch, n.meta.get(PARTS, 1))
         _, _, full_out = shapes
         if expected is None or len(given) != len(full_out):
             return given
         given = list(given)
         for i, size in enumerate(given):
-            if isinstance(size, fx.Node) and sizes[i] == full_out[i] != expected[i]:
+            if not isinstance(size, fx.Node) or sizes[i] == expected[i]:
+                continue
+            whole_width = sizes[i] == full_out[i]
+            from_shard = self.sp and type(self.full.get(size)) is int and \
+                self.full[size] == expected[i]
+            if whole_width or from_shard:
                 given[i] = sizes[i] = expected[i]
         return given
 

@@ -262,10 +262,9 @@ class ModelCosts:
         why = why_not(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
         if why:  # the rewrite's own reason first: it names the node and the construct
             return why
-        for k, layer in enumerate(self.kinds):
-            if self._kind_profiles[k, 1].kv_bytes <= 0:
-                where = f" in {layer.name}" if len(self.kinds) > 1 else ""
-                return f"no attention keys/values{where} to pass around a ring"
+        # blocks without attention (a hybrid's MLP-only or convolution blocks) run on each
+        # rank's tokens: cp_tokens refuses, naming it, any op of theirs that reads across the
+        # sequence
         return trial_error(self.captured.gm, {l.name: l.nodes for l in self.captured.layers})
 
     def end_costs(self, micro_batch: int, cluster: Cluster, padded: bool = False, cp: int = 1,

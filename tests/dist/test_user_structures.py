@@ -11,6 +11,7 @@ from planner.api import plan
 from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
 from tests.harness.torch_layers import TorchLayersSpec
+from tests.harness.hybrid import HybridSpec
 from tests.harness.shared_block import ScaledBlocksSpec, SharedBlocksSpec
 from tests.harness.two_streams import TwoStreamSpec
 from tests.harness.user_dits import UserDiTSpec
@@ -170,3 +171,18 @@ def test_whole_values_scaling_sharded_features_train_exactly_under_tp(scale):
     tol = {"rtol": 1e-4, "atol": 1e-5} if scale == "alpha+added" else {}
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS),
                     **tol)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", [{"tp": 2, "strategy": "tp+sp"}, {"cp": 2, "strategy": "none"}],
+                         ids=["tp2-sp", "cp2"])
+def test_a_hybrid_of_attention_and_attention_free_blocks_trains_exactly(mesh):
+    """tests.harness.hybrid: under sequence parallelism the sequence length the attention reads
+    from its block's input (each rank's share) is the whole sequence in the view of its fused
+    projection; under context parallelism the attention-free blocks run on each rank's tokens
+    beside the ring of the others."""
+    spec = HybridSpec()
+    model, batch = spec.build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "pp": 1, "tp": 1, "cp": 1, "mb": 2, **mesh})[0]
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))

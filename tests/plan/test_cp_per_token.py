@@ -40,6 +40,11 @@ class Block(nn.Module):
         if self.mix == "unbound":  # timm's split: q, k, v [batch, heads, seq, d] after unbind
             q, k, v = self.qkv(x).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4).unbind(0)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True) + q.mean(2, True)
+        elif self.mix.startswith("indexed"):  # q, k, v = qkv[0], qkv[1], qkv[2]: ints drop dim 0
+            qkv = self.qkv(x).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y + q.mean(2, True) if self.mix == "indexed-mean" else y
         else:
             q, k, v = (t.unflatten(-1, (4, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -77,6 +82,7 @@ def _plan(model, cp: int):
     ("conv", "none", "convolves along the sequence"),
     ("linear", "none", "contracts the sequence"),
     ("unbound", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
+    ("indexed-mean", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("none", "mean", "reduces over the sequence"),
     ("none", "cls", "takes some positions of the sequence"),
     ("none", "last", "takes some positions of the sequence"),
@@ -90,5 +96,6 @@ def test_reading_across_the_sequence_outside_attention_is_refused_under_cp(mix, 
     assert _plan(model, 1)  # the same model plans without splitting the sequence
 
 
-def test_a_model_that_works_token_by_token_plans_under_cp():
-    assert _plan(Model(), 2)[0].cp == 2
+@pytest.mark.parametrize("mix", ["none", "indexed"])
+def test_a_model_that_works_token_by_token_plans_under_cp(mix):
+    assert _plan(Model(mix), 2)[0].cp == 2
