@@ -57,6 +57,7 @@ from passes.rewrite.sharding import (_RESHAPES, LAYER, PARTS, LinearSite, Shardi
                              shard_param, shard_specs, tag_layers)
 from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.tables import table
+from passes.rewrite.tp_convs import cut_depthwise
 from passes.rewrite.tp_dataflow import check_layer
 from passes.rewrite.tp_gather import gather_column
 from passes.rewrite.value_sources import trained_param
@@ -125,6 +126,8 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
     found = check_layer(gm, layer, nodes, tp, set(replicated))
     for view, parts in found.parted_views.items():  # localize_shapes cuts their heads
         view.meta[PARTS] = parts
+    for conv in found.depthwise:  # their weights and biases cut just below
+        cut_depthwise(gm, conv, tp)
     for path, dim in found.cut_params.items():  # weights of norms over all heads' features
         replace_param(gm, path, shard_of(get_param(gm, path), ShardSpec(dim, tp, rank), path,
                                          layer))
@@ -263,7 +266,11 @@ def _sum_replicated_grads(gm, node: fx.Node, layer: str, group: str,
     `1 + weight`, a per-head scale) gets on each rank only its heads' part of the gradient: read
     it, or the value computed from parameters alone, through tp_grad_sum, which sums it over the
     group."""
-    if node.op == "call_module":  # a norm module of a symbolic trace: its own parameters
+    if node.op == "call_module":  # a norm module of a symbolic trace: its own parameters,
+        # unless cut like the value (a depthwise convolution's)
+        if any(f"{node.target}.{name}" in cut for name, _ in
+               gm.get_submodule(node.target).named_parameters()):
+            return node
         return module_params_summed(gm, node, layer, group)
     for arg in node.all_input_nodes:
         if arg.op == "get_attr" and arg.target in cut:  # sharded like the value: its own grad

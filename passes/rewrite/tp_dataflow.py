@@ -49,6 +49,7 @@ import torch.nn as nn
 
 from passes.rewrite.fused_parts import fused_cut
 from passes.rewrite.sharding import ShardingError, linear_site, linear_weight
+from passes.rewrite.tp_convs import CONV_FUNCTIONS, CONV_MODULES, ConvRules
 from passes.rewrite.tp_gather import GatherNeeded, modulation_source
 from passes.rewrite.tp_grad_paths import ShareFixes, share_fixes
 from passes.rewrite.tp_views import ViewRules, _arg, _val, op_name
@@ -104,9 +105,11 @@ class Findings:
     # linear -> parts, cut per part like a fused QKV; and the view -> parts
     parted: dict[fx.Node, int] = field(default_factory=dict)
     parted_views: dict[fx.Node, int] = field(default_factory=dict)
+    # depthwise convolutions of sharded channels: their group count set to the rank's channels
+    depthwise: set[fx.Node] = field(default_factory=set)
 
 
-class _Flow(ViewRules):
+class _Flow(ViewRules, ConvRules):
     """The walk over one layer: sharded dimension of each value (full-shape index)."""
 
     def __init__(self, gm, layer: str, nodes: list[fx.Node], tp: int, whole_heads: set,
@@ -211,6 +214,8 @@ class _Flow(ViewRules):
             return self._elementwise(node, out)
         if module is not None and isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return self._check_norm(node, src, d, len(module.normalized_shape))
+        if isinstance(module, CONV_MODULES) or (module is None and name in CONV_FUNCTIONS):
+            return self._conv(node, src, d)
         rules = {**dict.fromkeys(_VIEWS, self._view), **dict.fromkeys(_REDUCTIONS, self._reduce),
                  **dict.fromkeys(_NORMS, self._norm), **dict.fromkeys(_SLICES, self._slice),
                  "transpose": self._transpose, "swapaxes": self._transpose, "t": self._transpose,

@@ -174,15 +174,21 @@ def test_whole_values_scaling_sharded_features_train_exactly_under_tp(scale):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mesh", [{"tp": 2, "strategy": "tp+sp"}, {"cp": 2, "strategy": "none"}],
-                         ids=["tp2-sp", "cp2"])
-def test_a_hybrid_of_attention_and_attention_free_blocks_trains_exactly(mesh):
+@pytest.mark.parametrize("conv, mesh", [
+    (None, {"tp": 2, "strategy": "tp+sp"}), (None, {"cp": 2, "strategy": "none"}),
+    ("module", {"tp": 2, "strategy": "tp+sp"}), ("function", {"tp": 2, "strategy": "tp"})],
+    ids=["mlp-tp2-sp", "mlp-cp2", "conv-tp2-sp", "fconv-tp2"])
+def test_a_hybrid_of_attention_and_attention_free_blocks_trains_exactly(conv, mesh):
     """tests.harness.hybrid: under sequence parallelism the sequence length the attention reads
     from its block's input (each rank's share) is the whole sequence in the view of its fused
     projection; under context parallelism the attention-free blocks run on each rank's tokens
-    beside the ring of the others."""
-    spec = HybridSpec()
+    beside the ring of the others; under tensor parallelism each rank convolves its channels
+    with its rows of the depthwise convolution's weight and bias."""
+    spec = HybridSpec(conv)
     model, batch = spec.build()
     chosen = plan(model, 2, batch, cluster="cpu-gloo",
                   fix={"dp": 1, "pp": 1, "tp": 1, "cp": 1, "mb": 2, **mesh})[0]
+    blocks = {s for st in chosen.stages for layer, s in zip(st.layers, st.strategies)
+              if layer.startswith("blocks")}
+    assert blocks == {mesh["strategy"]}, chosen.stages
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))

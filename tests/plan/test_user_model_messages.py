@@ -455,3 +455,41 @@ def test_a_batch_size_export_baked_into_the_loss_is_refused():
     with pytest.raises(ValueError) as err:
         plan(BatchSizeMean(), 2, (torch.randn(8, 8), torch.randn(8, 8)), cluster="cpu-gloo")
     assert "torch.export keeps as a constant" in str(err.value) and ".mean()" in str(err.value)
+
+
+class ChannelMixingConv(nn.Module):
+    def __init__(self, d=16, groups=1):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.conv = nn.Conv1d(2 * d, 2 * d, 3, padding=1, groups=groups)
+
+    def forward(self, x):
+        return x + self.down(self.conv(self.up(x).transpose(1, 2)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("groups, planned", [(1, False), (2, False), (32, True)])
+def test_only_a_depthwise_convolution_of_sharded_channels_is_tensor_parallel(groups, planned):
+    """Each rank holds 1/tp of the channels: a convolution with one group per channel works on
+    them alone (its weight cut with them), one that mixes channels is refused naming it."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+            self.blocks = nn.ModuleList(ChannelMixingConv(groups=groups) for _ in range(2))
+
+        def forward(self, tokens, targets):
+            x = self.emb(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+    if planned:
+        chosen = plan(Model(), 2, _tokens(), cluster="cpu-gloo", fix={"tp": 2, "strategy": "tp"})
+        assert chosen[0].tp == 2
+        return
+    with pytest.raises(PlanningError) as err:
+        plan(Model(), 2, _tokens(), cluster="cpu-gloo", fix={"tp": 2, "strategy": "tp"})
+    message = _one_line(str(err.value))
+    for words in ("blocks_0_conv (Conv1d)", f"mixes the channels it convolves (groups={groups} "
+                  "over 32 channels)", "only a depthwise convolution"):
+        assert words in message, message
