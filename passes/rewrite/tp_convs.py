@@ -34,10 +34,12 @@ class ConvRules:
                             f"dimension 1, works shard by shard)")
         if channels is None or groups != channels or weight is None or \
                 weight.shape[0] != channels:
-            self.fail(node, f"mixes the channels it convolves (groups={groups} over "
-                            f"{channels} channels), of which each rank holds 1/tp={self.tp}; "
-                            f"only a depthwise convolution (groups = channels, as Mamba's short "
-                            f"convolution) works shard by shard: leave tp=1 for this model")
+            why = (f"mixes the channels it convolves (groups={groups} over {channels} "
+                   f"channels), of which each rank holds 1/tp={self.tp}; only a depthwise "
+                   f"convolution (groups = channels, as Mamba's short convolution) works shard "
+                   f"by shard")
+            self._gather_instead([src], split=True, why=(node, why))  # its projection whole
+            self.fail(node, why)
         if src not in self.blocks or self.outer.get(src, 1) > 1:
             self.fail(node, f"convolves channels of {src.name} that are not each rank's "
                             f"contiguous block (a fused projection before its split, or "
