@@ -153,6 +153,8 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
         return f"takes some positions of the sequence (dim {p} of {src.name})"
     if node.target is operator.getitem and _after_index(node.args[1], p) is not None:
         return _after_index(node.args[1], p)
+    if pads(gm, node, ndim, p):
+        return f"pads or shifts the sequence (dim {p} of {src.name})"
     if name == "index" and _indexes(node, p):
         return f"takes some positions of the sequence (dim {p} of {src.name})"
     first = node.args[0] if node.args else None
@@ -194,6 +196,26 @@ def _picks(index, p: int) -> bool:
         return False  # dims counted from the end: not followed
     consumed = [i for i in index if i is not None]
     return len(consumed) > p and consumed[p] != slice(None)
+
+
+def pads(gm: fx.GraphModule, node: fx.Node, ndim: int, p: int) -> bool:
+    """Whether a pad (F.pad, constant_pad_nd, a padding module) pads or cuts dim p: RWKV's token
+    shift `F.pad(x, (0, 0, 1, -1))` keeps the sequence's length but moves every token to the
+    next position, which on a rank's slice takes a zero where another rank's token belongs."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        is_pad = type(module).__name__[:-2].endswith("Pad") and hasattr(module, "padding")
+        widths = module.padding if is_pad else None
+    else:
+        is_pad = op_name(gm, node) in ("pad", "constant_pad_nd", "reflection_pad1d",
+                                       "replication_pad1d", "circular_pad1d")
+        widths = _arg(node, 1, "pad")
+    if not is_pad:
+        return False
+    if not isinstance(widths, (list, tuple)):
+        return True  # computed: not known not to
+    at = 2 * (ndim - 1 - p)  # pairs (before, after), from the last dimension backwards
+    return any(w != 0 for w in widths[at:at + 2])
 
 
 def _after_index(index, p: int) -> int | None:

@@ -21,6 +21,7 @@ class Block(nn.Module):
         self.qkv, self.o = nn.Linear(H, 3 * H), nn.Linear(H, H)
         self.conv = nn.Conv1d(H, H, 3, padding=1)
         self.over_tokens = nn.Linear(S, S)
+        self.shift = nn.ZeroPad2d((0, 0, 1, -1))
 
     def mixed(self, x):
         if self.mix == "mean":
@@ -31,6 +32,10 @@ class Block(nn.Module):
             return x + x.cumsum(1)
         if self.mix == "conv":
             return x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        if self.mix == "shift":  # RWKV's token shift: each token mixed with the one before
+            return x + F.pad(x, (0, 0, 1, -1))
+        if self.mix == "shift-module":
+            return x + self.shift(x)
         if self.mix == "linear":
             return x + self.over_tokens(x.transpose(1, 2)).transpose(1, 2)
         return x
@@ -81,6 +86,8 @@ def _plan(model, cp: int):
     ("cumsum", "none", "cumsum (cumsum) works along the sequence"),
     ("conv", "none", "convolves along the sequence"),
     ("linear", "none", "contracts the sequence"),
+    ("shift", "none", "pad (pad) pads or shifts the sequence"),
+    ("shift-module", "none", "pads or shifts the sequence"),
     ("unbound", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("indexed-mean", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("none", "mean", "reduces over the sequence"),
@@ -99,3 +106,16 @@ def test_reading_across_the_sequence_outside_attention_is_refused_under_cp(mix, 
 @pytest.mark.parametrize("mix", ["none", "indexed"])
 def test_a_model_that_works_token_by_token_plans_under_cp(mix):
     assert _plan(Model(mix), 2)[0].cp == 2
+
+
+@pytest.mark.parametrize("mix", ["shift", "shift-module"])
+def test_a_token_shift_is_refused_under_sequence_parallelism(mix):
+    """Under tp+sp the shift would run on each rank's tokens between the tensor-parallel
+    regions: the block is refused sp (and planned tp) naming the pad."""
+    batch = (torch.randint(0, V, (4, S)), torch.randint(0, V, (4, S)))
+    with pytest.raises(ValueError) as err:
+        plan(Model(mix), 2, batch, cluster="cpu-gloo",
+             fix={"tp": 2, "dp": 1, "pp": 1, "strategy": "tp+sp"})
+    assert "works along the sequence" in str(err.value), err.value
+    chosen = plan(Model(mix), 2, batch, cluster="cpu-gloo", fix={"tp": 2, "dp": 1, "pp": 1})[0]
+    assert chosen.tp == 2
