@@ -44,7 +44,14 @@ _TAKE = {"select": 1, "narrow": 1, "slice": 1, "index_select": 1, "gather": 1,
          "take_along_dim": 2}
 _CONTRACT_LAST = {"linear", "Linear", "addmm"}
 _MATMUL = {"matmul", "bmm", "mm", "baddbmm"}
-_CONV = {"conv1d", "conv2d", "conv3d", "convolution", "Conv1d", "Conv2d", "Conv3d"}
+# ops over the dimensions after (batch, channels): convolutions, pooling, resampling
+_CONV = {"conv1d", "conv2d", "conv3d", "convolution", "Conv1d", "Conv2d", "Conv3d",
+         "conv_transpose1d", "conv_transpose2d", "ConvTranspose1d", "ConvTranspose2d",
+         *(f"{kind}_pool{n}d" for kind in ("avg", "max", "adaptive_avg", "adaptive_max", "lp")
+           for n in (1, 2, 3)),
+         "max_pool1d_with_indices", "max_pool2d_with_indices", "AvgPool1d", "AvgPool2d",
+         "MaxPool1d", "MaxPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "LPPool1d",
+         "interpolate", "upsample_nearest1d", "upsample_linear1d", "Upsample"}
 
 
 class SequenceMixError(ValueError):
@@ -163,7 +170,7 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
     if name in _MATMUL and _contracts(node, pos):
         return "contracts the sequence in a matrix product"
     if name in _CONV and p >= 2:
-        return f"convolves along the sequence (dim {p} of {src.name})"
+        return f"convolves or pools along the sequence (dim {p} of {src.name})"
     if name in ("transpose", "swapaxes"):
         d0, d1 = (int(d) % ndim for d in node.args[1:3])
         return d1 if p == d0 else d0 if p == d1 else p

@@ -32,6 +32,8 @@ class Block(nn.Module):
             return x + x.cumsum(1)
         if self.mix == "conv":
             return x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        if self.mix == "pool":  # a smoothing over neighbouring tokens
+            return x + F.avg_pool1d(x.transpose(1, 2), 3, 1, 1).transpose(1, 2)
         if self.mix == "shift":  # RWKV's token shift: each token mixed with the one before
             return x + F.pad(x, (0, 0, 1, -1))
         if self.mix == "shift-module":
@@ -84,9 +86,10 @@ def _plan(model, cp: int):
     ("mean", "none", "mean (mean) reduces over the sequence"),
     ("softmax", "none", "works along the sequence"),
     ("cumsum", "none", "cumsum (cumsum) works along the sequence"),
-    ("conv", "none", "convolves along the sequence"),
+    ("conv", "none", "convolves or pools along the sequence"),
     ("linear", "none", "contracts the sequence"),
     ("shift", "none", "pad (pad) pads or shifts the sequence"),
+    ("pool", "none", "convolves or pools along the sequence"),
     ("shift-module", "none", "pads or shifts the sequence"),
     ("unbound", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("indexed-mean", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
