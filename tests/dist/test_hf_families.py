@@ -178,8 +178,12 @@ def test_reshaped_token_ids_and_tied_heads_split_over_the_vocabulary(arch, mesh,
     tp=2 x pp=2, the tied weight's two copies on the first and last stage, their gradients
     summed."""
     family = next(f for f in FAMILIES if f.arch == arch)
+    # OPT's ReLU has a kink: after the first update a pre-activation within fp32 summation
+    # noise of zero flips in one run and not the other (1.5% of fc1's gradient at step 2 with
+    # transformers 5.25's initialisation); a smooth activation keeps the check on the ends
+    smooth = (("activation_function", "gelu"),) if arch == "opt" else ()
     spec = HFSpec(arch, global_batch=8, seq=32,
-                  overrides=(*family.overrides, ("vocab_size", vocab)))
+                  overrides=(*family.overrides, ("vocab_size", vocab), *smooth))
     torch.manual_seed(0)
     model, batch = build(spec)
     gpus = mesh["tp"] * mesh["pp"]
