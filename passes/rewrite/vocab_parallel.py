@@ -324,7 +324,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, start, vocab, ignore_index, reduction, group, tag):
         width = logits.shape[-1]
         real = max(0, min(width, vocab - start))  # columns of this slice inside the vocabulary
-        x = logits.float()
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
         if real < width:  # padding columns never win
             x = x.masked_fill(torch.arange(width, device=x.device) >= real, float("-inf"))
         peak = collectives.all_reduce(x.amax(-1), group, tag, op="max")
@@ -348,7 +348,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         probs, index, hit, valid, count = ctx.saved_tensors
-        scale = grad.float() / count if ctx.reduction == "mean" else grad.float()
+        grad = grad.to(probs.dtype)
+        scale = grad / count if ctx.reduction == "mean" else grad
         scale = scale.expand(valid.shape) * valid
         grad_logits = probs * scale.unsqueeze(-1)
         grad_logits.scatter_add_(-1, index, -(scale * hit).unsqueeze(-1))

@@ -517,7 +517,8 @@ class PipelineTrainer:
         starts, so no rank waits at the end of the step for the one that finishes last."""
         if self.groups.pp is None or self.groups.rank == self.last_rank:
             return None
-        value = torch.zeros(())
+        value = torch.zeros((), dtype=torch.float32)  # as _start_loss_sum sends it, whatever
+        # the default dtype (a float64 default read the sender's bytes as another number)
         work = dist.broadcast(value, src=self.last_rank, group=self.groups.pp, async_op=True)
         return value, work
 

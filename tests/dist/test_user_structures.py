@@ -3,7 +3,10 @@ pipeline and context parallel plans, on 2 or 4 gloo ranks against one process: l
 gradient of every step and the final parameters (rtol 1e-5). Three structures per plan of PLANS (24 in all); a plan
 the planner refuses is discarded, not failed; seeded and bounded, so the same cases run every
 time."""
+from dataclasses import dataclass
+
 import pytest
+import torch
 from conftest import rank_pool
 from hypothesis import HealthCheck, Phase, assume, event, given, seed, settings
 
@@ -192,3 +195,31 @@ def test_a_hybrid_of_attention_and_attention_free_blocks_trains_exactly(conv, me
               if layer.startswith("blocks")}
     assert blocks == {mesh["strategy"]}, chosen.stages
     assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
+
+
+@dataclass(frozen=True)
+class Float64Hybrid(HybridSpec):
+    """The hybrid built under a float64 default dtype (in ranks of their own: the default
+    would stay set in a pooled rank)."""
+
+    def build(self):
+        torch.set_default_dtype(torch.float64)
+        return super().build()
+
+
+@pytest.mark.dist
+def test_losses_cross_stages_whatever_the_default_dtype():
+    """The last stage's loss reaches the other stages' ranks as the number it is: their
+    receiving buffer once took the default dtype (float64 here) and read the sender's float32
+    bytes as another number (5e-315)."""
+    spec = Float64Hybrid()
+    model, batch = spec.build()
+    torch.set_default_dtype(torch.float32)
+    chosen = plan(model, 2, batch, cluster="cpu-gloo",
+                  fix={"dp": 1, "pp": 2, "tp": 1, "mb": 2, "strategy": "none"})[0]
+    parallel = run_parallel(spec, chosen, STEPS)  # ranks of their own
+    try:
+        reference = reference_run(spec, STEPS)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert_same_run(parallel, reference)
