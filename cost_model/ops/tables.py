@@ -52,6 +52,10 @@ _table("gather index_select take_along_dim index", 0, "index")
 _table("avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d"
        " adaptive_avg_pool3d", 1, "none")
 _table("max_pool1d max_pool2d max_pool3d adaptive_max_pool1d adaptive_max_pool2d", 1, "output")
+# Fourier transforms (FNet's token mixing): ~5 log2(n) FLOPs per element, n the transformed
+# length (Cooley-Tukey), taken at n ~ 1-4K: 55; linear, so backward needs no saved input
+_table("fft_fft fft_ifft fft_rfft fft_irfft fft_hfft fft_ihfft fft_fft2 fft_ifft2 fft_rfft2"
+       " fft_irfft2 fft_fftn fft_ifftn fft_rfftn fft_irfftn _fft_c2c _fft_r2c _fft_c2r", 55, "none")
 _table("eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and"
        " bitwise_or bitwise_xor bitwise_not isinf isneginf isposinf isnan isfinite sign floor ceil"
        " round trunc floor_divide argmax argmin any all", 1, "none", differentiable=False)

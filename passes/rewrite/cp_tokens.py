@@ -162,6 +162,8 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
         return _after_index(node.args[1], p)
     if pads(gm, node, ndim, p):
         return f"pads or shifts the sequence (dim {p} of {src.name})"
+    if transforms(node, name, ndim, p):
+        return f"transforms along the sequence (dim {p} of {src.name})"
     if name == "index" and _indexes(node, p):
         return f"takes some positions of the sequence (dim {p} of {src.name})"
     first = node.args[0] if node.args else None
@@ -203,6 +205,30 @@ def _picks(index, p: int) -> bool:
         return False  # dims counted from the end: not followed
     consumed = [i for i in index if i is not None]
     return len(consumed) > p and consumed[p] != slice(None)
+
+
+# Fourier transforms and the dimensions they mix when none are given (None: every one)
+_FFT_DEFAULT = {
+    **dict.fromkeys(("fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft"),
+                    (-1,)),
+    **dict.fromkeys(("fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2"), (-2, -1)),
+    **dict.fromkeys(("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn"), None)}
+_FFT_ATEN = {"_fft_c2c", "_fft_r2c", "_fft_c2r"}  # torch.export's forms: dims at index 1
+
+
+def transforms(node: fx.Node, name: str, ndim: int, p: int) -> bool:
+    """Whether a Fourier transform mixes dim p: FNet's token mixing, an FFT along the sequence,
+    keeps its length and reads every position."""
+    if name in _FFT_ATEN:
+        dims = _arg(node, 1, "dim")
+    elif name in _FFT_DEFAULT:
+        dims = _arg(node, 2, "dim", _FFT_DEFAULT[name])
+        if dims is None:
+            return True
+    else:
+        return False
+    dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+    return any(not isinstance(d, int) or d % ndim == p for d in dims)
 
 
 def pads(gm: fx.GraphModule, node: fx.Node, ndim: int, p: int) -> bool:

@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.rewrite.cp_tokens import pads
+from passes.rewrite.cp_tokens import pads, transforms
 from passes.rewrite.expert_parallel import sequence_refusal
 from passes.capture.trace import CONSTANT
 from passes.rewrite.grad_sums import module_params_summed, with_params  # noqa: F401
@@ -163,7 +163,7 @@ class _Walk:
                 continue
             changed = out.dim() <= dim or val.dim() <= dim or val.shape[dim] != out.shape[dim]
             if changed or _along_sequence(node, op, val.dim(), dim) or \
-                    pads(self.gm, node, val.dim(), dim):
+                    pads(self.gm, node, val.dim(), dim) or transforms(node, op, val.dim(), dim):
                 what = (f"gives {tuple(out.shape)} from {arg.name} {tuple(val.shape)}, the "
                         f"sequence (dim {dim}) changed" if changed else
                         f"works along the sequence (dim {dim}) of {arg.name}")

@@ -34,6 +34,8 @@ class Block(nn.Module):
             return x + self.conv(x.transpose(1, 2)).transpose(1, 2)
         if self.mix == "pool":  # a smoothing over neighbouring tokens
             return x + F.avg_pool1d(x.transpose(1, 2), 3, 1, 1).transpose(1, 2)
+        if self.mix == "fourier":  # FNet's token mixing
+            return x + torch.fft.fft(torch.fft.fft(x, dim=-1), dim=-2).real
         if self.mix == "shift":  # RWKV's token shift: each token mixed with the one before
             return x + F.pad(x, (0, 0, 1, -1))
         if self.mix == "shift-module":
@@ -90,6 +92,7 @@ def _plan(model, cp: int):
     ("linear", "none", "contracts the sequence"),
     ("shift", "none", "pad (pad) pads or shifts the sequence"),
     ("pool", "none", "convolves or pools along the sequence"),
+    ("fourier", "none", "transforms along the sequence"),
     ("shift-module", "none", "pads or shifts the sequence"),
     ("unbound", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("indexed-mean", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
@@ -111,10 +114,10 @@ def test_a_model_that_works_token_by_token_plans_under_cp(mix):
     assert _plan(Model(mix), 2)[0].cp == 2
 
 
-@pytest.mark.parametrize("mix", ["shift", "shift-module"])
+@pytest.mark.parametrize("mix", ["shift", "shift-module", "fourier"])
 def test_a_token_shift_is_refused_under_sequence_parallelism(mix):
-    """Under tp+sp the shift would run on each rank's tokens between the tensor-parallel
-    regions: the block is refused sp (and planned tp) naming the pad."""
+    """Under tp+sp the shift (or FNet's Fourier transform) would run on each rank's tokens
+    between the tensor-parallel regions: the block is refused sp (and planned tp), naming it."""
     batch = (torch.randint(0, V, (4, S)), torch.randint(0, V, (4, S)))
     with pytest.raises(ValueError) as err:
         plan(Model(mix), 2, batch, cluster="cpu-gloo",
