@@ -169,6 +169,15 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
     first = node.args[0] if node.args else None
     if name in _CONTRACT_LAST and first in pos and pos[first] == _val(first).dim() - 1:
         return f"contracts the sequence (the last dim of {first.name})"
+    if name == "einsum":  # every operand that carries the sequence, by its letters
+        places = {a: _einsum_place(node, a, pos[a]) for a in node.all_input_nodes if a in pos}
+        if None not in places.values():
+            why = next((w for w in places.values() if isinstance(w, str)), None)
+            if why is None and len(set(places.values())) > 1:
+                why = (f"puts the positions of two sequences in one value ({node.args[0]}: "
+                       f"attention written out; write it with F.scaled_dot_product_attention "
+                       f"for context parallelism to ring it)")
+            return why or places[src]
     if name in _MATMUL and _contracts(node, pos):
         return "contracts the sequence in a matrix product"
     if name in _CONV and p >= 2:
@@ -186,6 +195,25 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         return [int(d) % ndim for d in dims].index(p)
     return _kept(node, shape, p, view=name in _VIEWS)
+
+
+def _einsum_place(node: fx.Node, src: fx.Node, p: int) -> int | str | None:
+    """The sequence's place in an einsum's output, followed by its letter (attention written
+    `einsum("bqhd,bkhd->bhqk", q, k)` puts the keys' positions last), or why it is lost; None
+    where the equation is not read here (an ellipsis, an operand given twice)."""
+    equation, operands = node.args[0], node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation or \
+            list(operands).count(src) != 1:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    spec = inputs.split(",")[list(operands).index(src)]
+    if p >= len(spec):
+        return None
+    if spec[p] not in out:
+        return f"contracts the sequence in an einsum ({equation}, dim {p} of {src.name})"
+    return out.index(spec[p])
 
 
 def _dims(node: fx.Node, index: int, ndim: int, p: int, whole: bool = False) -> bool:

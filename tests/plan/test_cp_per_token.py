@@ -34,6 +34,8 @@ class Block(nn.Module):
             return x + self.conv(x.transpose(1, 2)).transpose(1, 2)
         if self.mix == "pool":  # a smoothing over neighbouring tokens
             return x + F.avg_pool1d(x.transpose(1, 2), 3, 1, 1).transpose(1, 2)
+        if self.mix == "einsum-mixer":  # MLP-Mixer's token mixing by a [seq, seq] weight
+            return x + torch.einsum("bld,lm->bmd", x, torch.eye(S))
         if self.mix == "fourier":  # FNet's token mixing
             return x + torch.fft.fft(torch.fft.fft(x, dim=-1), dim=-2).real
         if self.mix == "shift":  # RWKV's token shift: each token mixed with the one before
@@ -49,6 +51,11 @@ class Block(nn.Module):
         if self.mix == "unbound":  # timm's split: q, k, v [batch, heads, seq, d] after unbind
             q, k, v = self.qkv(x).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4).unbind(0)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True) + q.mean(2, True)
+        elif self.mix == "einsum-scores":  # beside SDPA, attention written out: not ringed
+            q, k, v = (t.unflatten(-1, (4, -1)) for t in self.qkv(x).chunk(3, -1))
+            w = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+            y = torch.einsum("bhqk,bkhd->bhqd", w, v) + F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         elif self.mix.startswith("indexed"):  # q, k, v = qkv[0], qkv[1], qkv[2]: ints drop dim 0
             qkv = self.qkv(x).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
@@ -93,6 +100,8 @@ def _plan(model, cp: int):
     ("shift", "none", "pad (pad) pads or shifts the sequence"),
     ("pool", "none", "convolves or pools along the sequence"),
     ("fourier", "none", "transforms along the sequence"),
+    ("einsum-mixer", "none", "contracts the sequence in an einsum (bld,lm->bmd"),
+    ("einsum-scores", "none", "puts the positions of two sequences in one value (bqhd,bkhd"),
     ("shift-module", "none", "pads or shifts the sequence"),
     ("unbound", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
     ("indexed-mean", "none", "(mean) reduces over the sequence (dim 2 of getitem"),
