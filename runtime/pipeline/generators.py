@@ -28,17 +28,17 @@ def _check_args(p: object, m: object, v: object = 1) -> None:
             raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
 
 
-def gpipe(p: int, m: int) -> Schedule:
+def gpipe(p: int, m: int, comms: bool = True) -> Schedule:
     """All forwards, then all backwards: every micro-batch is in flight at once."""
     _check_args(p, m)
     orders = [
         [Action(r, Kind.F, k) for k in range(m)] + [Action(r, Kind.B, k) for k in range(m)]
         for r in range(p)
     ]
-    return _with_comms(Schedule("gpipe", p, p, m, orders))
+    return _with_comms(Schedule("gpipe", p, p, m, orders), comms)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
+def one_f_one_b(p: int, m: int, comms: bool = True) -> Schedule:
     """1F1B: rank r runs min(p - r - 1, m) warm-up forwards, then alternates
     one forward and one backward, then drains the remaining backwards, so at
     most min(p - r, m) micro-batches are in flight on rank r."""
@@ -51,10 +51,10 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             order += [Action(r, Kind.F, warmup + k), Action(r, Kind.B, k)]
         order += [Action(r, Kind.B, k) for k in range(m - warmup, m)]
         orders.append(order)
-    return _with_comms(Schedule("1f1b", p, p, m, orders))
+    return _with_comms(Schedule("1f1b", p, p, m, orders), comms)
 
 
-def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+def interleaved_1f1b(p: int, m: int, v: int = 2, comms: bool = True) -> Schedule:
     """Megatron's interleaved 1F1B with v stages per rank (stage c*p + r on
     rank r). Micro-batches go through the local stages in groups of p, which
     is why m must be a multiple of p."""
@@ -76,7 +76,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
             order.append(_interleaved_step(p, v, r, k, forward=False))
         order += [_interleaved_step(p, v, r, k, forward=False) for k in range(total - warmup, total)]
         orders.append(order)
-    return _with_comms(Schedule("interleaved-1f1b", p, p * v, m, orders))
+    return _with_comms(Schedule("interleaved-1f1b", p, p * v, m, orders), comms)
 
 
 def _interleaved_step(p: int, v: int, rank: int, step: int, forward: bool) -> Action:
@@ -85,7 +85,7 @@ def _interleaved_step(p: int, v: int, rank: int, step: int, forward: bool) -> Ac
     return Action(chunk * p + rank, Kind.F if forward else Kind.B, group * p + pos % p)
 
 
-def zb_h1(p: int, m: int) -> Schedule:
+def zb_h1(p: int, m: int, comms: bool = True) -> Schedule:
     """Zero-bubble ZB-H1 (Qi et al., 2023): 1F1B with the backward split into
     I (input gradient, on the critical path) and W (weight gradient). Rank r
     runs each W r micro-batches after its I, so the trailing W's fill the
@@ -108,7 +108,7 @@ def zb_h1(p: int, m: int) -> Schedule:
             backward(k)
         order += [Action(r, Kind.W, k) for k in range(max(m - lag, 0), m)]
         orders.append(order)
-    return _with_comms(Schedule("zb-h1", p, p, m, orders))
+    return _with_comms(Schedule("zb-h1", p, p, m, orders), comms)
 
 
 SCHEDULES = {
@@ -136,18 +136,21 @@ def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
     return None
 
 
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule by name; v (stages per rank) applies to interleaved only."""
+def make_schedule(name: str, p: int, m: int, v: int = 1, comms: bool = True) -> Schedule:
+    """Build a schedule by name; v (stages per rank) applies to interleaved only. Without
+    `comms`, each rank's compute actions only, in their order (what counting needs)."""
     why = schedule_error(name, p, m, v)
     if why:
         raise ValueError(why)
     if name == "interleaved-1f1b":
-        return interleaved_1f1b(p, m, v)
-    return SCHEDULES[name](p, m)
+        return interleaved_1f1b(p, m, v, comms)
+    return SCHEDULES[name](p, m, comms)
 
 
-def _with_comms(compute_only: Schedule) -> Schedule:
-    """Add SEND/RECV actions around the compute actions of every rank."""
+def _with_comms(compute_only: Schedule, comms: bool = True) -> Schedule:
+    """Add SEND/RECV actions around the compute actions of every rank (`comms`)."""
+    if not comms:
+        return compute_only
     sched = compute_only
     # Pass 1: sends right after their compute; remember each channel's
     # (src, dst) message order as the receives the destination must post.
@@ -193,7 +196,6 @@ def peak_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
 
 
-@lru_cache(maxsize=4096)
 def inflight_moments(name: str, p: int, m: int, v: int = 1, records: bool = False
                      ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per rank, the activation sets each of its stages (local index c: stage c·p + r) holds
@@ -205,8 +207,20 @@ def inflight_moments(name: str, p: int, m: int, v: int = 1, records: bool = Fals
     `peak_inflight`'s one count per rank cannot tell. With `records` (ZB-H1 under
     split_backward "record", runtime.pipeline.split_backward) each moment also counts, after
     the v activation counts, the sets of gradients I recorded for a W still to come, per local
-    stage (none on stage 0, whose I has no input to reach), and the moments after each I too."""
-    schedule = make_schedule(name, p, m, v)
+    stage (none on stage 0, whose I has no input to reach), and the moments after each I too.
+
+    Past 2p micro-batches a schedule other than GPipe only repeats its steady state: its
+    moments are those of the first legal count from 2p (tests/unit/test_schedules.py checks
+    it against the whole schedule), so a step of a thousand micro-batches is counted as one of
+    2p."""
+    if name != "gpipe" and m > 2 * p:
+        m = next(k for k in range(2 * p, m + 1) if schedule_error(name, p, k, v) is None)
+    return _moments(name, p, m, v, records)
+
+
+@lru_cache(maxsize=4096)
+def _moments(name: str, p: int, m: int, v: int, records: bool):
+    schedule = make_schedule(name, p, m, v, comms=False)  # the compute order is what counts
     frees = Kind.W if name == "zb-h1" else Kind.B
     result = []
     for r, actions in enumerate(schedule.actions):

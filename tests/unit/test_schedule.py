@@ -2,7 +2,9 @@
 
 import pytest
 
-from runtime.pipeline.generators import interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
+from runtime.pipeline import generators
+from runtime.pipeline.generators import (inflight_moments, interleaved_1f1b, make_schedule,
+                                         one_f_one_b, schedule_error, zb_h1)
 from runtime.pipeline.schedule import Action, Kind, Schedule, ScheduleError
 from runtime.pipeline.simulator import grid, simulate
 from runtime.pipeline.validate import validate
@@ -212,3 +214,16 @@ def test_schedule_shape_is_checked():
         Schedule("x", 2, 2, 1, [[Action(0, Kind.F, 0)]])
     with pytest.raises(ValueError, match="multiple of num_ranks"):
         Schedule("x", 2, 3, 1, [[], []])
+
+
+@pytest.mark.parametrize("name, v, records", [("1f1b", 1, False), ("zb-h1", 1, False),
+                                              ("zb-h1", 1, True), ("interleaved-1f1b", 2, False),
+                                              ("interleaved-1f1b", 3, False)])
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_moments_past_the_steady_state_are_those_of_2p_micro_batches(name, v, records, p):
+    """inflight_moments counts a step of many micro-batches as one of 2p (the steady state
+    repeats): the whole schedule's moments agree at every legal count up to 6p."""
+    for m in range(2 * p + 1, 6 * p + 1):
+        if schedule_error(name, p, m, v) is None:
+            assert inflight_moments(name, p, m, v, records) == \
+                generators._moments(name, p, m, v, records), m
