@@ -25,7 +25,7 @@ demo: $(STAMP)
 # multi-rank tier on its own, since its pools of gloo ranks already take every core.
 TEST_WORKERS ?= 2
 
-# Every tier: unit, planning, and the 8-rank gloo tests (about 20-29 minutes on two cores).
+# Every tier: unit, planning, and the 8-rank gloo tests (about 28 minutes on two cores).
 test: test-fast
 	$(PY) -m pytest -q tests -m dist
 
