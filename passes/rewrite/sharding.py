@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture.trace import module_path
-from passes.rewrite.size_reads import sp_size_read
+from passes.rewrite.size_reads import shapes_clash, sp_size_read
 from passes.rewrite.weight_pieces import WeightPiece, linear_pieces, param_path
 from runtime.attention import sinks  # noqa: F401 - registers torch.ops.fxpar.sink_attention
 from runtime.comm import collectives as c
@@ -319,7 +319,8 @@ class _Localize(FakeTensorProp):
             raise
         except Exception as err:  # noqa: BLE001 - re-raised naming the node and its layer
             why = (self._asks_full(n) if n.target in _VIEWS else None) or \
-                (sp_size_read(n, self.env, self.full, LAYER) if self.sp else None) or str(err).splitlines()[0] + (
+                (sp_size_read(n, self.env, self.full, LAYER) if self.sp else None) or \
+                shapes_clash(n, self.env, self.full) + (
                     "; under sequence parallelism a size read from a value split along the "
                     "sequence is the rank's share: read it from a value every rank holds "
                     "whole, or plan the layer with strategy=tp" if self.sp else "")

@@ -27,6 +27,16 @@ def sp_size_read(failed: fx.Node, env: dict, full: dict, layer_key: str) -> str 
             f"whole), or plan the layer with strategy=tp")
 
 
+def shapes_clash(failed: fx.Node, env: dict, full: dict) -> str:
+    """What `failed` was given on the rank beside what the model gives it: the shapes of its
+    tensor inputs (torch's own message names argument indices and internal checks)."""
+    def shapes(values: dict) -> str:
+        return ", ".join(f"{a.name} {tuple(values[a].shape)}" for a in failed.all_input_nodes
+                         if isinstance(values.get(a), torch.Tensor))
+    return (f"its inputs do not fit together on the rank ({shapes(env)}; in the model "
+            f"{shapes(full)})")
+
+
 def _describe(read: fx.Node) -> str:
     """'node getitem_9 (add_1.shape[1])', or the node's name where it is not such a read."""
     shape, index = (read.args + (None, None))[:2]
