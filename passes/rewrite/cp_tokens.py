@@ -158,8 +158,9 @@ def _follow(gm, node: fx.Node, src: fx.Node, pos: dict) -> int | str | None:
         return p
     if node.target is operator.getitem and _picks(node.args[1], p):
         return f"takes some positions of the sequence (dim {p} of {src.name})"
-    if node.target is operator.getitem and _after_index(node.args[1], p) is not None:
-        return _after_index(node.args[1], p)
+    moved = _after_index(node.args[1], p) if node.target is operator.getitem else None
+    if moved is not None:
+        return moved
     if pads(gm, node, ndim, p):
         return f"pads or shifts the sequence (dim {p} of {src.name})"
     if transforms(node, name, ndim, p):

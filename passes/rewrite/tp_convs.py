@@ -22,6 +22,12 @@ CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_FUNCTIONS = {"conv1d", "conv2d", "conv3d", "convolution"}
 
 
+def _groups_at(gm: fx.GraphModule, node: fx.Node) -> int:
+    """Where a convolution call takes its group count: aten.convolution's (input, weight, bias,
+    stride, padding, dilation, transposed, output_padding, groups), conv1d/2d/3d's 7th."""
+    return 8 if op_name(gm, node) == "convolution" else 6
+
+
 class ConvRules:
     """Rule of tp_dataflow._Flow for convolutions: sets self.dim[node] or fails."""
 
@@ -56,8 +62,7 @@ class ConvRules:
             module = self.gm.get_submodule(node.target)
             return module.weight, module.bias, module.groups
         weight, bias = (_arg(node, i, n) for i, n in ((1, "weight"), (2, "bias")))
-        index = 8 if op_name(self.gm, node) == "convolution" else 6
-        groups = _arg(node, index, "groups", 1)
+        groups = _arg(node, _groups_at(self.gm, node), "groups", 1)
         if isinstance(groups, fx.Node):  # read at run time (x.shape[1]): its value here
             groups = groups.meta.get("val")
         return _val(weight), _val(bias) if isinstance(bias, fx.Node) else None, groups
@@ -90,7 +95,7 @@ def cut_depthwise(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
         gm.add_submodule(node.target, rank_module)
         return
     groups = full_size(get_param(gm, str(_arg(node, 1, "weight").target)), 0) // tp
-    index = 8 if op_name(gm, node) == "convolution" else 6
+    index = _groups_at(gm, node)
     if isinstance(_arg(node, index, "groups"), fx.Node):
         return  # read from the rank's channels at run time
     if len(node.args) > index:
