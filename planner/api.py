@@ -132,16 +132,27 @@ def _sizes_from(model, example_inputs, global_batch, asked_seq, seq: int,
                 sequences: bool) -> str:
     """Where the plan's sequence length and global batch came from, as the plan states it."""
     if is_preset(model):
-        if hasattr(get_config(model), "sizes_text"):
-            return get_config(model).sizes_text(bool(global_batch))
-        return (f"seq {seq}: {'given' if asked_seq else 'preset'}   global batch: "
-                f"{'given' if global_batch else 'preset'}")
+        config = get_config(model)
+        if hasattr(config, "sizes_text"):
+            return config.sizes_text(bool(global_batch))
+        return (f"seq {seq}: {_config_size(config, 'seq', asked_seq)}   global batch: "
+                f"{_config_size(config, 'global_batch', global_batch)}")
     shape = list(example_inputs[0].shape)
     batch = "given" if global_batch else f"dim 0 of the first example input {shape}"
     if not sequences:
         return f"inputs not sequences (counted in samples)   global batch: {batch}"
     return (f"seq {seq}: dim 1 of the first example input {shape} (sequence_dim=None if it is "
             f"not a sequence)   global batch: {batch}")
+
+
+def _config_size(config, field: str, asked) -> str:
+    """'given' where the size was asked for or differs from the named preset's (a size flag or
+    override), 'preset' where it is the preset's own, 'config' for a config of no preset."""
+    from planner.models.presets import PRESETS
+    base = PRESETS.get(config.name)
+    if asked or (base is not None and getattr(base, field) != getattr(config, field)):
+        return "given"
+    return "preset" if base is not None else "config"
 
 
 def plan_costs(costs: ModelCosts, req: Request, moe_imbalance: float | None = None) -> list[Plan]:

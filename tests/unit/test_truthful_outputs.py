@@ -184,6 +184,16 @@ def test_the_plan_states_its_sizes_and_their_sources(capsys):
     assert f"model {sum(p.numel() for p in model.parameters()) / 1e3:.3g}K parameters" in out
 
 
+def test_a_presets_sizes_say_whether_a_flag_changed_them(capsys):
+    said = {}
+    for flags in ([], ["--seq", "64"], ["--global-batch", "32"]):
+        assert main(["plan", "--model", "gpt-tiny", "--gpus", "2", *flags]) == 0
+        said[tuple(flags)] = capsys.readouterr().out
+    assert "seq 32: preset   global batch: preset" in said[()]
+    assert "seq 64: given   global batch: preset" in said[("--seq", "64")]
+    assert "seq 32: preset   global batch: given" in said[("--global-batch", "32")]
+
+
 class _Images(torch.nn.Module):
     def __init__(self):
         super().__init__()
