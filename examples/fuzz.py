@@ -19,9 +19,14 @@ option that still fails the same way. Cases that fail for a known open reason
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
+import sys
 import time
+
+# the repository root, for the tests' harness (tests.harness.fuzzing)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _summary(err: BaseException, width: int = 400) -> str:

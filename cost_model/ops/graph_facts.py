@@ -283,7 +283,8 @@ ALWAYS_VIEWS = frozenset({
     "view", "transpose", "t", "permute", "unsqueeze", "squeeze", "view_as", "alias",
     "detach", "expand", "expand_as", "unflatten", "movedim", "narrow", "select", "slice",
     "as_strided", "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "identity",
-    "mT", "mH", "numpy_T", "adjoint", "matrix_H", "unfold", "real", "imag",
+    "mT", "mH", "numpy_T", "adjoint", "matrix_H", "unfold", "real", "imag", "broadcast_to",
+    "broadcast_tensors",
 })
 VIEWS_IF_CONTIGUOUS = frozenset({"reshape", "reshape_as", "flatten", "contiguous"})
 CASTS = frozenset({"to", "type_as", "float", "half", "bfloat16", "double", "type", "_to_copy",

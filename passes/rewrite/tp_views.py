@@ -36,6 +36,26 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def _moved_by_unit(before, after, j: int) -> int | None:
+    """Where dimension j of a shape goes when unit dimensions are inserted or removed (an
+    unsqueeze, a squeeze); None where j itself is removed."""
+    i = k = 0
+    while i < len(before) and k < len(after):
+        if before[i] == after[k] and (before[i] != 1 or len(before) - i == len(after) - k):
+            if i == j:
+                return k
+            i, k = i + 1, k + 1
+        elif after[k] == 1 and len(after) - k > len(before) - i:
+            k += 1   # inserted
+        elif before[i] == 1:
+            if i == j:
+                return None
+            i += 1   # removed
+        else:
+            return None
+    return None
+
+
 class ViewRules:
     """Rules of tp_dataflow._Flow for views: each sets self.dim[node] or fails."""
 
@@ -69,7 +89,9 @@ class ViewRules:
                         return
                 if cuts and src not in self.whole_heads:
                     self.fail(node, f"splits the sharded dimension ({size_d} over "
-                                    f"tp={self.tp}) into pieces of {carved}, cutting one")
+                                    f"tp={self.tp}) into {size} pieces of {carved} (heads, "
+                                    f"if they are), cutting one: {size} do not divide over "
+                                    f"tp={self.tp}")
                 self.dim[node] = j
                 self.outer[node] = 1
                 if src in self.blocks and src not in self.whole_heads:
@@ -99,6 +121,11 @@ class ViewRules:
         if linear not in self.blocks or linear_site(self.gm, linear) is None or \
                 len(linear.users) != 1 or j + 1 >= len(full_out):
             return False
+        # (parts, features) and (heads, head_dim) have the same shape: parts are taken apart
+        # later or have a head dimension after them; else these are heads tp cuts (refused)
+        if j + 2 >= len(full_out) and not self._selects(node, j) and \
+                self._piece_parts(src) != parts:
+            return False
         heads = full_out[j + 1]
         if parts * heads > size_d or size_d % (parts * heads) or heads % self.tp:
             return False
@@ -118,10 +145,16 @@ class ViewRules:
 
     def _selects(self, node: fx.Node, j: int) -> bool:
         """Whether dimension j of `node` is taken apart later (unbind, select, an int index),
-        through permutes and transposes: q, k, v of a fused projection viewed by parts."""
+        through permutes, transposes and unit dimensions inserted or removed (nn.MultiheadAttention's
+        `unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2)`): q, k, v of a fused
+        projection viewed by parts."""
         for user in node.users:
             name, k = op_name(self.gm, user), j
-            if name == "permute":
+            if name in ("unsqueeze", "squeeze") and _val(user) is not None:
+                k = _moved_by_unit(_val(node).shape, _val(user).shape, j)
+            elif name in ("contiguous", "clone"):
+                pass
+            elif name == "permute":
                 dims = user.args[1] if isinstance(user.args[1], (tuple, list)) else user.args[1:]
                 ndim = len(dims)
                 k = [d % ndim if isinstance(d, int) else d for d in dims].index(j) \

@@ -493,3 +493,46 @@ def test_only_a_depthwise_convolution_of_sharded_channels_is_tensor_parallel(gro
     for words in ("blocks_0_conv (Conv1d)", f"mixes the channels it convolves (groups={groups} "
                   "over 32 channels)", "only a depthwise convolution"):
         assert words in message, message
+
+
+class _TwoHeads(nn.Module):
+    """Two heads written out (no SDPA): q, k and v viewed as (heads, head_dim)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, 2, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v
+        return x + self.o(a.transpose(1, 2).reshape(b, n, -1))
+
+
+class _Stack(nn.Module):
+    def __init__(self, block, n: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_heads_that_do_not_divide_over_tp_are_named_at_their_view():
+    """Two heads viewed as (2, 16) have the shape of a fused projection's two parts of 16
+    features; no part is taken apart after the view, so they are heads, and tp=4 would cut
+    one: refused there, with the count, not at the matmul that would then contract over a
+    cut head dimension."""
+    x = torch.randn(2, 8, 32)
+    with pytest.raises(PlanningError) as err:
+        plan(_Stack(_TwoHeads), 4, (x, x), cluster="cpu-gloo",
+             fix={"tp": 4, "strategy": "tp"}, loss_fn=F.mse_loss)
+    assert "view (view) splits the sharded dimension (32 over tp=4) into 2 pieces of 16" in \
+        str(err.value) and "2 do not divide over tp=4" in str(err.value), str(err.value)
+    from planner.models.presets import get_config
+    grouped = get_config("llama-tiny", layers=1, hidden=64, heads=8, kv_heads=2).with_(
+        attention="math")
+    with pytest.raises(PlanningError, match="unflatten_1 .* into 2 pieces of 8"):
+        plan(grouped, 4, fix={"tp": 4, "strategy": "tp"})
