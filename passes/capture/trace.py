@@ -4,8 +4,8 @@
 rewrite passes handle directly); when it cannot trace, `torch.export` is used (its graph is FX too).
 Shapes come from FakeTensorProp, so a model on the meta device is captured without allocating weights.
 
-Layers: the largest outermost `nn.ModuleList` is the list of repeated blocks (its children need
-not be alike: passes.capture.block_runs groups them into runs of identical blocks); each block is one
+Layers: the largest outermost `nn.ModuleList` (or `nn.Sequential` of blocks) is the list of
+repeated blocks (its children need not be alike: passes.capture.block_runs groups them into runs of identical blocks); each block is one
 layer, everything before the first block is the "embed" layer and everything after the last one
 the "head" layer. A model of several parts - a vision tower's layers then a decoder's, an
 encoder's then a decoder's - has several outermost lists of blocks that run one after the other:
@@ -258,7 +258,7 @@ def block_lists(model: torch.nn.Module) -> tuple[str, ...]:
     embeddings beside the blocks stays in the layer around it; with one, any list does. Their
     children need not be alike (passes.capture.block_runs groups them); `_parts` then keeps those
     that run one after the other."""
-    lists = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    lists = _lists(model)
     def nested(name: str) -> bool:
         return any(name.startswith(f"{outer}.") for outer in lists if outer != name)
     outer = [name for name in lists if not nested(name) and len(model.get_submodule(name))]
@@ -270,12 +270,22 @@ def block_lists(model: torch.nn.Module) -> tuple[str, ...]:
     return (largest,) if largest is not None else ()
 
 
+def _lists(model: torch.nn.Module) -> list[str]:
+    """The containers a model may hold its blocks in: every nn.ModuleList, and an nn.Sequential
+    of two or more blocks (timm's `self.blocks = nn.Sequential(*blocks)`); a Sequential of
+    layers (an MLP's Linear, GELU, Linear) is part of a block, not a list of blocks."""
+    return [name for name, m in model.named_modules() if name and (
+        isinstance(m, torch.nn.ModuleList) or isinstance(m, torch.nn.Sequential)
+        and len(m) >= 2 and all(_is_block(child) for child in m.children()))]
+
+
 def _named_lists(model: torch.nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The lists `names` gives, each checked to be an nn.ModuleList of the model."""
-    found = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    """The lists `names` gives, each checked to be a list of blocks of the model."""
+    found = _lists(model)
     for name in names:
         if name not in found:
-            raise CaptureError(f"parts: {name!r} is not an nn.ModuleList of "
+            raise CaptureError(f"parts: {name!r} is not an nn.ModuleList (or nn.Sequential of "
+                               f"blocks) of "
                                f"{type(model).__name__}; its lists of layers are "
                                f"{', '.join(found[:6]) or 'none'}")
     return names

@@ -68,8 +68,8 @@ class ModelCosts:
                  training: TrainingMemory | None = None,
                  runs: tuple[tuple[int, int], ...] | None = None, autocast: str = ""):
         if not captured.blocks:
-            raise PlanningError("found no repeated blocks (an nn.ModuleList of blocks) to "
-                                "distribute; hold the model's layers in one nn.ModuleList")
+            raise PlanningError("found no repeated blocks (an nn.ModuleList or nn.Sequential "
+                                "of blocks) to distribute; hold the model's layers in one")
         self.kinds = block_kinds(captured.blocks)
         self.runs = _check_runs(runs, self.kinds, num_blocks) if runs is not None else \
             _captured_runs(captured, self.kinds, num_blocks)

@@ -15,6 +15,7 @@ from planner.training.local import assert_same_run, reference_run, run_parallel
 from tests.harness.structures import PLANS, Structure, structures
 from tests.harness.torch_layers import TorchLayersSpec
 from tests.harness.hybrid import HybridSpec
+from tests.harness.sequential_vit import SequentialViTSpec
 from tests.harness.shared_block import ScaledBlocksSpec, SharedBlocksSpec
 from tests.harness.two_streams import TwoStreamSpec
 from tests.harness.user_dits import UserDiTSpec
@@ -223,3 +224,18 @@ def test_losses_cross_stages_whatever_the_default_dtype():
     finally:
         torch.set_default_dtype(torch.float32)
     assert_same_run(parallel, reference)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"tp": 2, "strategy": "tp"}], ids=["pp2", "tp2"])
+def test_blocks_held_in_an_nn_sequential_are_split_exactly(mesh):
+    """timm's vision transformer holds its blocks in an nn.Sequential: they are the layers the
+    pipeline stages split and tensor parallelism cuts, trained as in one process."""
+    spec = SequentialViTSpec()
+    model, batch = spec.build()
+    chosen = plan(model, 2, batch, cluster="cpu-gloo", sequence_dim=None,
+                  fix={"dp": 1, "pp": 1, "tp": 1, "mb": 2, **mesh})[0]
+    layers = [layer for st in chosen.stages for layer in st.layers]
+    assert layers == ["embed", *(f"blocks.{i}" for i in range(4)), "head"], layers
+    assert len(chosen.stages) == mesh.get("pp", 1)
+    assert_same_run(run_parallel(spec, chosen, STEPS, rank_pool(2)), reference_run(spec, STEPS))
