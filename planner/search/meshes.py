@@ -185,6 +185,10 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
                  f"the block's sequence-parallel rewrite stops: {costs.sp_error(tp)}")
         return Refusal(6, f"strategy={req.fix['strategy']}: sequence parallel does not apply "
                           f"({split})", ("strategy",))
+    if tp == 1 and Strategy.parse(req.fix.get("strategy", "none")).tp:
+        return Refusal(6, f"strategy={req.fix['strategy']} splits every block over tp ranks; "
+                          f"tp=1 has none (fix tp > 1, or a strategy without tp)",
+                       ("tp", "strategy"))
     if tp > 1 and not any(s.tp for s in strategies(req, tp)):
         return Refusal(6, f"strategy={req.fix['strategy']} leaves tp={tp} unused (a tp > 1 mesh "
                           f"needs some block to use tensor parallelism)", ("tp", "strategy"))

@@ -45,12 +45,24 @@ def refusal(gpus: int, model=TINY, **kwargs) -> str:
                                                 "nearest legal pp: 2"]),
     (8, dict(fix={"strategy": "none", "tp": 2}), ["strategy=none leaves tp=2 unused",
                                                   "nearest legal tp: 1"]),
+    (8, dict(fix={"strategy": "tp", "tp": 1}), ["strategy=tp splits every block over tp ranks; "
+                                                "tp=1 has none", "nearest legal tp: 2"]),
+    (8, dict(fix={"strategy": "tp+sp", "dp": 8}), ["strategy=tp+sp splits every block", "tp=1"]),
 ])
 def test_a_fixed_setting_no_configuration_admits_names_the_filter_and_nearest_value(
         gpus, kwargs, words):
     message = refusal(gpus, **kwargs)
     for word in words:
         assert word in message, message
+
+
+def test_a_tensor_parallel_strategy_fixed_alone_plans_tensor_parallel():
+    """strategy=tp without tp: meshes of tp=1, where it would not apply, are not among the
+    choices (once it was dropped there without a word)."""
+    chosen = plan(TINY, 8, cluster="cpu-gloo", fix={"strategy": "tp"})[0]
+    assert chosen.tp > 1 and all("tp" in s for st in chosen.stages
+                                 for layer, s in zip(st.layers, st.strategies)
+                                 if layer.startswith("blocks")), chosen.stages
 
 
 def test_a_gpu_count_nothing_factorises_names_the_nearest_counts_that_plan():
