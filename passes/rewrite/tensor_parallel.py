@@ -150,6 +150,8 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
         site = linear_site(gm, node)
         if site is not None and site.x in sharded:
             _make_row(gm, site, layer, tp, rank, group)
+        elif node in found.whole:  # as in one process, on every rank (Findings.whole)
+            continue
         elif site is not None:
             value, reader = before_views(site.x, node)
             if value not in entries:  # one region entry per value (q, k, v share it)

@@ -26,6 +26,9 @@ partial results are then summed over the group (`Findings.reduced`), and an elem
 a whole trained parameter of the sharded dimension's full size (that norm's weight), which is
 then sharded like the value (`Findings.cut_params`).
 
+A linear of whole input whose output features tp does not divide cannot be column-parallel: it
+stays whole on every rank (`Findings.whole`), its output whole like any replicated value.
+
 A view may merge the sharded dimension, innermost, with dimensions before it (BLOOM's eager
 attention runs on [batch x heads, seq, head_dim]); each rank then holds its heads of every batch
 row, which batched matmuls, elementwise ops and views that split the dimensions again keep, and
@@ -107,6 +110,10 @@ class Findings:
     parted_views: dict[fx.Node, int] = field(default_factory=dict)
     # depthwise convolutions of sharded channels: their group count set to the rank's channels
     depthwise: set[fx.Node] = field(default_factory=set)
+    # linears of whole input whose output features do not divide by tp (Qwen2-MoE's
+    # Linear(h, 1) gating its shared expert): whole on every rank, read outside tp_copy, so
+    # their gradients are each rank's same whole ones
+    whole: set[fx.Node] = field(default_factory=set)
 
 
 class _Flow(ViewRules, ConvRules):
@@ -183,6 +190,9 @@ class _Flow(ViewRules, ConvRules):
             if node in self.gathered:  # ... and gathered whole again (passes.rewrite.tp_gather)
                 return
             out = _val(node)
+            if out is not None and out.shape[-1] % self.tp and node not in self.whole_heads:
+                self.found.whole.add(node)  # its features do not split: whole, not sharded
+                return
             if out is not None:
                 self.dim[node] = out.dim() - 1
                 cut = fused_cut(node)

@@ -72,11 +72,42 @@ def _unit_spans(gm: fx.GraphModule) -> dict[str, tuple[fx.Node, fx.Node]]:
         if node.op == "get_attr" and not _submodule_params(gm, node.target) and \
                 node.target not in dict(gm.named_parameters()):
             continue  # a buffer or a constant
-        users = [node, *node.users] if node.op == "get_attr" else [node]
+        users = [node, *_readers(node)] if node.op == "get_attr" else [node]
         span = spans.setdefault(layer, [node, node])
         span[0] = min(span[0], node, key=order.get)
         span[1] = max([span[1], *users], key=order.get)
     return {layer: (a, b) for layer, (a, b) in spans.items()}
+
+
+# ops whose output may be a view of their input: the parameter's data is read where their users
+# run (tp_grad_sum of a replicated scale is the scale itself forward, a .t() its transpose)
+_ALIASING = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "_unsafe_view", "transpose", "t", "permute",
+    "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "movedim", "narrow",
+    "select", "slice", "getitem", "getattr", "split", "chunk", "unbind", "contiguous", "to",
+    "type_as", "float", "detach", "alias", "as_strided", "tp_grad_sum", "tp_copy",
+    "tp_grad_share"})
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read `node`'s data: its users and, through ops that may return a view of
+    it, theirs."""
+    found, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if user in found:
+            continue
+        found.append(user)
+        if _name(user) in _ALIASING:
+            stack.extend(user.users)
+    return found
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    target = getattr(node.target, "overloadpacket", node.target)
+    return getattr(target, "__name__", "")
 
 
 def unit_order(gm: fx.GraphModule) -> list[str]:
