@@ -5,15 +5,15 @@ rewrite passes handle directly); when it cannot trace, `torch.export` is used (i
 Shapes come from FakeTensorProp, so a model on the meta device is captured without allocating weights.
 
 Layers: the largest outermost `nn.ModuleList` (or `nn.Sequential` of blocks) is the list of
-repeated blocks (its children need not be alike: passes.capture.block_runs groups them into runs of identical blocks); each block is one
-layer, everything before the first block is the "embed" layer and everything after the last one
-the "head" layer. A model of several parts - a vision tower's layers then a decoder's, an
-encoder's then a decoder's - has several outermost lists of blocks that run one after the other:
-each is a part, and their blocks make one chain in the order they run ("embed",
-"encoder.block.0", ..., "decoder.block.0", ..., "head"). A node between blocks that reads a
-block's output goes with the block that ran last before it (a projector after the vision tower),
-one that reads none with "embed" (a decoder's token embedding), whose value crosses the stages
-in between to its users.
+repeated blocks (its children need not be alike: passes.capture.block_runs groups them into runs
+of identical blocks); each block is one layer, everything before the first block is the "embed"
+layer and everything after the last one the "head" layer. A model of several parts - a vision
+tower's layers then a decoder's, an encoder's then a decoder's - has several outermost lists of
+blocks that run one after the other: each is a part, and their blocks make one chain in the
+order they run ("embed", "encoder.block.0", ..., "decoder.block.0", ..., "head"). A node between
+blocks that reads a block's output goes with the block that ran last before it (a projector
+after the vision tower), one that reads none with "embed" (a decoder's token embedding), whose
+value crosses the stages in between to its users.
 
 Every node computed from no input and no trained parameter (position tables, BLOOM's ALiBi bias,
 masks from aranges) carries node.meta[CONSTANT] = True, which a layer cut out of the graph still

@@ -145,9 +145,9 @@ class ViewRules:
 
     def _selects(self, node: fx.Node, j: int) -> bool:
         """Whether dimension j of `node` is taken apart later (unbind, select, an int index),
-        through permutes, transposes and unit dimensions inserted or removed (nn.MultiheadAttention's
-        `unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2)`): q, k, v of a fused
-        projection viewed by parts."""
+        through permutes, transposes and unit dimensions inserted or removed
+        (nn.MultiheadAttention's `unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2)`):
+        q, k, v of a fused projection viewed by parts."""
         for user in node.users:
             name, k = op_name(self.gm, user), j
             if name in ("unsqueeze", "squeeze") and _val(user) is not None:

@@ -92,15 +92,14 @@ _ALIASING = frozenset({
 def _readers(node: fx.Node) -> list[fx.Node]:
     """The nodes that read `node`'s data: its users and, through ops that may return a view of
     it, theirs."""
-    found, stack = [], list(node.users)
+    found, stack = {}, list(node.users)
     while stack:
         user = stack.pop()
-        if user in found:
-            continue
-        found.append(user)
-        if _name(user) in _ALIASING:
-            stack.extend(user.users)
-    return found
+        if user not in found:
+            found[user] = None
+            if _name(user) in _ALIASING:
+                stack.extend(user.users)
+    return list(found)
 
 
 def _name(node: fx.Node) -> str:
