@@ -33,13 +33,13 @@ LOSSES = ("cross-entropy", "mse", "pooled")
 # rotary positions on self-attention's q and k: none, rotate-half over real cos/sin tables
 # (Hugging Face's), or complex products of a complex table (Meta's Llama, torchtitan)
 ROPES = ("none", "rotate-half", "complex")
-# (gpus, fix): each mixes tensor, sequence and pipeline parallelism differently
+# (gpus, fix): each mixes tensor, sequence, pipeline and sharded data parallelism differently
 PLANS = ((2, {"tp": 2, "strategy": "tp"}),
          (2, {"tp": 2, "strategy": "tp+sp"}),
          (2, {"pp": 2, "strategy": "none"}),
          (4, {"tp": 2, "pp": 2, "strategy": "tp"}),
          (4, {"tp": 2, "pp": 2, "strategy": "tp+sp"}),
-         (4, {"tp": 2, "dp": 2, "strategy": "tp+sp"}),
+         (4, {"tp": 2, "dp": 2, "zero": 3, "strategy": "tp+sp"}),
          (4, {"tp": 4, "strategy": "tp"}),
          (2, {"cp": 2, "strategy": "none"}))
 VOCAB, WIDTH, BATCH = 32, 6, 4
