@@ -185,7 +185,9 @@ def mesh_refusal(costs: ModelCosts, req: Request, dp: int, tp: int, cp: int,
                  f"the block's sequence-parallel rewrite stops: {costs.sp_error(tp)}")
         return Refusal(6, f"strategy={req.fix['strategy']}: sequence parallel does not apply "
                           f"({split})", ("strategy",))
-    if tp == 1 and Strategy.parse(req.fix.get("strategy", "none")).tp:
+    if tp == 1 and "tp" not in req.fix and Strategy.parse(req.fix.get("strategy", "none")).tp:
+        # asked for tensor parallelism, not for a mesh: tp=1 meshes would drop it (a fixed tp=1
+        # keeps the strategy's recompute, the plan saying so: solved.tp_unused)
         return Refusal(6, f"strategy={req.fix['strategy']} splits every block over tp ranks; "
                           f"tp=1 has none (fix tp > 1, or a strategy without tp)",
                        ("tp", "strategy"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cost_model.layers.strategy import Strategy
 from planner.search import ilp
 from planner.search import zero as zero_axis
 from planner.search.plan import Plan, Predicted, StagePlan
@@ -47,7 +48,7 @@ def make_plan(costs, req, cand, problem, blocks, solution) -> Plan:
                 cand.micro_batch, cand.microbatches, req.global_batch, req.seq, cand.schedule,
                 req.memory_limit, tuple(stages),
                 _predict(costs, req, cand, problem, blocks, solution.counts, parts, memory),
-                costs.notes(cand.tp) + costs.selective_notes(
+                tp_unused(req, cand.tp) + costs.notes(cand.tp) + costs.selective_notes(
                     cand.tp, [s for st in stages for s in st.strategies]),
                 solver_text(solution.status, solution.gap, solution.stop), cand.v, cand.cp,
                 {"solve_s": round(solution.seconds, 4)}, zero=cand.zero,
@@ -162,3 +163,14 @@ def read_solver_text(text: str) -> tuple[str, float, str]:
     status, gap, *stop = text.split(", ")
     stop = stop[0].removeprefix("stopped by the ").split(" (")[0] if stop else ""
     return status, float(gap.removeprefix("gap ").rstrip("%")) / 100, stop
+
+
+def tp_unused(req, tp: int) -> tuple[str, ...]:
+    """The note of a tensor-parallel strategy fixed with tp=1 (a sweep's uniform --fix): it
+    applies to no block."""
+    fixed = Strategy.parse(req.fix.get("strategy", "none"))
+    if tp > 1 or not fixed.tp:
+        return ()
+    return (f"strategy={req.fix['strategy']} at tp=1: no block is tensor-parallel"
+            + (f"; its recompute ({fixed.recompute}) applies" if fixed.recompute != "none"
+               else ""),)

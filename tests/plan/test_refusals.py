@@ -45,9 +45,8 @@ def refusal(gpus: int, model=TINY, **kwargs) -> str:
                                                 "nearest legal pp: 2"]),
     (8, dict(fix={"strategy": "none", "tp": 2}), ["strategy=none leaves tp=2 unused",
                                                   "nearest legal tp: 1"]),
-    (8, dict(fix={"strategy": "tp", "tp": 1}), ["strategy=tp splits every block over tp ranks; "
-                                                "tp=1 has none", "nearest legal tp: 2"]),
-    (8, dict(fix={"strategy": "tp+sp", "dp": 8}), ["strategy=tp+sp splits every block", "tp=1"]),
+    (8, dict(fix={"strategy": "tp+sp", "dp": 8}), ["strategy=tp+sp splits every block over tp "
+                                                   "ranks; tp=1 has none"]),
 ])
 def test_a_fixed_setting_no_configuration_admits_names_the_filter_and_nearest_value(
         gpus, kwargs, words):
@@ -58,11 +57,16 @@ def test_a_fixed_setting_no_configuration_admits_names_the_filter_and_nearest_va
 
 def test_a_tensor_parallel_strategy_fixed_alone_plans_tensor_parallel():
     """strategy=tp without tp: meshes of tp=1, where it would not apply, are not among the
-    choices (once it was dropped there without a word)."""
+    choices (once it was dropped there without a word); with tp=1 fixed, the plan notes it."""
     chosen = plan(TINY, 8, cluster="cpu-gloo", fix={"strategy": "tp"})[0]
     assert chosen.tp > 1 and all("tp" in s for st in chosen.stages
                                  for layer, s in zip(st.layers, st.strategies)
                                  if layer.startswith("blocks")), chosen.stages
+    assert not any("no block is tensor-parallel" in n for n in chosen.notes), chosen.notes
+    # with tp=1 fixed too (one --fix swept over meshes), the plan says where it applies
+    chosen = plan(TINY, 8, cluster="cpu-gloo", fix={"strategy": "tp+full", "tp": 1})[0]
+    assert "strategy=tp+full at tp=1: no block is tensor-parallel; its recompute (full) " \
+        "applies" in chosen.notes, chosen.notes
 
 
 def test_a_gpu_count_nothing_factorises_names_the_nearest_counts_that_plan():
