@@ -274,9 +274,11 @@ def _lists(model: torch.nn.Module) -> list[str]:
     """The containers a model may hold its blocks in: every nn.ModuleList, and an nn.Sequential
     of two or more blocks (timm's `self.blocks = nn.Sequential(*blocks)`); a Sequential of
     layers (an MLP's Linear, GELU, Linear) is part of a block, not a list of blocks."""
-    return [name for name, m in model.named_modules() if name and (
-        isinstance(m, torch.nn.ModuleList) or isinstance(m, torch.nn.Sequential)
-        and len(m) >= 2 and all(_is_block(child) for child in m.children()))]
+    def of_blocks(m: torch.nn.Module) -> bool:
+        return isinstance(m, torch.nn.Sequential) and len(m) >= 2 and \
+            all(_is_block(child) for child in m.children())
+    return [name for name, m in model.named_modules()
+            if name and (isinstance(m, torch.nn.ModuleList) or of_blocks(m))]
 
 
 def _named_lists(model: torch.nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
