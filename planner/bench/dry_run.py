@@ -17,6 +17,10 @@ what the fused kernel keeps (planner.bench.gpu_kernels: RMSNorm on 16-bit inputs
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -106,16 +110,47 @@ def _model_and_batch(spec):
 
 
 def dry_run(spec, plan, options: dict | None = None, ranks=None, steps: int = 2,
-            routing=None) -> list:
-    """Every rank of `plan` (or those in `ranks`) dry-run in turn: one RankMemory each. The
-    step runs the fewest micro-batches that reach the same peaks (`fewer_microbatches`), or
-    all of them where `routing` (each rank's recorded routing, by rank) is replayed."""
-    ranks = range(plan.gpus) if ranks is None else ranks
+            routing=None, workers: int = 1) -> list:
+    """Every rank of `plan` (or those in `ranks`) dry-run: one RankMemory each, in rank order.
+    The step runs the fewest micro-batches that reach the same peaks (`fewer_microbatches`),
+    or all of them where `routing` (each rank's recorded routing, by rank) is replayed.
+    `workers` > 1 dry-runs that many ranks at once (`_in_processes`); 0: one per CPU core."""
+    ranks = list(range(plan.gpus) if ranks is None else ranks)
     if routing and any(routing):
-        return [dry_run_rank(spec, plan, r, options, steps, routing[r]) for r in ranks]
-    short = fewer_microbatches(plan)
-    spec = _with_batch(spec, short.global_batch)
-    return [dry_run_rank(spec, short, r, options, steps) for r in ranks]
+        jobs = [(spec, plan, r, options, steps, routing[r]) for r in ranks]
+    else:
+        short = fewer_microbatches(plan)
+        spec = _with_batch(spec, short.global_batch)
+        jobs = [(spec, short, r, options, steps) for r in ranks]
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods() \
+            and sys.platform == "linux":
+        return _in_processes(jobs, workers)
+    return [dry_run_rank(*job) for job in jobs]
+
+
+def _in_processes(jobs: list, workers: int) -> list:
+    """The jobs' dry runs in `workers` forked processes: each rank joins a fake process group of
+    its own, and one process can hold one group at a time. Forked, not spawned, so that the
+    model (a user's module, on the meta device) is inherited rather than pickled; fork is
+    used on Linux only, where it is safe with torch (its intra-op threads are reset in the
+    child): elsewhere the ranks run one after another."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    global _JOBS
+    _JOBS = jobs
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_job, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS = []
+
+
+_JOBS: list = []   # the jobs a forked worker inherits (_in_processes)
+
+
+def _job(index: int):
+    return dry_run_rank(*_JOBS[index])
 
 
 def fewer_microbatches(plan):

@@ -30,11 +30,14 @@ def runtime_options(plan: Plan) -> dict:
     return {"precision": "fp32" if plan.cluster.startswith("cpu") else "bf16-main"}
 
 
-def check(plan: Plan, spec, every_rank: bool | None = None, options: dict | None = None):
-    """{rank: RankMemory} of the dry run of the ranks `ranks_to_check` picks."""
+def check(plan: Plan, spec, every_rank: bool | None = None, options: dict | None = None,
+          workers: int = 0):
+    """{rank: RankMemory} of the dry run of the ranks `ranks_to_check` picks, `workers` at a
+    time (0: one per CPU core)."""
     from planner.bench.dry_run import dry_run
     ranks = ranks_to_check(plan, every_rank)
-    runs = dry_run(spec, plan, options if options is not None else runtime_options(plan), ranks)
+    runs = dry_run(spec, plan, options if options is not None else runtime_options(plan), ranks,
+                   workers=workers)
     return dict(zip(ranks, runs))
 
 

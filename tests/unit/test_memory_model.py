@@ -61,6 +61,16 @@ def test_plan_check_dry_runs_every_rank_beside_the_prediction(capsys):
     assert [line.split()[0] for line in table.splitlines()[4:6]] == ["0", "1"]
 
 
+def test_ranks_dry_run_in_processes_peak_as_one_after_another():
+    from planner.bench.dry_run import dry_run
+    from planner.models.presets import get_config
+    best = plan("llama-tiny", 4, cluster="cpu-gloo", fix={"pp": 2, "tp": 2})[0]
+    spec = get_config("llama-tiny", global_batch=best.global_batch)
+    serial, forked = (dry_run(spec, best, ranks=[0, 1, 3], workers=w) for w in (1, 3))
+    assert [r.rank for r in forked] == [0, 1, 3]
+    assert [(r.peak_bytes, r.split) for r in forked] == [(r.peak_bytes, r.split) for r in serial]
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "dit-tiny"])
 def test_plan_check_dry_runs_every_rank_beside_the_prediction_of_any_preset(model, capsys):
     from planner.cli import main
