@@ -102,6 +102,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     _refuse(unsupported.functional_batch_norm(gm, model))
     propagate_shapes(gm, example_inputs)
     slices_to_splits(gm)  # Phi-3's slices of a fused projection: one split, cut per part
+    loss_first(gm)
     check_loss(gm, model)
     _refuse(unsupported.non_tensor_output(gm, model))
     mark_constants(gm)
@@ -176,9 +177,21 @@ def mark_constants(gm: fx.GraphModule) -> None:
             node.meta[CONSTANT] = True
 
 
+def loss_first(gm: fx.GraphModule) -> None:
+    """A forward that returns a dict with a "loss" entry (as Hugging Face models' outputs hold
+    one) returns (loss, the other entries in order) instead: the loss is what trains, and the
+    trainer reads it first, as from a tuple."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    if isinstance(result, dict) and "loss" in result:
+        output.args = ((result["loss"], *(v for k, v in result.items() if k != "loss")),)
+        gm.recompile()
+
+
 def check_loss(gm: fx.GraphModule, model: torch.nn.Module) -> None:
-    """fxpar trains the value forward returns (or the first of a tuple): it must be a scalar
-    floating-point loss, or the backward would start from logits summed as if they were one."""
+    """fxpar trains the value forward returns (or the first of a tuple, or a dict's "loss"): it
+    must be a scalar floating-point loss, or the backward would start from logits summed as if
+    they were one."""
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     result = output.args[0]
     if isinstance(result, (tuple, list)) and result:
@@ -189,7 +202,8 @@ def check_loss(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     what = (f"a {val.dtype} tensor of shape {list(val.shape)}" if isinstance(val, torch.Tensor)
             else type(val).__name__ if val is not None else repr(result))
     raise CaptureError(f"{type(model).__name__}.forward returns {what}, not a scalar loss: "
-                       f"fxpar back-propagates what forward returns; return the loss, or pass "
+                       f"fxpar back-propagates what forward returns; return the loss (first in a "
+                       f"tuple, or as a dict's \"loss\"), or pass "
                        f"loss_fn=(output, targets) -> loss to autoparallelize / plan, with the "
                        f"targets as the last example input")
 

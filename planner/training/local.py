@@ -48,6 +48,14 @@ def tokens_in(config, batch: tuple) -> int:
     return batch[0].shape[0] * config.seq
 
 
+def loss_of(output):
+    """What fxpar trains of forward's result (passes.capture.trace.check_loss): the value, the
+    first of a tuple, or a dict's "loss"."""
+    if isinstance(output, dict):
+        return output["loss"]
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def train_in_one_process(model: torch.nn.Module, batch: tuple, steps: int,
                          on_step=None) -> RunResult:
     """`model` trained in one process on the whole `batch` for `steps` steps with make_optimizer;
@@ -58,7 +66,7 @@ def train_in_one_process(model: torch.nn.Module, batch: tuple, steps: int,
     for _ in range(steps):
         start = time.perf_counter()
         opt.zero_grad()
-        loss = model(*batch)
+        loss = loss_of(model(*batch))
         loss.backward()
         # a parameter the loss does not read (a vision tower's last layer, whose output a
         # vision-language model leaves out) has no gradient

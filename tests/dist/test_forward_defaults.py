@@ -70,3 +70,41 @@ def test_a_parameter_forward_never_reads_stays_in_the_full_state(pool2):
     parallel = run_parallel(_UnreadSpec(), chosen, STEPS, pool2)
     assert "unread" in parallel.state
     assert_same_run(parallel, reference_run(_UnreadSpec(), STEPS), what="dp=2")
+
+
+class _Outputs(torch.nn.Module):
+    """forward returns the loss among other results: first of a tuple, or a dict's "loss"."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.inner, self.kind = Smoothed(), kind
+
+    def forward(self, tokens, targets):
+        x = self.inner.embed(tokens)
+        for block in self.inner.blocks:
+            x = x + torch.tanh(block(x))
+        logits = self.inner.head(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if self.kind == "dict":
+            return {"logits": logits, "loss": loss}
+        return loss, logits
+
+
+class _OutputsSpec:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def build(self):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        return _Outputs(self.kind), tuple(torch.randint(0, 64, (8, 8), generator=gen) for _ in "xy")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_the_loss_among_other_results_trains_as_one_process(pool2, kind):
+    model, batch = _OutputsSpec(kind).build()
+    for fix in ({"pp": 2, "mb": 2, "schedule": "1f1b"}, {"dp": 2}):
+        chosen = plan(model, 2, batch, cluster="cpu-gloo", fix=fix)[0]
+        assert_same_run(run_parallel(_OutputsSpec(kind), chosen, STEPS, pool2),
+                        reference_run(_OutputsSpec(kind), STEPS), what=f"{kind} {fix}")
