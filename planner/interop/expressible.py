@@ -5,7 +5,8 @@ slower than the best it can run (ZeRO-1 on a mesh chosen for it, turned into FSD
 So where fxpar's plan uses what the target cannot state on an axis the search can restrict, the
 search runs again among the layouts the target states:
 
-* torchtitan: data parallel replicated or FSDP (zero 0 or 3), never ZeRO-1 or 2;
+* torchtitan: data parallel replicated or FSDP (zero 0 or 3), never ZeRO-1 or 2; no more
+  pipeline stages than transformer layers (its split points name each stage's first);
 * Megatron-LM: the 1F1B and interleaved schedules only, no hybrid sharding (zero 0, 1, 2, or 3
   over all data-parallel ranks of fxpar's mesh);
 * both: a pipeline schedule only with a pipeline, and the embedding and head split over the
@@ -51,6 +52,11 @@ def restriction(target: str, plan: Plan, fix: dict, pricer) -> Restriction | Non
         axes["ep"] = restricted(target)
         why.append("expert parallelism without tp" + (" or cp" if target == "torchtitan" else "")
                    + ", or none")
+    blocks = pricer.costs.num_blocks
+    if target == "torchtitan" and plan.pp * plan.virtual_stages > blocks:
+        axes["pp"] = [{"pp": p, "v": 1} for p in range(1, blocks + 1) if plan.gpus % p == 0]
+        why.append(f"at most {blocks} pipeline stages, one per transformer layer at least "
+                   f"(a split point names a stage's first)")
     if target == "torchtitan" and plan.dp * plan.cp > 1 and (
             plan.zero in (1, 2) or (plan.zero == 0 and plan.cp > 1)):
         axes["zero"] = [{"zero": 0}, {"zero": 3}]

@@ -228,6 +228,26 @@ def test_cli_round_trip_with_a_layout_and_a_schedule_csv(tmp_path, capsys, monke
     assert "fxpar prices recording only without recomputation" in out
 
 
+def test_torchtitan_gets_no_more_stages_than_layers(tmp_path, capsys):
+    """A 2-layer model whose plan pipelines it over 4 stages: torchtitan's split points name
+    each stage's first layer, so it gets at most 2 stages, and what it is given reads back."""
+    base = ["plan", "--model", "llama-tiny", "--layers", "2", "--gpus", "16",
+            "--cluster", "h100-sxm-dgx", "--fix", "pp=4"]
+    assert main(base + ["--emit", "torchtitan"]) == 0
+    toml_text = capsys.readouterr().out
+    assert "at most 2 pipeline stages" in toml_text
+    parallelism = tomllib.loads(toml_text)["parallelism"]
+    assert parallelism["pipeline_parallel_degree"] <= 2
+    points = parallelism.get("pipeline_parallel_split_points", [])
+    assert all(p in ("layers.1",) for p in points)
+    (tmp_path / "job.toml").write_text(toml_text)
+    assert main(["plan", "--model", "llama-tiny", "--layers", "2", "--gpus", "16",
+                 "--cluster", "h100-sxm-dgx", "--from-torchtitan",
+                 str(tmp_path / "job.toml")]) == 0
+    printed = re.search(r"nearest torchtitan configuration: ([\d.]+) s/iteration", toml_text)
+    assert f"torchtitan configuration: {printed.group(1)} s/iteration" in capsys.readouterr().out
+
+
 def test_schedule_csv_is_what_torch_pipelining_reads():
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     for name, pp, m, v in [("zb-h1", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("1f1b", 3, 5, 1)]:
