@@ -50,13 +50,18 @@ def model_of_args(args, seq: int | None = None, global_batch: int | None = None)
     hands them over, so that nothing here imports it)."""
     if seq is not None or global_batch is not None:
         args = _with(args, seq=seq or args.seq, global_batch=global_batch or args.global_batch)
+    flag = (f"--emit {args.emit}" if getattr(args, "emit", None) else "--from-megatron"
+            if getattr(args, "from_megatron", None) is not None else "--from-torchtitan")
     if args.hf or args.hf_config:
         model, inputs = args.build_hf(args)
-        _one_chain(model, f"--emit {args.emit}" if getattr(args, "emit", None) else
-                   "--from-megatron" if getattr(args, "from_megatron", None) is not None
-                   else "--from-torchtitan")
+        _one_chain(model, flag)
         return model, inputs, facts_of_hf(model, inputs[0].shape[1], inputs[0].shape[0])
     config = args.build_config(args)
+    if not getattr(config, "sequences", True):  # a diffusion transformer's latents
+        raise ValueError(f"{flag}: {args.model} is a diffusion transformer; Megatron-LM's GPT "
+                         f"flags and torchtitan's model code state decoder-only language "
+                         f"models, so neither states it: plan and train it with fxpar's own "
+                         f"runtime (`fxpar plan`, `fxpar train`)")
     return config, None, facts_of_config(config)
 
 

@@ -367,3 +367,11 @@ def test_a_model_of_several_parts_is_not_written_as_a_decoder_only_one(arch, fla
         "so neither states this model" in err, err
     assert err.startswith(f"fxpar: error: {flag[0]}{' megatron' if flag[1] == 'megatron' else ''}"
                           f"{' torchtitan' if flag[1] == 'torchtitan' else ''}:"), err
+
+
+@pytest.mark.parametrize("flag", [["--emit", "megatron"], ["--from-megatron", "--num-layers 2"]])
+def test_a_diffusion_transformer_is_not_written_as_a_language_model(flag, capsys):
+    assert main(["plan", "--model", "dit-tiny", "--gpus", "4", "--cluster", "h100-sxm-dgx",
+                 *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dit-tiny is a diffusion transformer" in err, err
