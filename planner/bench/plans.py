@@ -159,15 +159,17 @@ def bench(plans: list[Plan], config, steps: int = 10, warmup: int = 2, rounds: i
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     runs: list[list[Measured]] = [[] for _ in plans]
-    tokens = config.global_batch * config.seq
+    # what plans count: tokens, or a model's samples where its inputs are not sequences
+    unit = "tokens" if getattr(config, "sequences", True) else "samples"
+    per_step = config.global_batch * (config.seq if unit == "tokens" else 1)
     for r in range(rounds):
         for i, plan in enumerate(plans):
             label = f"plan {i + 1}/{len(plans)}: dp={plan.dp} tp={plan.tp} pp={plan.pp}"
             label += f", round {r + 1}/{rounds}" if rounds > 1 else ""
-            bar = Progress(warmup + steps)
+            bar = Progress(warmup + steps, rate_unit=unit)
 
             def on_step(done, total, seconds, loss, bar=bar, label=label):
-                bar.update(done, tokens_per_s=tokens / seconds, loss=loss,
+                bar.update(done, per_s=per_step / seconds, loss=loss,
                            label=label + (", warm-up" if done <= warmup else ""))
             try:
                 runs[i].append(run_plan(plan, config, steps, warmup, on_step=on_step))
@@ -199,16 +201,19 @@ def attainable(measured: list[float], tolerance: float = 0.20) -> tuple[float, f
 
 
 def report(plans: list[Plan], results: list[Measured]) -> str:
-    rows = []
+    """The plans' predicted and measured step times, rates and peaks side by side: rates in
+    tokens, or in samples for a model whose inputs are not sequences (as its plan states)."""
+    rows, unit = [], "tokens" if plans[0].sequences else "samples"
+    per = 1 if plans[0].sequences else max(plans[0].seq, 1)  # tokens_per_s counts its patches
     for i, (p, m) in enumerate(zip(plans, results)):
         rows.append([i + 1, f"dp={p.dp} tp={p.tp} pp={p.pp} {p.schedule} mb={p.micro_batch}"
                      f"x{p.num_microbatches}", f"{p.predicted.iteration_s * 1e3:.1f}",
                      f"{m.step_s * 1e3:.1f}", f"{p.predicted.iteration_s / m.step_s:.2f}",
-                     f"{p.predicted.tokens_per_s:,.0f}", f"{m.tokens_per_s:,.0f}",
+                     f"{p.predicted.tokens_per_s / per:,.0f}", f"{m.tokens_per_s / per:,.0f}",
                      f"{p.predicted.peak_memory_bytes / 2**20:.1f}",
                      f"{m.peak_memory_bytes / 2**20:.1f}"])
     table = tabulate(rows, headers=["#", "plan", "predicted ms", "measured ms", "pred/meas",
-                                    "pred tokens/s", "meas tokens/s", "pred peak MiB",
+                                    f"pred {unit}/s", f"meas {unit}/s", "pred peak MiB",
                                     "meas peak MiB"], disable_numparse=True)
     fastest = min(range(len(results)), key=lambda i: results[i].step_s)
     verdict = ("the planner's first choice was also the fastest measured" if fastest == 0 else

@@ -40,12 +40,13 @@ def build(spec: ModelConfig | HFSpec):
     return spec.build()
 
 
-def tokens_in(config, batch: tuple) -> int:
-    """The tokens of a batch, what progress rates count: the first input's elements, or for a
-    model whose inputs are not sequences (a DiT's latents) its samples' patches."""
+def counted(config, batch: tuple) -> tuple[int, str]:
+    """What progress rates count in a batch, and their unit: the first input's tokens, or for a
+    model whose inputs are not sequences (a DiT's latents) its samples, as its plan counts
+    them."""
     if getattr(config, "sequences", True):
-        return batch[0].numel()
-    return batch[0].shape[0] * config.seq
+        return batch[0].numel(), "tokens"
+    return batch[0].shape[0], "samples"
 
 
 def loss_of(output):
@@ -84,10 +85,11 @@ def reference_run(config: ModelConfig | HFSpec, steps: int, seed: int = 0,
                   progress: bool = False) -> RunResult:
     torch.manual_seed(seed)
     model, batch = build(config)
-    bar, tokens = Progress(steps, enabled=progress), tokens_in(config, batch)
+    count, unit = counted(config, batch)
+    bar = Progress(steps, enabled=progress, rate_unit=unit)
     return train_in_one_process(
         model, batch, steps,
-        on_step=lambda seconds, loss: bar.update(tokens_per_s=tokens / seconds,
+        on_step=lambda seconds, loss: bar.update(per_s=count / seconds,
                                                  loss=loss, label="one process"))
 
 
@@ -104,12 +106,13 @@ def parallel_worker(config: ModelConfig | HFSpec, plan_json: str, steps: int,
     model, batch = build(config)
     plan = Plan.from_json(plan_json)
     pm = ParallelModel(model, plan, [], batch, make_optimizer)
-    bar = Progress(steps, enabled=progress and dist.get_rank() == 0)
+    count, unit = counted(config, batch)
+    bar = Progress(steps, enabled=progress and dist.get_rank() == 0, rate_unit=unit)
     losses, grads = [], []
     for _ in range(steps):
         start = time.perf_counter()
         losses.append(pm.train_step(*batch))
-        bar.update(tokens_per_s=tokens_in(config, batch) / (time.perf_counter() - start),
+        bar.update(per_s=count / (time.perf_counter() - start),
                    loss=losses[-1], label=f"{plan.gpus} ranks")
         if with_grads:
             grads.append(pm.full_grad_dict())

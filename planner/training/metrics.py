@@ -126,7 +126,7 @@ class Metrics:
             self.log(line)
             self.flush()
         if self._bar is not None:
-            self._bar.update(advance=1, tokens_per_s=rates["tokens_per_s"], loss=loss)
+            self._bar.update(advance=1, per_s=rates["tokens_per_s"], loss=loss)
         return line
 
     def line(self, step, loss, lr, grad_norm, seconds, peak_memory) -> str:

@@ -14,7 +14,7 @@ import torch
 from planner.models.dit import DiTConfig
 from planner.models.presets import ModelConfig
 from planner.search.plan import Plan
-from planner.training.local import build, make_optimizer, print_comparison, tokens_in
+from planner.training.local import build, make_optimizer, print_comparison, counted
 from runtime.launch.ranks import run_local
 from runtime.launch.progress import Progress
 
@@ -101,12 +101,13 @@ def checkpoint_worker(config, plan_json: str, steps: int, root: str | None,
     if resume:
         pm.load(root)
     first, losses, saved = pm.step, [], []
-    bar = Progress(max(steps - first, 0), enabled=progress and dist.get_rank() == 0)
+    bar = Progress(max(steps - first, 0), enabled=progress and dist.get_rank() == 0,
+                   rate_unit=counted(config, batch)[1])
     while pm.step < steps:
         start = time.perf_counter()
         tokens = draw(pm.data_position)
         losses.append(pm.train_step(*tokens))
-        bar.update(tokens_per_s=tokens_in(config, tokens) / (time.perf_counter() - start),
+        bar.update(per_s=counted(config, tokens)[0] / (time.perf_counter() - start),
                    loss=losses[-1], label=f"{plan.gpus} ranks, step {pm.step}")
         if save_every and pm.step % save_every == 0:
             saved.append(pm.save(checkpoint.step_dir(root, pm.step)))

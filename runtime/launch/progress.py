@@ -34,24 +34,26 @@ def format_seconds(seconds: float) -> str:
 
 class Progress:
     """`total` units of work named `unit` (plural with an s). `update` reports the units done so
-    far (or `advance` more) with what is known: tokens per second, the loss, a label. A bar on a
+    far (or `advance` more) with what is known: a rate (`rate_unit` per second: tokens, or
+    samples of a model whose inputs are not sequences), the loss, a label. A bar on a
     terminal (`tty`, by default whether `stream` is one), plain lines otherwise; `enabled=False`
     prints nothing."""
 
     def __init__(self, total: int, unit: str = "step", stream: TextIO | None = None,
                  tty: bool | None = None, enabled: bool = True, width: int = 20,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, rate_unit: str = "tokens"):
         self.total, self.unit, self.width, self.enabled = max(int(total), 0), unit, width, enabled
+        self.rate_unit = rate_unit
         self.stream = stream if stream is not None else sys.stderr
         self.tty = enabled and (self.stream.isatty() if tty is None else tty)
         self.clock, self.start, self.done = clock, clock(), 0
         self._drawn = 0          # width of the bar line on screen (a terminal)
 
-    def update(self, done: int | None = None, *, advance: int = 1, tokens_per_s: float | None
-               = None, loss: float | None = None, label: str = "") -> str:
+    def update(self, done: int | None = None, *, advance: int = 1, per_s: float | None = None,
+               loss: float | None = None, label: str = "") -> str:
         """Record progress and show it; returns the text shown (without the redraw codes)."""
         self.done = min(self.total, self.done + advance if done is None else done)
-        line = self.line(tokens_per_s, loss, label)
+        line = self.line(per_s, loss, label)
         if self.enabled:
             if self.tty:
                 self.stream.write("\r" + line.ljust(self._drawn))
@@ -69,11 +71,11 @@ class Progress:
             return math.nan
         return (self.clock() - self.start) / self.done * (self.total - self.done)
 
-    def line(self, tokens_per_s: float | None = None, loss: float | None = None,
+    def line(self, per_s: float | None = None, loss: float | None = None,
              label: str = "") -> str:
         facts = []
-        if tokens_per_s is not None:
-            facts.append(f"{tokens_per_s:,.0f} tokens/s")
+        if per_s is not None:
+            facts.append(f"{per_s:,.0f} {self.rate_unit}/s")
         if loss is not None:
             facts.append(f"loss {loss:.4f}")
         if self.done < self.total and self.done > 0:

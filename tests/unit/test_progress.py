@@ -16,7 +16,7 @@ def test_plain_lines_when_not_a_terminal():
     out, clock = io.StringIO(), Clock()
     bar = Progress(4, stream=out, tty=False, clock=clock)
     clock.t += 2.0
-    bar.update(tokens_per_s=12345.6, loss=5.4321, label="4 ranks")
+    bar.update(per_s=12345.6, loss=5.4321, label="4 ranks")
     clock.t += 2.0
     bar.update(advance=3, loss=5.0)
     lines = out.getvalue().splitlines()
@@ -29,7 +29,7 @@ def test_bar_redraws_in_place_on_a_terminal():
     out, clock = io.StringIO(), Clock()
     bar = Progress(2, stream=out, tty=True, clock=clock, width=10)
     clock.t += 1.0
-    first = bar.update(tokens_per_s=100.0, loss=2.0)
+    first = bar.update(per_s=100.0, loss=2.0)
     assert first == "[#####.....] 1/2 steps  100 tokens/s  loss 2.0000  1.0 s left"
     clock.t += 1.0
     bar.update(loss=1.5, label="done")
@@ -62,3 +62,15 @@ def test_format_seconds():
     assert format_seconds(245) == "4 min 05 s"
     assert format_seconds(3720) == "1 h 02 min"
     assert format_seconds(float("nan")) == "?"
+
+
+def test_a_model_whose_inputs_are_not_sequences_counts_samples():
+    """A DiT's progress counts images per second, as its plan does; a language model's, tokens."""
+    from planner.models.presets import example_batch, get_config
+    from planner.training.local import counted
+    dit, gpt = get_config("dit-tiny"), get_config("gpt-tiny")
+    assert counted(dit, example_batch(dit, 4)) == (4, "samples")
+    assert counted(gpt, example_batch(gpt, 4)) == (4 * gpt.seq, "tokens")
+    out = io.StringIO()
+    Progress(2, stream=out, tty=False, rate_unit="samples").update(per_s=12.0)
+    assert out.getvalue().startswith("step 1/2: 12 samples/s, ")
