@@ -35,6 +35,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.capture import unsupported
 from passes.capture.fused_slices import slices_to_splits
+from passes.capture.linear_forms import products_to_linears
 from passes.capture.size_copies import copy_size_reads
 from passes.capture.capture_errors import (data_dependent, export_failure, first_line, hint,
                                            node_where, quiet_torch, where)
@@ -100,6 +101,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         gm, method, written = _export(model, example_inputs, trace_error), "export", []
     _refuse(unsupported.state_updates(gm, model, written))
     _refuse(unsupported.functional_batch_norm(gm, model))
+    products_to_linears(gm)  # Falcon's `x @ w.T`: the linear that tensor parallelism splits
     propagate_shapes(gm, example_inputs)
     slices_to_splits(gm)  # Phi-3's slices of a fused projection: one split, cut per part
     loss_first(gm)

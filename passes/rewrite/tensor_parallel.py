@@ -187,6 +187,20 @@ def _shard_layer(gm, layer: str, nodes: list[fx.Node], tp: int, rank: int, group
                     _copy_once(gm, node, whole, copies, layer, group)
             _own_dropout(gm, node)
             sharded.add(node)
+    if not (sharded or found.gathered or found.cut_params or found.depthwise):
+        _refuse_unsplit(gm, layer, nodes, found, tp)
+
+
+def _refuse_unsplit(gm, layer: str, nodes: list[fx.Node], found, tp: int) -> None:
+    """A layer of which nothing was split would run whole on every rank of its tp group while
+    its plan says tensor-parallel: refused, saying why nothing was."""
+    whole = [n.name for n in nodes if n in found.whole]
+    why = (f"its linears ({', '.join(whole)}) have output features that tp={tp} does not "
+           f"divide, so each stays whole" if whole else
+           f"it holds no linear (nn.Linear, F.linear, or x @ w.T of a 2-D parameter) to split: "
+           f"write its products with weights so (not einsum or bmm)")
+    raise ShardingError(f"layer {layer}: not tensor-parallel: {why}; under tp it would run "
+                        f"whole on every rank")
 
 
 _DROPOUTS = {torch.ops.aten.dropout.default, F.dropout}
