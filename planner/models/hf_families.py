@@ -48,8 +48,8 @@ FAMILIES = (
            "sequence; under cp read at each rank's tokens), post-norm, ReLU, biases",
            (("do_layer_norm_before", False),),
            (("sp", r"the sequence \(dim 1\) changed"),)),  # [batch x seq, hidden] MLP input
-    Family("falcon", "parallel attention + MLP, fused QKV, LayerNorm",
-           (("multi_query", False),), (("sp", "whose dim 0 is not the sequence"),)),
+    Family("falcon", "parallel attention + MLP, fused QKV of interleaved heads, LayerNorm, "
+           "projections written x @ w.T", (("multi_query", False),)),
     Family("phi", "parallel attention + MLP, partial rotary, biases, GELU"),
     Family("gpt_neox", "parallel residual, partial rotary, fused QKV"),
     Family("mistral", "sliding-window attention on every layer", (("sliding_window", 8),)),
