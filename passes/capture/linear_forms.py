@@ -32,10 +32,10 @@ def products_to_linears(gm: fx.GraphModule) -> None:
         exported, transposed = node.target is aten.matmul.default, node.args[1]
         bias = _added_bias(gm, node, weight)
         args = (node.args[0], weight) + ((bias.args[1],) if bias is not None else ())
-        with gm.graph.inserting_before(node):
+        replaced = bias if bias is not None else node   # after all it reads (a bias read late)
+        with gm.graph.inserting_before(replaced):
             linear = gm.graph.call_function(aten.linear.default if exported else F.linear, args)
-        linear.meta = dict(node.meta)
-        replaced = bias if bias is not None else node
+        linear.meta = dict(replaced.meta)
         replaced.replace_all_uses_with(linear)
         for dead in ((bias, node) if bias is not None else (node,)):
             gm.graph.erase_node(dead)
