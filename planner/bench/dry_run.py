@@ -122,9 +122,8 @@ def dry_run(spec, plan, options: dict | None = None, ranks=None, steps: int = 2,
         short = fewer_microbatches(plan)
         spec = _with_batch(spec, short.global_batch)
         jobs = [(spec, short, r, options, steps) for r in ranks]
-    workers = min(len(jobs), workers or os.cpu_count() or 1)
-    if workers > 1 and "fork" in multiprocessing.get_all_start_methods() \
-            and sys.platform == "linux":
+    workers = min(len(jobs), workers or _cores())
+    if workers > 1 and sys.platform == "linux":
         return _in_processes(jobs, workers)
     return [dry_run_rank(*job) for job in jobs]
 
@@ -147,6 +146,12 @@ def _in_processes(jobs: list, workers: int) -> list:
 
 
 _JOBS: list = []   # the jobs a forked worker inherits (_in_processes)
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on (a container's share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
 
 
 def _job(index: int):
