@@ -304,11 +304,22 @@ def _profile(sub: fx.GraphModule, layer: Layer, tp: int, replicated: set[str] | 
         balance_bytes=sum(moe.balance_bytes(n) for n in moe_nodes(sub)),
         largest_bytes=max([_bytes(n.meta.get("val")) for n in sub.graph.nodes
                            if n.op.startswith("call")]
-                          + [moe.routed_bytes(n) for n in moe_nodes(sub)], default=0.0),
+                          + [moe.routed_bytes(n) for n in moe_nodes(sub)]
+                          + [_vocab_loss_bytes(n) for n in sub.graph.nodes], default=0.0),
         loss_bytes=max((_bytes(n.args[0].meta.get("val")) for n, c in costs.items()
-                        if c.op_class == "loss" and n.args and isinstance(n.args[0], fx.Node)),
-                       default=0.0),
+                        if c.op_class == "loss" and n.args and isinstance(n.args[0], fx.Node)
+                        and n.target is not vocab_parallel_cross_entropy), default=0.0),
         join_bytes=sum(_bytes(n.meta.get("val")) for n in joins(sub, modules)))
+
+
+def _vocab_loss_bytes(node: fx.Node) -> float:
+    """The fp32 copy of its logits slice that a vocabulary-parallel loss makes (and the exp of
+    it beside), whatever the logits' dtype; it is not a fused kernel (loss_bytes leaves it out),
+    so the two are its moment's temporaries (`_temporary`)."""
+    if node.target is not vocab_parallel_cross_entropy:
+        return 0.0
+    logits = node.args[0].meta.get("val")
+    return logits.numel() * max(4, logits.element_size())
 
 
 def _moe_movement(node: fx.Node) -> OpRecord:

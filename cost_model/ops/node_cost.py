@@ -88,7 +88,8 @@ _MODULE_RULES: dict[type, tuple[str, Rule]] = {
 # bottom of the cost model to them) -> (rule name, rule). The vocabulary-parallel loss is a
 # cross-entropy over this rank's logits slice; its all-reduces are priced by layer_cost.
 _PASS_FUNCTIONS: dict[str, tuple[str, Rule]] = {
-    "passes.rewrite.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy", r.cross_entropy),
+    "passes.rewrite.vocab_parallel.vocab_parallel_cross_entropy": ("cross_entropy",
+                                                                    r.vocab_parallel_cross_entropy),
     "runtime.training.rng.tp_dropout": ("dropout", r.dropout),  # a dropout of a tensor-parallel shard
     "runtime.training.rng.tp_scaled_dot_product_attention": ("scaled_dot_product_attention", r.attention),
     "runtime.training.loss_tokens.per_token": ("div", t.pointwise),   # passes.rewrite.token_mean

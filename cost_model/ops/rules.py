@@ -239,6 +239,18 @@ def cross_entropy(call: Call) -> OpCost:
     return finish("loss", flops, BWD_FACTOR * flops, fwd_bytes, bwd_bytes, saved)
 
 
+def vocab_parallel_cross_entropy(call: Call) -> OpCost:
+    """A cross-entropy over this rank's logits slice (passes.rewrite.vocab_parallel): as
+    cross_entropy, but what it keeps is the probabilities in fp32 at least, as the runtime's
+    unfused loss saves them whatever the logits' dtype."""
+    cost = cross_entropy(call)
+    logits = tensor_of(call.arg(0, ("input", "self")))
+    wider = max(4, logits.element_size()) / logits.element_size()
+    saved = tuple((name, nbytes * wider if i == 0 else nbytes)
+                  for i, (name, nbytes) in enumerate(cost.saved))
+    return replace(cost, saved=saved)
+
+
 def nll_loss(call: Call) -> OpCost:
     """Gathers one log-probability per target; backward writes a dense grad."""
     logp, target = call.arg(0, ("input", "self")), call.arg(1, "target")

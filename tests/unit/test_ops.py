@@ -363,6 +363,20 @@ def test_embedding_and_cross_entropy():
     assert dict(loss.saved) == {"cross_entropy:log_softmax": b * s * vocab * 2, "labels": b * s * 8}
 
 
+def test_a_vocabulary_parallel_loss_keeps_fp32_probabilities():
+    """The runtime's vocabulary-parallel loss (passes.rewrite.vocab_parallel) keeps its
+    probabilities in fp32 whatever the logits' dtype: twice a bf16 log-softmax."""
+    from passes.rewrite.vocab_parallel import vocab_parallel_cross_entropy
+    b, s, vocab = 2, 8, 50
+    ids = meta(b, s, dtype=torch.long)
+    gm = fake_trace(on_meta(TinyLM), ids, ids)
+    (loss,) = [n for n in gm.graph.nodes if n.name == "cross_entropy"]
+    loss.target, loss.args, loss.kwargs = vocab_parallel_cross_entropy, (*loss.args[:2], 0,
+                                                                         vocab), {}
+    saved = dict(costs(gm)["cross_entropy"].saved)
+    assert saved == {"cross_entropy:log_softmax": b * s * vocab * 4, "labels": b * s * 8}
+
+
 def test_embedding_and_cross_entropy_in_aten_graphs():
     """Training IR keeps aten.cross_entropy_loss; core aten lowers it to
     _log_softmax + gather, priced as an elementwise softmax that keeps its output."""
