@@ -126,11 +126,15 @@ def _joins(node: Node, consumers: dict, on_input_path: set[Node]) -> set[Node] |
     return joins
 
 
-def _leaf_node(p: torch.Tensor, cache: dict) -> Node:
-    """A parameter's AccumulateGrad node, kept in `cache`: while it is held, autograd reuses it
-    for every graph (as DistributedDataParallel keeps its parameters'), so it is made once."""
+def _leaf_node(p: torch.Tensor, cache: dict, graph: dict) -> Node:
+    """A parameter's AccumulateGrad node in `graph`, kept in `cache`: while it is held, autograd
+    reuses it for every graph (as DistributedDataParallel keeps its parameters'), so it is
+    made once. Not always: setting a parameter's .data to another dtype (the fp32 main weights'
+    step, runtime.training.main_weights) makes autograd drop the parameter's node for a new one,
+    so a cached node the graph does not hold is looked up again (else every weight would look
+    unused and get no gradient from then on)."""
     node = cache.get(id(p))
-    if node is None or node.variable is not p:
+    if node is None or node.variable is not p or node not in graph:
         node = cache[id(p)] = _node(p)
     return node
 
@@ -141,7 +145,7 @@ def _groups(roots, inputs, params, cache: dict) -> tuple[list[Group], list[torch
     by_join: dict[Node, Group] = {}
     rest = []
     for p in params:
-        node = _leaf_node(p, cache)
+        node = _leaf_node(p, cache, consumers)
         if node not in consumers:
             continue  # unused this micro-batch: no gradient
         joins = _joins(node, consumers, on_input_path)

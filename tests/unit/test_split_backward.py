@@ -65,6 +65,32 @@ def test_input_then_weight_gradients_equal_one_backward(make):
         torch.testing.assert_close(got[name], 2 * want[name], msg=name)
 
 
+def test_weights_whose_data_changed_dtype_still_get_their_gradients():
+    """The fp32 main weights' step (runtime.training.main_weights) sets each weight's .data to
+    fp32 and back, and autograd gives the weight a new AccumulateGrad node: the next step's W
+    must still reach every weight, not the node cached from the step before."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = model.to(torch.bfloat16)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    grads = [torch.randn_like(t) for t in _outputs(model, x)]
+    _, want = _full_grads(model, x, grads)
+    cache = {}
+    for _ in range(2):
+        x_in = x.detach().requires_grad_()
+        _, deferred = input_backward(_outputs(model, x_in), grads, [x_in],
+                                     list(model.parameters()), cache)
+        weight_backward(deferred)
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=name)
+        for p in model.parameters():   # the main weights' step, values unchanged
+            p.grad, low = None, p.data
+            p.data = low.float()
+            p.data = low
+
+
 def test_weight_step_runs_only_the_weights_halves():
     """W from the joins: the input path's nodes (here a tanh between two linears) do not run
     again, where a backward from the outputs to the weights would run them."""
