@@ -24,7 +24,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from planner.models import hf_small
+from planner.models import hf_idefics, hf_small
 from planner.models.hf_wrapper import HFWrapper, transformers_module as _transformers
 
 # The vision tower at sizes that train on CPU ranks: 16x16 images of 4x4 patches (16 per image)
@@ -38,7 +38,8 @@ def architectures() -> list[str]:
     tf = _transformers()
     mapping = tf.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
     return sorted(t for t, cls in tf.CONFIG_MAPPING.items() if cls in mapping
-                  and hasattr(_base_model_class(tf, cls), "get_placeholder_mask"))
+                  and (hasattr(_base_model_class(tf, cls), "get_placeholder_mask")
+                       or t in hf_idefics.MODEL_TYPES))
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,10 +67,13 @@ def _base_model_class(tf, config_cls):
         else type(None)
 
 
+@contextlib.contextmanager
 def fixed_image_merge(model: torch.nn.Module):
     """While active, every `get_placeholder_mask` of `model`'s modules checks per sample (in
-    the graph) instead of over the batch (in Python, on the tokens' values)."""
-    return _masks_by(model, _placeholder_mask)
+    the graph) instead of over the batch (in Python, on the tokens' values), and Idefics 3 /
+    SmolVLM encode whole images and merge through it (planner.models.hf_idefics)."""
+    with hf_idefics.fixed_images(model, _placeholder_mask), _masks_by(model, _placeholder_mask):
+        yield
 
 
 @contextlib.contextmanager
@@ -116,7 +120,8 @@ class HFVisionLM(HFWrapper):
     to leave them out)."""
 
     def __init__(self, model: torch.nn.Module):
-        _check_fixed_images(model)
+        with hf_idefics.fixed_images(model, _placeholder_mask):
+            _check_fixed_images(model)
         super().__init__(model)
 
     def forward(self, tokens, pixel_values, targets):
@@ -137,7 +142,9 @@ class HFVisionLM(HFWrapper):
         device = next(self.model.parameters()).device  # meta for a model without weights
         shape = self.image_shape(1)
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True), _counting(self.model, counted):
+            with FakeTensorMode(allow_non_fake_inputs=True), \
+                    hf_idefics.fixed_images(self.model, _placeholder_mask), \
+                    _counting(self.model, counted):
                 tokens = torch.full((1, 2), config.image_token_id, dtype=torch.long,
                                     device=device)
                 self.model(input_ids=tokens, use_cache=False,
@@ -192,7 +199,8 @@ def _check_fixed_images(model: torch.nn.Module) -> None:
     """Refuses, before any tracing, the families fxpar cannot feed or place: image encoders
     that need inputs beside pixel_values - values that decide how many tokens an image makes
     (image_sizes: LLaVA-NeXT's tiles; image_grid_thw: GLM-4V's images of any size, Qwen2-VL's
-    train at one size in planner.models.hf_qwen_vl; pixel_attention_mask: Idefics 3), or data
+    train at one size in planner.models.hf_qwen_vl; pixel_attention_mask: Idefics 2, Idefics 3
+    and SmolVLM's whole at one size in planner.models.hf_idefics), or data
     fxpar's batch does not hold (InstructBLIP's Q-Former instruction tokens) - and images that
     do not reach the decoder as features merged at image tokens (_check_merged)."""
     encode = getattr(model.base_model, "get_image_features", None)
@@ -250,7 +258,8 @@ _OTHER_INPUTS = {"qformer_input_ids": "the Q-Former's instruction tokens",
                  "high_res_pixel_values": "each image again at the high-resolution encoder's "
                                           "size"}
 # the families tests train exactly against one process (tests/dist/test_hf_vlm.py)
-FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava", "blip-2")
+FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "vipllava", "blip-2",
+            "idefics3", "smolvlm")
 
 
 def _counting(model, counted: list[int]):

@@ -29,8 +29,10 @@ ATOL = {"gemma3": 1e-4}
 
 @pytest.mark.dist
 @pytest.mark.parametrize("arch,fix", [("llava", TP_FULL), ("paligemma", TP), ("gemma3", TP),
-                                      ("llava", DP)],
-                         ids=["llava-tp-full", "paligemma-tp", "gemma3-tp", "llava-dp"])
+                                      ("llava", DP), ("idefics3", {**TP, "strategy": "tp+sp"}),
+                                      ("smolvlm", DP)],
+                         ids=["llava-tp-full", "paligemma-tp", "gemma3-tp", "llava-dp",
+                              "idefics3-tp-sp", "smolvlm-dp"])
 def test_trains_like_one_process(pool4, arch, fix):
     spec = HFSpec(arch, global_batch=4)
     torch.manual_seed(0)

@@ -69,7 +69,7 @@ def test_a_block_kind_tp_cannot_split_runs_whole_beside_tensor_parallel_ones():
 
 
 @pytest.mark.parametrize("arch,cause", [("llava_next", "image_sizes"),
-                                        ("smolvlm", "pixel_attention_mask")])
+                                        ("idefics2", "pixel_attention_mask")])
 def test_families_whose_images_make_value_shaped_tokens_are_refused(arch, cause):
     with pytest.raises(ValueError, match=f"encodes its images with {cause}.*fixed number"):
         with torch.device("meta"):
