@@ -38,3 +38,24 @@ def test_keeps_the_input_and_one_rstd_per_row_in_16_bits():
         norm(x)
     assert sorted(kept, key=str) == sorted([((4, 64), torch.bfloat16), ((4, 1), torch.float32),
                                             ((64,), torch.bfloat16)], key=str)
+
+
+def test_its_backward_on_fake_tensors_allocates_what_the_fused_kernel_does():
+    """CUDA's fused backward makes dx and dw and no fp32 copy of the input; the composed CPU
+    backward holds several for a moment (a dry run of a GPU plan would count them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runtime.observe.memory_tracker import MemoryTracker
+    extra = {}
+    for name, norm in (("composed", F.rms_norm), ("fused", rms_norm)):
+        fake = FakeTensorMode()
+        with fake, MemoryTracker(fake_mode=fake) as tracker:
+            x = torch.randn(64, 8, 256, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.randn(256, dtype=torch.bfloat16, requires_grad=True)
+            g = torch.randn_like(x)
+            y = norm(x, (256,), w, 1e-5)
+            before = tracker.current_bytes
+            tracker.reset_peak()
+            torch.autograd.grad(y, (x, w), g)
+        extra[name] = (tracker.peak_bytes - before) / (x.numel() * 2)   # in x's bf16 sizes
+    assert extra["composed"] > 4 and extra["fused"] < 1.1, extra   # dx and dw
