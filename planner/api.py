@@ -25,6 +25,7 @@ from planner.models.moe_config import captured_config, preset_runs
 from planner.weights.materialize import capture_inputs, give_values, value_source
 from planner.models.presets import (ModelConfig, build_model, example_batch, get_config,
                                      is_preset)
+from planner.models.random_draws import random_notes
 from planner.models.structure import carried_notes, structure_notes
 from planner.search.plan import GiB, Plan, gib
 from planner.search.costs import ModelCosts, PlanningError
@@ -227,7 +228,8 @@ def _model_costs(model, example_inputs, global_batch, seq, zero1: bool = False,
     if example_inputs[0].shape[0] > 1:  # what one sample cannot show (ModelCosts.capture_wide)
         costs.capture_wide = lambda: _capture(model, capture_inputs(
             model, tuple(x[:2] for x in example_inputs)))
-    costs.structure_notes = structure_notes(model, captured.parts) + carried_notes(captured)
+    costs.structure_notes = (structure_notes(model, captured.parts) + carried_notes(captured)
+                             + random_notes(captured))
     own_notes = getattr(model, "fxpar_plan_notes", None)  # what the model's inputs mean
     if callable(own_notes):
         costs.structure_notes += tuple(own_notes(example_inputs))

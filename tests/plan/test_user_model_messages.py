@@ -536,3 +536,39 @@ def test_heads_that_do_not_divide_over_tp_are_named_at_their_view():
         attention="math")
     with pytest.raises(PlanningError, match="unflatten_1 .* into 2 pieces of 8"):
         plan(grouped, 4, fix={"tp": 4, "strategy": "tp"})
+
+
+class _Sampled(Tokens):
+    """Tokens with a dropout after the embedding and a router-like sample in each block."""
+
+    def __init__(self, p: float, sample: bool):
+        super().__init__()
+        self.drop, self.sample = nn.Dropout(p), sample
+        if sample:
+            for block in self.blocks:
+                block.forward = self._noisy(block.forward)
+
+    @staticmethod
+    def _noisy(forward):
+        return lambda x: forward(x + 1e-3 * torch.empty_like(x).exponential_())
+
+    def forward(self, tokens, targets, label_smoothing=0.0):
+        x = self.drop(self.emb(tokens))
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("p,sample,said", [
+    (0.1, False, "(dropout in embed)"),
+    (0.0, True, "(exponential in blocks.0, blocks.1)"),
+    (0.0, False, None)])
+def test_random_draws_in_the_forward_are_said_in_the_plan(p, sample, said):
+    """Each rank draws its own numbers: the plan says where the model draws, and that runs
+    match one process in distribution; a dropout of p = 0 draws nothing."""
+    chosen = plan(_Sampled(p, sample), 2, _tokens(), cluster="cpu-gloo", fix={"dp": 2})[0]
+    notes = [n for n in chosen.notes if n.startswith("the model draws random numbers")]
+    if said is None:
+        assert not notes, notes
+    else:
+        assert len(notes) == 1 and said in notes[0] and "in distribution" in notes[0], notes
