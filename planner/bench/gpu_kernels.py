@@ -8,9 +8,10 @@ fp32 tensor and their product (three fp32 copies of the input); CUDA's fused ker
 (aten._fused_rms_norm, PyTorch 2.8 and later) keeps the input and one fp32 rstd per row. Under
 `fused_norms()` F.rms_norm is a function that keeps what the fused kernel keeps, with the
 gradients of RMSNorm (computed in fp32); on fake tensors its backward allocates what the fused
-backward does, dx and dw, where the composed one holds six fp32 copies of the input for a moment
-(a GPU plan's dry run would count them: 0.65 GiB on Llama 2 7B's shape at tp=2). Norms written out op by op (Hugging Face's
-LlamaRMSNorm, with its own .float()) keep their fp32 tensors on either device and are untouched.
+backward does, dx and dw, where the composed one holds six fp32 copies of the input for a
+moment (a GPU plan's dry run would count them: 0.65 GiB on Llama 2 7B's shape at tp=2). Norms
+written out op by op (Hugging Face's LlamaRMSNorm, with its own .float()) keep their fp32
+tensors on either device and are untouched.
 """
 from __future__ import annotations
 

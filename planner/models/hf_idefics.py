@@ -20,10 +20,6 @@ import torch
 MODEL_TYPES = ("idefics3", "smolvlm")
 
 
-def handles(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "model_type", None) in MODEL_TYPES
-
-
 def _image_features(self, pixel_values, padding=None, **kwargs):
     """Every image encoded whole: [batch (x images), C, H, W] -> the connector's tokens of all
     the images, one after another. `padding`: the family's pixel_attention_mask, none here."""
