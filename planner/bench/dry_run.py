@@ -64,7 +64,7 @@ def dry_run_rank(spec, plan, rank: int, options: dict | None = None, steps: int 
         meta, batch_fn = _model_and_batch(spec)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         tracker = MemoryTracker(fake_mode=fake)
-        with fake, AnyScalar(), fake_run(_backend(plan)), _device_kernels(plan):
+        with fake, AnyScalar(), fake_run(_backend(plan)), _device_kernels(plan, fake):
             batch = batch_fn()
             with tracker:
                 pm = ParallelModel(meta, plan, [], batch,
@@ -84,14 +84,16 @@ def _backend(plan) -> str:
     return "nccl" if get_cluster(plan.cluster).device == "cuda" else "gloo"
 
 
-def _device_kernels(plan):
+def _device_kernels(plan, fake_mode):
     """For a plan on GPUs, what CUDA's fused kernels keep where the CPU's composed ones keep
-    more (planner.bench.gpu_kernels); nothing changes for CPU ranks."""
+    more on `fake_mode`'s tensors (planner.bench.gpu_kernels); nothing changes for CPU
+    ranks."""
     import contextlib
 
     from cost_model.hardware.cluster import get_cluster
     from planner.bench.gpu_kernels import fused_norms
-    return fused_norms() if get_cluster(plan.cluster).device == "cuda" else contextlib.nullcontext()
+    return fused_norms(fake_mode) if get_cluster(plan.cluster).device == "cuda" else \
+        contextlib.nullcontext()
 
 
 def _own_object(out: list, obj, group=None) -> None:
