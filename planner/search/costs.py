@@ -331,6 +331,14 @@ class ModelCosts:
         weights, opt = self.static_per_param(dp)
         return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
 
+    def _whole_rate(self, dp) -> float:
+        """Static bytes per parameter held whole under ZeRO (`end_layer`): the weight and its
+        optimizer states whole; its gradient, made in the backward and dropped after the step,
+        is absent at the activation peak, so it counts at the level's rate like the others'."""
+        t = self.training
+        grads = dp.fractions()[1] if isinstance(dp, Sharding) else 1.0
+        return t.weight_bytes + t.grad_bytes * grads + t.optimizer_bytes()
+
     def _per_param_uncached(self, dp) -> float:
         """Static bytes per parameter on one rank (`static_per_param`, summed)."""
         return sum(self.static_per_param(dp))
@@ -357,11 +365,17 @@ class ModelCosts:
                                self.block_static(cost, dp), cost.act_bytes,
                                cost.params * self.training.grad_bytes)
 
-    def end_layer(self, cost: LayerCost | None, dp: int = 1) -> ilp.EndLayer:
+    def end_layer(self, cost: LayerCost | None, dp: int = 1, whole: float = 0.0
+                  ) -> ilp.EndLayer:
+        """The end layer's terms; `whole` of its parameters held whole whatever the ZeRO level
+        (a tied embedding and head: sharded data parallel keeps a weight several layers read
+        whole, runtime.data_parallel.sharded_dp)."""
         if cost is None:
             return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
-        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, cost.params * self._per_param(dp),
-                            cost.act_bytes, cost.params * self.training.grad_bytes)
+        whole = min(whole, cost.params)
+        static = (cost.params - whole) * self._per_param(dp) + whole * self._whole_rate(dp)
+        return ilp.EndLayer(cost.fwd_s + cost.bwd_s, static, cost.act_bytes,
+                            cost.params * self.training.grad_bytes)
 
     @cached_property
     def tied_end_params(self) -> int:

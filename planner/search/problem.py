@@ -135,8 +135,9 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
     ilp.BlockRun) and end-layer costs (embed, head); `layer_costs`, the options' LayerCosts,
     give each rank's largest temporary (`memory_terms`)."""
-    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c)), cost, req, c,
-                                 costs)
+    tied = _tied_local(costs, req, c)
+    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c), tied), cost,
+                                 req, c, costs)
                    for cost in ends)
     head = _untied(costs, req, c, head)
     p2p, parts, units = comm_terms(costs, req, c)
@@ -183,14 +184,22 @@ def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tupl
     return temp, tuple(f >= c.microbatches * c.v for f in inflight)
 
 
+def _tied_local(costs: ModelCosts, req: Request, c: Candidate) -> float:
+    """The parameters the embedding and the head share, as one rank holds them (a part of the
+    vocabulary under a vocabulary-parallel tp), whole under every ZeRO level."""
+    if not costs.tied_end_params:
+        return 0.0
+    shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
+    return costs.tied_end_params / shard
+
+
 def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
     """The head's terms without the weights it shares with the embedding when one stage holds
     both: one tensor, held once (on different stages each holds a copy, runtime.training.tied)."""
     if c.pp * c.v > 1 or not costs.tied_end_params or head.static_bytes == 0:
         return head
-    shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
-    tied = costs.tied_end_params / shard
-    static = tied * sum(costs.static_per_param(zero_axis.sharding_of(c)))
+    tied = _tied_local(costs, req, c)
+    static = tied * sum(costs.static_per_param(1))   # held whole (ModelCosts.end_layer)
     grads = head.grad_bytes - tied * costs.training.grad_bytes
     return replace(head, static_bytes=head.static_bytes - static, grad_bytes=grads,
                    lazy_grad_bytes=min(head.lazy_grad_bytes, grads))
