@@ -59,3 +59,25 @@ def test_its_backward_on_fake_tensors_allocates_what_the_fused_kernel_does():
             torch.autograd.grad(y, (x, w), g)
         extra[name] = (tracker.peak_bytes - before) / (x.numel() * 2)   # in x's bf16 sizes
     assert extra["composed"] > 4 and extra["fused"] < 1.1, extra   # dx and dw
+
+
+def test_attention_with_dropout_on_the_dry_runs_fake_tensors_keeps_what_fused_kernels_keep():
+    """CUDA's flash and memory-efficient kernels draw the dropout inside: they keep q, k, v, the
+    output and a logsumexp per row. The CPU's math path keeps the [b, h, s, s] weights, their
+    softmax and the mask; only the dry run's own fake tensors take the fused form."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runtime.observe.memory_tracker import MemoryTracker
+    held = {}
+    for name, fused in (("math", False), ("fused", True)):
+        fake = FakeTensorMode()
+        kernels = fused_norms(fake) if fused else fused_norms(FakeTensorMode())
+        with fake, kernels, MemoryTracker(fake_mode=fake) as tracker:
+            q, k, v = (torch.randn(2, 4, 256, 32, dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            before = tracker.current_bytes
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+            held[name] = (tracker.current_bytes - before) / q.nbytes   # kept for backward
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            assert [g.shape for g in grads] == [q.shape] * 3
+    assert held["math"] > 8 and held["fused"] < 1.5, held   # the output and a logsumexp
