@@ -331,7 +331,7 @@ class ModelCosts:
         weights, opt = self.static_per_param(dp)
         return static_bytes * weights / (weights + opt), static_bytes * opt / (weights + opt)
 
-    def _whole_rate(self, dp) -> float:
+    def whole_rate(self, dp) -> float:
         """Static bytes per parameter held whole under ZeRO (`end_layer`): the weight and its
         optimizer states whole; its gradient, made in the backward and dropped after the step,
         is absent at the activation peak, so it counts at the level's rate like the others'."""
@@ -373,7 +373,7 @@ class ModelCosts:
         if cost is None:
             return ilp.EndLayer(0.0, 0.0, 0.0, 0.0)
         whole = min(whole, cost.params)
-        static = (cost.params - whole) * self._per_param(dp) + whole * self._whole_rate(dp)
+        static = (cost.params - whole) * self._per_param(dp) + whole * self.whole_rate(dp)
         return ilp.EndLayer(cost.fwd_s + cost.bwd_s, static, cost.act_bytes,
                             cost.params * self.training.grad_bytes)
 

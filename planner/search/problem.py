@@ -135,8 +135,8 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
     ilp.BlockRun) and end-layer costs (embed, head); `layer_costs`, the options' LayerCosts,
     give each rank's largest temporary (`memory_terms`)."""
-    tied = _tied_local(costs, req, c)
-    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c), tied), cost,
+    whole = _tied_local(costs, req, c) if _keeps_tied_whole(req) else 0.0
+    embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c), whole), cost,
                                  req, c, costs)
                    for cost in ends)
     head = _untied(costs, req, c, head)
@@ -186,11 +186,17 @@ def memory_terms(c: Candidate, inflight, layer_costs, ends) -> tuple[tuple, tupl
 
 def _tied_local(costs: ModelCosts, req: Request, c: Candidate) -> float:
     """The parameters the embedding and the head share, as one rank holds them (a part of the
-    vocabulary under a vocabulary-parallel tp), whole under every ZeRO level."""
+    vocabulary under a vocabulary-parallel tp)."""
     if not costs.tied_end_params:
         return 0.0
     shard = c.tp if costs.vocab_parallel(c.tp, c.micro_batch, req.cluster, c.cp) else 1
     return costs.tied_end_params / shard
+
+
+def _keeps_tied_whole(req: Request) -> bool:
+    """fxpar's runtime keeps tied weights whole under every ZeRO level (runtime.data_parallel.
+    sharded_dp); FSDP and Megatron's distributed optimizer shard them with the rest."""
+    return req.cluster.runtime in ("", "fxpar")
 
 
 def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
@@ -198,8 +204,9 @@ def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
     both: one tensor, held once (on different stages each holds a copy, runtime.training.tied)."""
     if c.pp * c.v > 1 or not costs.tied_end_params or head.static_bytes == 0:
         return head
-    tied = _tied_local(costs, req, c)
-    static = tied * sum(costs.static_per_param(1))   # held whole (ModelCosts.end_layer)
+    tied, sharding = _tied_local(costs, req, c), zero_axis.sharding_of(c)
+    static = tied * (costs.whole_rate(sharding) if _keeps_tied_whole(req)  # as end_layer
+                     else sum(costs.static_per_param(sharding)))
     grads = head.grad_bytes - tied * costs.training.grad_bytes
     return replace(head, static_bytes=head.static_bytes - static, grad_bytes=grads,
                    lazy_grad_bytes=min(head.lazy_grad_bytes, grads))
