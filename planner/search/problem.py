@@ -135,11 +135,12 @@ def stage_problem(costs: ModelCosts, req: Request, c: Candidate, options: tuple,
     """The stage ILP of a candidate for given block options (or runs of blocks of several kinds,
     ilp.BlockRun) and end-layer costs (embed, head); `layer_costs`, the options' LayerCosts,
     give each rank's largest temporary (`memory_terms`)."""
-    whole = _tied_local(costs, req, c) if _keeps_tied_whole(req) else 0.0
+    tied = _tied_local(costs, req, c)
+    whole = tied if _keeps_tied_whole(req) else 0.0
     embed, head = (runtime_terms(costs.end_layer(cost, zero_axis.sharding_of(c), whole), cost,
                                  req, c, costs)
                    for cost in ends)
-    head = _untied(costs, req, c, head)
+    head = _untied(costs, req, c, head, tied)
     p2p, parts, units = comm_terms(costs, req, c)
     weights = ilp.schedule_weights(c.schedule, c.pp, c.microbatches, c.v)
     inflight = peak_inflight(c.schedule, c.pp, c.microbatches, c.v)
@@ -199,12 +200,13 @@ def _keeps_tied_whole(req: Request) -> bool:
     return req.cluster.runtime in ("", "fxpar")
 
 
-def _untied(costs: ModelCosts, req: Request, c: Candidate, head):
-    """The head's terms without the weights it shares with the embedding when one stage holds
-    both: one tensor, held once (on different stages each holds a copy, runtime.training.tied)."""
-    if c.pp * c.v > 1 or not costs.tied_end_params or head.static_bytes == 0:
+def _untied(costs: ModelCosts, req: Request, c: Candidate, head, tied: float):
+    """The head's terms without the `tied` weights it shares with the embedding when one stage
+    holds both: one tensor, held once (on different stages each holds a copy,
+    runtime.training.tied)."""
+    if c.pp * c.v > 1 or not tied or head.static_bytes == 0:
         return head
-    tied, sharding = _tied_local(costs, req, c), zero_axis.sharding_of(c)
+    sharding = zero_axis.sharding_of(c)
     static = tied * (costs.whole_rate(sharding) if _keeps_tied_whole(req)  # as end_layer
                      else sum(costs.static_per_param(sharding)))
     grads = head.grad_bytes - tied * costs.training.grad_bytes
